@@ -1,0 +1,346 @@
+"""The one GPT-2 of rose.
+
+Read top to bottom: three small functions that hold the KV-cache invariants
+(`concat_kv`, `causal_mask`, `position_ids`), then attention, the MLP, a
+transformer block, and the model. Parameter names follow OpenAI's / Hugging
+Face's GPT-2 so their weights load with a transpose and nothing else.
+
+The model is stateless: a cache of past keys/values is passed in and the
+updated one is handed back. Two kinds of cache are understood:
+
+* a list with one `(k, v)` pair per layer, each (B, n_head, past_len, head_dim),
+  grown by concatenation (the teaching version); and
+* a preallocated cache object (`roseinfer.kv_cache.StaticKVCache`) written in
+  place at an explicit `input_pos`; it supplies its own mask rows and positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError
+
+# ---------------------------------------------------------------------------
+# The three KV-cache invariants, each a named function so a chapter can point at
+# it, and a test can swap in the buggy version and watch the output diverge.
+# ---------------------------------------------------------------------------
+
+
+def concat_kv(
+    layer_past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values a new token attends to: the cached past, then its own, along time (dim 2)."""
+    if layer_past is None:
+        return k, v
+    past_k, past_v = layer_past
+    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """(q_len, kv_len) bool mask, True where a query may look: bottom-right aligned.
+
+    The q_len queries are the *last* q_len of the kv_len positions (the ones before
+    them are the cached past), so query i sits at position kv_len - q_len + i and sees
+    keys 0 .. kv_len - q_len + i. With q_len == kv_len this is the usual lower
+    triangle; a single decode query (q_len == 1) sees every key. PyTorch's
+    `is_causal=True` aligns the triangle top-left instead, which is only right when
+    q_len == kv_len.
+    """
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    key_pos = torch.arange(kv_len, device=device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def position_ids(past_len: int, q_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """Positions of the q_len new tokens: they continue after the past_len cached ones."""
+    return torch.arange(past_len, past_len + q_len, device=device)
+
+
+def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row positions for left-padded rows: count only real tokens (padding clamped to 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padding_mask(mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Combine a (q_len, kv_len) causal mask with a (B, kv_len) padding mask -> (B, 1, q, kv).
+
+    A padding query sees no real key at all; an all-False row would make softmax
+    return NaN, so such rows are opened up. Their outputs are never read.
+    """
+    combined = mask[None, None, :, :] & attention_mask[:, None, None, :].bool()
+    return combined | ~combined.any(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------
+# The network
+# ---------------------------------------------------------------------------
+
+LayerPast = tuple[torch.Tensor, torch.Tensor]
+
+
+class GPTOutput(NamedTuple):
+    logits: torch.Tensor  # (B, T, vocab), or (B, 1, vocab) with last_only=True
+    loss: torch.Tensor | None  # mean cross-entropy over targets != -100, when targets given
+    past_kv: list[LayerPast] | object | None  # the updated cache, when use_cache=True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        layer_past: LayerPast | object | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerPast]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim): every head attends on its own.
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+
+        if layer_past is None or isinstance(layer_past, tuple):
+            k, v = concat_kv(layer_past, k, v)
+        else:  # a preallocated cache: write in place at input_pos, read the whole buffer
+            k, v = layer_past.update(input_pos, k, v)
+
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,  # only ever without a past: q_len == kv_len
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        layer_past: LayerPast | object | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerPast]:
+        attn_out, present = self.attn(self.ln_1(x), attn_mask, layer_past, input_pos)
+        x = x + attn_out
+        x = x + self.mlp(self.ln_2(x))
+        return x, present
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Recompute each block's activations in the backward pass instead of storing
+        # them: less memory for one more forward. Only ever while training.
+        self.activation_checkpointing = False
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),  # learned absolute positions
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Tied embeddings: reading a token in and scoring it out use one matrix.
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each block adds two residual branches, so their output
+        # projections start smaller to keep the residual stream's variance flat.
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position table is left out by default (as in the GPT-2 paper)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        past_kv: list[LayerPast] | object | None = None,
+        use_cache: bool = False,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+        last_only: bool = False,
+        validate: bool = True,
+    ) -> GPTOutput:
+        """Run the model on token ids `idx` (B, T).
+
+        targets: (B, T) next-token ids (-100 is ignored) -> mean cross-entropy `loss`.
+        past_kv: a list of per-layer (k, v) from an earlier call, or a preallocated cache.
+        use_cache: hand back the updated cache as `past_kv` of the output.
+        attention_mask: (B, past_len + T), 1 for real tokens and 0 for left padding.
+        input_pos: (T,) cache slots of the new tokens; required with a preallocated cache.
+        last_only: compute logits for the last position only (generation needs no more).
+        validate: check ids and shapes; a decode loop feeding back its own argmax may skip it.
+        """
+        B, T = idx.shape
+        device = idx.device
+        if validate:
+            self._check_ids(idx)
+
+        if past_kv is not None and not isinstance(past_kv, (list, tuple)):
+            # Preallocated cache: the caller says which slots the new tokens fill; the cache
+            # holds the full causal mask and hands out its rows for those slots.
+            if input_pos is None:
+                raise RoseError("a preallocated cache needs input_pos, the slots of the new tokens")
+            pos = past_kv.position_ids(input_pos)
+            attn_mask = past_kv.mask_rows(input_pos)
+            layer_pasts = past_kv.layers
+        else:
+            past_len = 0 if past_kv is None else past_kv[0][0].size(2)
+            if validate:
+                self._check_past(past_kv, B, past_len, T)
+            kv_len = past_len + T
+            if attention_mask is None:
+                pos = position_ids(past_len, T, device)
+                attn_mask = None if past_len == 0 else causal_mask(T, kv_len, device)
+            else:
+                if attention_mask.shape != (B, kv_len):
+                    raise RoseError(
+                        f"attention mask covers {attention_mask.shape[-1]} positions "
+                        f"(shape {tuple(attention_mask.shape)}), but past ({past_len}) + "
+                        f"new ({T}) = {kv_len} for a batch of {B}"
+                    )
+                pos = padded_position_ids(attention_mask)[:, past_len:]
+                attn_mask = padding_mask(causal_mask(T, kv_len, device), attention_mask)
+            layer_pasts = past_kv if past_kv is not None else [None] * self.config.n_layer
+
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
+        presents = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block, layer_past in zip(self.transformer.h, layer_pasts, strict=True):
+            if recompute and not use_cache and layer_past is None:
+                x, present = checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x, present = block(x, attn_mask, layer_past, input_pos)
+            presents.append(present)
+        x = self.transformer.ln_f(x)
+
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            if last_only:
+                raise RoseError("targets need logits at every position; drop last_only")
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        if not use_cache:
+            new_past = None
+        elif past_kv is not None and not isinstance(past_kv, (list, tuple)):
+            new_past = past_kv  # written in place
+        else:
+            new_past = presents
+        return GPTOutput(logits, loss, new_past)
+
+    # -- validation: clear errors instead of an index error deep inside an Embedding --
+
+    def _check_ids(self, idx: torch.Tensor) -> None:
+        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
+            raise RoseError(
+                f"idx must be a (batch, time) tensor of integer token ids, got "
+                f"shape {tuple(idx.shape)} dtype {idx.dtype}"
+            )
+        if idx.numel() == 0:
+            raise RoseError("idx is empty: give at least one token")
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise RoseError(
+                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+
+    def _check_past(self, past_kv: list[LayerPast] | None, B: int, past_len: int, T: int) -> None:
+        cfg = self.config
+        if past_len + T > cfg.block_size:
+            raise RoseError(
+                f"past ({past_len}) + new ({T}) = {past_len + T} tokens exceed block_size "
+                f"{cfg.block_size}: learned positions stop there (crop the context first)"
+            )
+        if past_kv is None:
+            return
+        if len(past_kv) != cfg.n_layer:
+            raise RoseError(f"past_kv has {len(past_kv)} layers, the model has {cfg.n_layer}")
+        expected = (B, cfg.n_head, past_len, cfg.head_dim)
+        for i, layer_past in enumerate(past_kv):
+            for name, t in zip(("k", "v"), layer_past, strict=True):
+                if tuple(t.shape) != expected:
+                    raise RoseError(
+                        f"past_kv layer {i} {name} has shape {tuple(t.shape)}, expected "
+                        f"{expected} (batch, n_head, past_len, head_dim)"
+                    )
+
+    # -- training helpers --
+
+    def configure_optimizer(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+    ) -> torch.optim.AdamW:
+        """AdamW with decay on matrices (Linear/Embedding weights), none on biases and LayerNorms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # The fused kernel does the whole update in one launch; CUDA only here.
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
