@@ -17,6 +17,8 @@ causal mask, so no step allocates or copies the past.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rosetrainer.errors import RoseError
@@ -79,6 +81,7 @@ class StaticKVCache:
         max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        compile_decode: bool = False,
     ) -> None:
         cfg = model.config
         weight = model.lm_head.weight
@@ -101,6 +104,8 @@ class StaticKVCache:
         # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
         self.causal_rows = causal_mask(self.max_len, self.max_len, device)
         self.seq_len = 0
+        # One-token decode steps all have the same shapes, so they compile to one graph.
+        self.compile_decode = compile_decode
 
     # -- what the model asks of a preallocated cache --
 
@@ -147,11 +152,28 @@ class StaticKVCache:
         forks = []
         for _ in range(n):
             fork = object.__new__(StaticKVCache)
-            fork.max_len, fork.causal_rows, fork.seq_len = (
-                self.max_len,
-                self.causal_rows,
-                self.seq_len,
-            )
+            fork.max_len, fork.causal_rows = self.max_len, self.causal_rows
+            fork.seq_len, fork.compile_decode = self.seq_len, self.compile_decode
             fork.layers = [StaticLayerCache(lc.k.clone(), lc.v.clone()) for lc in self.layers]
             forks.append(fork)
         return forks
+
+
+def static_step(
+    model: GPT,
+    ids: torch.Tensor,
+    input_pos: torch.Tensor,
+    cache: StaticKVCache,
+    validate: bool = False,
+) -> torch.Tensor:
+    """One model call on a static cache, slots given: last-position logits (B, vocab)."""
+    out = model(
+        ids, past_kv=cache, use_cache=True, input_pos=input_pos, last_only=True, validate=validate
+    )
+    return out.logits[:, -1, :]
+
+
+@functools.cache
+def compiled_static_step():
+    """`static_step` through torch.compile, built on first use (importing dynamo is slow)."""
+    return torch.compile(static_step, dynamic=False, fullgraph=True)
