@@ -6,7 +6,9 @@ call. Both kinds here answer the same three questions for the loop:
 * `seq_len`: how many positions the cache holds;
 * `forward(model, ids)`: run `ids` as the tokens right after those positions and
   return the logits of the last one, remembering their keys and values;
-* `fork(n)`: n independent copies (for several continuations of one prefix).
+* `fork(n)`: n independent copies (for several continuations of one prefix);
+* `reset(pad_lengths)`: forget everything; rows of a batch may start with left padding,
+  which is then masked out of attention and not counted in positions.
 
 `ConcatKVCache` is the teaching version: a list of per-layer (k, v) that grows by
 `torch.cat` every step, so each step copies the whole past. `StaticKVCache` is the
@@ -17,12 +19,13 @@ causal mask, so no step allocates or copies the past.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 
 from rosetrainer.errors import RoseError
-from rosetrainer.model import GPT, LayerPast, causal_mask
+from rosetrainer.model import GPT, LayerPast, causal_mask, padding_mask
 
 
 class ConcatKVCache:
@@ -30,26 +33,41 @@ class ConcatKVCache:
 
     def __init__(self) -> None:
         self.past_kv: list[LayerPast] | None = None
+        self.pad_lengths: torch.Tensor | None = None  # (B,) left padding per row
 
     @property
     def seq_len(self) -> int:
         return 0 if self.past_kv is None else self.past_kv[0][0].size(2)
 
     def forward(self, model: GPT, ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        out = model(ids, past_kv=self.past_kv, use_cache=True, last_only=True, validate=validate)
+        attention_mask = None
+        if self.pad_lengths is not None:
+            # The model wants the mask over past + new: a slot is real once past the padding.
+            slots = torch.arange(self.seq_len + ids.size(1), device=ids.device)
+            attention_mask = slots[None, :] >= self.pad_lengths[:, None]
+        out = model(
+            ids,
+            past_kv=self.past_kv,
+            use_cache=True,
+            attention_mask=attention_mask,
+            last_only=True,
+            validate=validate,
+        )
         self.past_kv = out.past_kv
         return out.logits[:, -1, :]
 
-    def reset(self) -> None:
+    def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
         self.past_kv = None
+        self.pad_lengths = pad_lengths
 
     def fork(self, n: int) -> list[ConcatKVCache]:
-        """n caches that share nothing: each continuation may grow its own."""
+        """n caches for n continuations. They may share the past tensors: concatenation
+        builds new tensors and never writes into old ones, so no copy is needed."""
         forks = []
         for _ in range(n):
             fork = ConcatKVCache()
-            if self.past_kv is not None:
-                fork.past_kv = [(k.clone(), v.clone()) for k, v in self.past_kv]
+            fork.past_kv = None if self.past_kv is None else list(self.past_kv)
+            fork.pad_lengths = self.pad_lengths
             forks.append(fork)
         return forks
 
@@ -79,81 +97,85 @@ class StaticKVCache:
         model: GPT,
         batch_size: int = 1,
         max_len: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
         compile_decode: bool = False,
     ) -> None:
         cfg = model.config
-        weight = model.lm_head.weight
+        weight = model.lm_head.weight  # the cache lives where the weights do, in their dtype
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 0 < self.max_len <= cfg.block_size:
             raise RoseError(
                 f"a static cache holds 1..block_size ({cfg.block_size}) positions, "
                 f"got max_len={self.max_len}"
             )
-        device = weight.device if device is None else torch.device(device)
-        dtype = weight.dtype if dtype is None else dtype
         shape = (batch_size, cfg.n_head, self.max_len, cfg.head_dim)
         self.layers = [
             StaticLayerCache(
-                torch.zeros(shape, device=device, dtype=dtype),
-                torch.zeros(shape, device=device, dtype=dtype),
+                torch.zeros(shape, device=weight.device, dtype=weight.dtype),
+                torch.zeros(shape, device=weight.device, dtype=weight.dtype),
             )
             for _ in range(cfg.n_layer)
         ]
         # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
-        self.causal_rows = causal_mask(self.max_len, self.max_len, device)
-        self.seq_len = 0
+        self.causal_rows = causal_mask(self.max_len, self.max_len, weight.device)
         # One-token decode steps all have the same shapes, so they compile to one graph.
         self.compile_decode = compile_decode
+        self.reset()
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].k.size(0)
+
+    def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
+        """Forget every position; the buffers stay (stale slots are masked until rewritten)."""
+        self.seq_len = 0
+        self.pad_lengths = pad_lengths
+        self.real_slots = None  # (B, max_len): slot holds a real token, not padding
+        if pad_lengths is not None:
+            if pad_lengths.shape != (self.batch_size,):
+                raise RoseError(
+                    f"pad_lengths has shape {tuple(pad_lengths.shape)}, but the cache holds "
+                    f"{self.batch_size} rows"
+                )
+            slots = torch.arange(self.max_len, device=self.causal_rows.device)
+            self.real_slots = slots[None, :] >= pad_lengths[:, None]
 
     # -- what the model asks of a preallocated cache --
 
     def position_ids(self, input_pos: torch.Tensor) -> torch.Tensor:
-        # Slot i holds the token at position i, so positions are the slots themselves.
-        return input_pos
+        # Slot i holds the token at position i, less the row's left padding.
+        if self.pad_lengths is None:
+            return input_pos
+        return (input_pos[None, :] - self.pad_lengths[:, None]).clamp(min=0)
 
     def mask_rows(self, input_pos: torch.Tensor) -> torch.Tensor:
-        return self.causal_rows[input_pos]
+        rows = self.causal_rows[input_pos]
+        if self.real_slots is None:
+            return rows
+        return padding_mask(rows, self.real_slots)
 
     # -- what the generation loop asks of a cache --
 
     def forward(self, model: GPT, ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        T = ids.size(1)
-        if self.seq_len + T > self.max_len:
+        B, T = ids.shape
+        if B != self.batch_size or self.seq_len + T > self.max_len:
             raise RoseError(
-                f"static cache holds {self.max_len} positions: past ({self.seq_len}) + new ({T}) "
-                f"= {self.seq_len + T} do not fit"
+                f"static cache holds {self.batch_size} row(s) x {self.max_len} positions: "
+                f"{B} row(s) with past ({self.seq_len}) + new ({T}) = {self.seq_len + T} do not fit"
             )
         input_pos = torch.arange(self.seq_len, self.seq_len + T, device=ids.device)
-        logits = self.step(model, ids, input_pos, validate=validate)
+        if T == 1 and self.compile_decode:
+            logits = compiled_static_step()(model, ids, input_pos, self)
+        else:
+            logits = static_step(model, ids, input_pos, self, validate=validate)
         self.seq_len += T
         return logits
 
-    def step(
-        self, model: GPT, ids: torch.Tensor, input_pos: torch.Tensor, validate: bool = False
-    ) -> torch.Tensor:
-        """The model call alone, with the slots given: static shapes, so it can be compiled."""
-        out = model(
-            ids,
-            past_kv=self,
-            use_cache=True,
-            input_pos=input_pos,
-            last_only=True,
-            validate=validate,
-        )
-        return out.logits[:, -1, :]
-
-    def reset(self) -> None:
-        """Forget every position; the buffers stay (stale slots are masked until rewritten)."""
-        self.seq_len = 0
-
     def fork(self, n: int) -> list[StaticKVCache]:
+        """n caches for n continuations: the buffers are written in place, so each fork
+        gets its own copy (copy-on-fork)."""
         forks = []
         for _ in range(n):
-            fork = object.__new__(StaticKVCache)
-            fork.max_len, fork.causal_rows = self.max_len, self.causal_rows
-            fork.seq_len, fork.compile_decode = self.seq_len, self.compile_decode
+            fork = copy.copy(self)
             fork.layers = [StaticLayerCache(lc.k.clone(), lc.v.clone()) for lc in self.layers]
             forks.append(fork)
         return forks
