@@ -9,14 +9,15 @@ maps onto it almost name for name. The differences handled here:
   they are not weights, and rose builds its mask itself, so they are skipped;
 * `lm_head.weight` is the token embedding again (tied) or absent from the file.
 
-Only json, safetensors and torch are needed; `transformers` is not imported.
+Loading needs only json, safetensors and torch. `to_hf_gpt2` goes the other way, for
+side-by-side comparisons, and is the one place that imports `transformers` (a dev extra).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -25,6 +26,9 @@ from rosetrainer.checkpoint import check_weights_fit
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
 
 # Hugging Face config.json key -> GPTConfig field. A key left out of config.json means
 # GPT-2 small's value, which is GPTConfig's default too.
@@ -116,6 +120,33 @@ def state_dict_from_hf(
         state_dict["lm_head.weight"] = token_embedding
     check_weights_fit(state_dict, config, "Hugging Face weights")
     return state_dict
+
+
+def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
+    """The same weights in transformers' GPT2LMHeadModel, on the model's device and dtype."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # only comparisons need transformers
+
+    cfg = model.config
+    if not cfg.bias:
+        raise RoseError("Hugging Face's GPT-2 always has biases; this model has bias=False")
+    hf_config = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        attn_pdrop=cfg.dropout,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+    )
+    hf_state = {
+        name: tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
+        for name, tensor in model.state_dict().items()
+    }
+    hf_model = GPT2LMHeadModel(hf_config)
+    hf_model.load_state_dict(hf_state)
+    weight = model.lm_head.weight
+    return hf_model.to(device=weight.device, dtype=weight.dtype)
 
 
 def _local_directory(name_or_path: str) -> Path:

@@ -18,7 +18,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rosetrainer.errors import RoseError
-from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, state_dict_from_hf
+from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, state_dict_from_hf, to_hf_gpt2
 
 BLOCK_SIZE = 96
 
@@ -107,6 +107,16 @@ def test_comparison_is_sensitive_to_positions(safetensors_dir, hf_model, tokens)
         shifted_positions = model(tokens).logits
     assert (same_token_everywhere[1:] - same_token_everywhere[:-1]).abs().amax() > 1e-2
     assert (shifted_positions - reference).abs().amax() > 1e-2
+
+
+def test_export_back_to_hugging_face_gives_the_original_model(safetensors_dir, hf_model, tokens):
+    exported = to_hf_gpt2(load_hf_gpt2(str(safetensors_dir))).eval()
+    original = hf_model.state_dict()
+    assert exported.state_dict().keys() == original.keys()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, hf_model(tokens).logits)
 
 
 def test_tied_lm_head_in_the_file_is_accepted_and_an_untied_one_refused(hf_model):
