@@ -1,0 +1,349 @@
+"""python -m roseinfer.bench: decode speed, side by side, on one set of weights.
+
+One process times, interleaved round by round: the uncached oracle, the
+concatenating cache, the static cache, the static cache with a compiled decode
+step, and Hugging Face `transformers` `generate` on the same weights (when it is
+installed). Batch 1, greedy, a P-token prompt, N new tokens. It prints tokens/s,
+ms/token, time to first token, per-step latency early vs late, speedups, and the
+fraction of the memory roofline: the bytes a decode step must read (weights plus
+the cache) against a streaming-read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from roseinfer.generate import GenerationConfig, generate
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.model import GPT
+
+ALL_PATHS = ("uncached", "concat", "static", "static+compile", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PathResult:
+    path: str
+    tokens_per_s: float  # decode: tokens after the first, over the time after the first
+    ms_per_token: float
+    time_to_first_token_ms: float
+    early_step_ms: float  # median step latency around step `early`
+    late_step_ms: float  # ... and around step `late`
+    bytes_per_token: float
+    roofline_fraction: float
+    tokens: list[int]
+    step_ms: list[float]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="roseinfer.bench", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
+    src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
+    p.add_argument("--preset", default="gpt2", help="random-init shape when no weights are given")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
+    p.add_argument(
+        "--paths", default=",".join(ALL_PATHS), help="comma list of " + ", ".join(ALL_PATHS)
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--early-step", type=int, default=50)
+    p.add_argument("--late-step", type=int, default=None, help="default: the last steps")
+    p.add_argument("--plot", default="runs/bench/decode_latency.png", help="'' to skip")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke test")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.prompt_len, args.new_tokens, args.rounds = "tiny", 8, 24, 1
+        args.early_step = 4
+    if args.prompt_len < 1 or args.new_tokens < 2 or args.rounds < 1:
+        raise RoseError("need --prompt-len >= 1, --new-tokens >= 2 and --rounds >= 1")
+    args.paths = [name.strip() for name in args.paths.split(",") if name.strip()]
+    unknown = sorted(set(args.paths) - set(ALL_PATHS))
+    if unknown:
+        raise RoseError(f"unknown path(s) {', '.join(unknown)}; choose from {', '.join(ALL_PATHS)}")
+    return args
+
+
+def load_model(args: argparse.Namespace) -> GPT:
+    if args.checkpoint_path:
+        from rosetrainer.checkpoint import load_model as load_checkpoint_model
+
+        model, _ = load_checkpoint_model(args.checkpoint_path)
+    elif args.hf_model:
+        from rosetrainer.hf import load_hf_gpt2
+
+        model = load_hf_gpt2(args.hf_model)
+    else:
+        torch.manual_seed(args.seed)
+        model = GPT(GPTConfig.from_preset(args.preset))
+    if args.prompt_len + args.new_tokens > model.config.block_size:
+        raise RoseError(
+            f"prompt ({args.prompt_len}) + new tokens ({args.new_tokens}) exceed the context "
+            f"({model.config.block_size}); the bench times decoding inside one window"
+        )
+    return model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+
+
+def streaming_read_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
+    """Bytes/s of reading a buffer far larger than the caches, as a decode step reads weights."""
+    x = torch.ones(n_bytes // 4, device=device)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return n_bytes / best
+
+
+def weight_bytes(model: GPT) -> int:
+    """Bytes a decode step reads of the weights: every matrix once (the tied one once too);
+    of the position table only one row, so it is left out."""
+    wpe = model.transformer.wpe.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not wpe)
+
+
+def cache_bytes(model: GPT, positions: float) -> float:
+    cfg = model.config
+    itemsize = model.lm_head.weight.element_size()
+    return 2 * cfg.n_layer * cfg.n_embd * positions * itemsize  # keys and values
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Timestamps: the start, then one per generated token."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def start(self) -> None:
+        _sync(self.device)
+        self.times = [time.perf_counter()]
+
+    def tick(self, *_: object) -> None:
+        self.times.append(time.perf_counter())
+
+
+def run_rose(
+    model: GPT, prompt: list[int], n: int, path: str, clock: StepClock, max_len: int
+) -> list[int]:
+    config = GenerationConfig(max_new_tokens=n, stop_at_eot=False)
+    cache = None
+    if path == "concat":
+        cache = ConcatKVCache()
+    elif path.startswith("static"):
+        cache = StaticKVCache(model, max_len=max_len, compile_decode=path == "static+compile")
+    clock.start()
+    result = generate(
+        model, prompt, config, use_cache=path != "uncached", cache=cache, on_token=clock.tick
+    )
+    return result.token_ids
+
+
+def make_hf_runner(model: GPT):
+    """The same weights in transformers' GPT2LMHeadModel, and a function that times generate."""
+    from transformers.generation.streamers import BaseStreamer
+
+    from rosetrainer.hf import to_hf_gpt2
+
+    hf_model = to_hf_gpt2(model).eval()
+
+    class ClockStreamer(BaseStreamer):
+        def __init__(self, clock: StepClock) -> None:
+            self.clock, self.seen_prompt = clock, False
+
+        def put(self, value: torch.Tensor) -> None:
+            if self.seen_prompt:  # generate first puts the prompt, then each new token
+                self.clock.tick()
+            self.seen_prompt = True
+
+        def end(self) -> None:
+            pass
+
+    def run(prompt: list[int], n: int, clock: StepClock) -> list[int]:
+        ids = torch.tensor([prompt], device=model.lm_head.weight.device)
+        clock.start()
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=ClockStreamer(clock),
+        )
+        return out[0, len(prompt) :].tolist()
+
+    return run
+
+
+def summarize(
+    path: str,
+    runs: list[StepClock],
+    tokens: list[int],
+    model: GPT,
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> PathResult:
+    step_ms = [
+        statistics.median((clock.times[i + 1] - clock.times[i]) * 1e3 for clock in runs)
+        for i in range(len(runs[0].times) - 1)
+    ]
+    decode_s = statistics.median(clock.times[-1] - clock.times[1] for clock in runs)
+    tps = (len(step_ms) - 1) / decode_s
+    late = args.late_step if args.late_step is not None else len(step_ms) - 6
+
+    def around(step: int) -> float:
+        lo, hi = max(1, step - 5), min(len(step_ms), step + 6)
+        return statistics.median(step_ms[lo:hi])
+
+    if path == "static" or path == "static+compile":
+        positions = args.prompt_len + args.new_tokens  # the whole buffer is read every step
+    elif path == "uncached":
+        positions = 0.0  # recomputes instead of reading a cache
+    else:
+        positions = args.prompt_len + args.new_tokens / 2  # the mean context of the run
+    per_token = weight_bytes(model) + cache_bytes(model, positions)
+    return PathResult(
+        path=path,
+        tokens_per_s=tps,
+        ms_per_token=1e3 / tps,
+        time_to_first_token_ms=step_ms[0],
+        early_step_ms=around(min(args.early_step, len(step_ms) - 1)),
+        late_step_ms=around(late),
+        bytes_per_token=per_token,
+        roofline_fraction=tps * per_token / bandwidth,
+        tokens=tokens,
+        step_ms=step_ms,
+    )
+
+
+def print_table(results: list[PathResult], args: argparse.Namespace, bandwidth: float) -> None:
+    base = {r.path: r.tokens_per_s for r in results}
+    print(
+        f"\ndecode, batch 1, greedy: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
+        f"{args.dtype} on {args.device}, median of {args.rounds} interleaved round(s); "
+        f"streaming read {bandwidth / 1e9:.1f} GB/s"
+    )
+    header = (
+        f"{'path':<15}{'tok/s':>9}{'ms/tok':>9}{'TTFT ms':>9}{'early ms':>10}{'late ms':>9}"
+        f"{'late/early':>11}{'vs uncached':>12}{'vs HF':>7}{'roofline':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        vs_unc = f"{r.tokens_per_s / base['uncached']:.1f}x" if "uncached" in base else "-"
+        vs_hf = f"{r.tokens_per_s / base['hf']:.2f}x" if "hf" in base else "-"
+        print(
+            f"{r.path:<15}{r.tokens_per_s:>9.1f}{r.ms_per_token:>9.2f}"
+            f"{r.time_to_first_token_ms:>9.1f}{r.early_step_ms:>10.2f}{r.late_step_ms:>9.2f}"
+            f"{r.late_step_ms / r.early_step_ms:>11.2f}{vs_unc:>12}{vs_hf:>7}"
+            f"{r.roofline_fraction:>9.0%}"
+        )
+
+
+def plot(results: list[PathResult], path: str, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot(range(1, len(r.step_ms)), r.step_ms[1:], label=r.path, linewidth=1)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"per-step decode latency, {args.dtype} {args.device}, prompt {args.prompt_len}")
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def bench(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RoseError("--device cuda, but CUDA is not available here; use --device cpu")
+    model = load_model(args)
+    paths = list(args.paths)
+    runners = {}
+    if "hf" in paths:
+        try:
+            runners["hf"] = make_hf_runner(model)
+        except ImportError:
+            print("[roseinfer.bench] transformers is not installed: skipping hf", file=sys.stderr)
+            paths.remove("hf")
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(
+        model.config.vocab_size, (args.prompt_len,), generator=generator
+    ).tolist()
+    bandwidth = streaming_read_bandwidth(args.device)
+
+    def run(path: str, n: int, clock: StepClock) -> list[int]:
+        if path == "hf":
+            return runners["hf"](prompt, n, clock)
+        # One cache length for warm-up and timed runs: the compiled step keeps its graph.
+        return run_rose(model, prompt, n, path, clock, max_len=args.prompt_len + args.new_tokens)
+
+    with torch.inference_mode():
+        for path in paths:  # warm-up (and the compile) outside the timed rounds
+            run(path, 4, StepClock(args.device))
+        clocks: dict[str, list[StepClock]] = {path: [] for path in paths}
+        tokens: dict[str, list[int]] = {}
+        for round_idx in range(args.rounds):
+            for path in paths:
+                clock = StepClock(args.device)
+                tokens[path] = run(path, args.new_tokens, clock)
+                clocks[path].append(clock)
+                print(f"[roseinfer.bench] round {round_idx + 1}: {path} done", file=sys.stderr)
+
+    results = [summarize(p, clocks[p], tokens[p], model, args, bandwidth) for p in paths]
+    reference = tokens[paths[0]]
+    agree = {p: tokens[p] == reference for p in paths}
+    if args.json:
+        payload = {
+            "args": {k: v for k, v in vars(args).items()},
+            "bandwidth_bytes_per_s": bandwidth,
+            "results": [asdict(r) for r in results],
+            "tokens_agree": agree,
+        }
+        print(json.dumps(payload))
+    else:
+        print_table(results, args, bandwidth)
+        print(
+            f"same tokens as {paths[0]}: "
+            + ", ".join(f"{p} {'yes' if ok else 'NO'}" for p, ok in agree.items())
+        )
+    if args.plot:
+        plot(results, args.plot, args)
+        print(f"[roseinfer.bench] per-step latency plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def main() -> None:
+    run_cli(bench, "roseinfer.bench")
+
+
+if __name__ == "__main__":
+    main()
