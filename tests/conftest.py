@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,3 +32,38 @@ def tiktoken_cache(shared_dir: Path) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TIKTOKEN_CACHE_DIR", cache)
         yield cache
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Hugging Face GPT-2, written by save_pretrained (no weights can be downloaded).
+
+    initializer_range=0.2 (GPT-2 uses 0.02) makes every weight move the logits: greedy
+    tokens are varied and win by clear margins.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel  # slow import: only when asked for
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3,
+        n_head=6,
+        n_embd=192,
+        n_positions=96,
+        vocab_size=50257,
+        initializer_range=0.2,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
+    directory = tmp_path_factory.mktemp("hf_gpt2")
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
