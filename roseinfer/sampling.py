@@ -34,11 +34,19 @@ class SamplingParams:
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set every logit below the k-th largest (per row) to -inf."""
+    """Keep exactly the k largest logits per row, the rest -> -inf.
+
+    Ties go to the lower token id, as in argmax, so top_k=1 is greedy decoding.
+    """
     if k <= 0 or k >= logits.size(-1):
         return logits
     kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth_largest, float("-inf"))
+    above = logits > kth_largest
+    # Logits equal to the k-th largest share the places left, lowest ids first.
+    tied = logits == kth_largest
+    places_left = k - above.sum(dim=-1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(dim=-1) <= places_left))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
@@ -46,11 +54,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
     Sorted by probability, a token is kept when the mass of the tokens *before* it is
     still below p; so the most likely token is always kept, and the token that carries
-    the mass over p is kept too.
+    the mass over p is kept too. Equal probabilities are ordered by token id.
     """
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     drop_sorted = mass_before >= p
@@ -64,7 +72,9 @@ def sample_next_token(
     """(B, vocab) logits -> (B,) token ids."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    logits = logits.float() / params.temperature
+    # Shift the maximum to 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)
