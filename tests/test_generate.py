@@ -1,0 +1,233 @@
+"""Cached generation equals the uncached oracle, token for token, logits close at every step."""
+
+from __future__ import annotations
+
+import functools
+import string
+from unittest import mock
+
+import pytest
+import torch
+from models import (
+    assert_clear_margins,
+    assert_varied,
+    make_test_model,
+    position_sensitivity,
+)
+
+from roseinfer.generate import GenerationConfig, GenerationResult, generate, window_start
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from rosetrainer.errors import RoseError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# fp32 on CPU: the cached paths do the same sums in another order (a masked softmax over
+# the whole static buffer, a decode query alone), so logits agree to rounding only.
+LOGIT_ATOL = 1e-5
+
+SHAPES = {
+    "1L-2H-32d-ctx16": dict(n_layer=1, n_head=2, n_embd=32, block_size=16),
+    "2L-3H-48d-ctx32": dict(n_layer=2, n_head=3, n_embd=48, block_size=32),
+    "3L-4H-32d-ctx64": dict(n_layer=3, n_head=4, n_embd=32, block_size=64),
+}
+# Prompt lengths as fractions of the context: 1 token, 2, half, one short of full, full.
+PROMPT_LENGTHS = ("1", "2", "half", "full-1", "full")
+
+
+@functools.cache
+def model_for(shape: str):
+    return make_test_model(seed=0, **SHAPES[shape])
+
+
+def prompt_for(shape: str, length: str) -> list[int]:
+    block_size = SHAPES[shape]["block_size"]
+    n = {"1": 1, "2": 2, "half": block_size // 2, "full-1": block_size - 1, "full": block_size}
+    generator = torch.Generator().manual_seed(block_size + n[length])
+    return torch.randint(0, 512, (n[length],), generator=generator).tolist()
+
+
+def greedy(max_new_tokens: int, **overrides) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eot=False, **overrides)
+
+
+def make_cache(kind: str, model):
+    return ConcatKVCache() if kind == "concat" else StaticKVCache(model)
+
+
+@functools.cache
+def oracle(shape: str, length: str, window_keep: int | None = None) -> GenerationResult:
+    """The uncached greedy run, two context windows long, checked to be a strong oracle."""
+    model = model_for(shape)
+    n = 2 * SHAPES[shape]["block_size"]
+    config = greedy(n, window_keep=window_keep)
+    result = generate(model, prompt_for(shape, length), config, use_cache=False, keep_logits=True)
+    assert_clear_margins(result.step_logits)
+    return result
+
+
+def assert_matches_oracle(result: GenerationResult, expected: GenerationResult) -> float:
+    """Tokens identical, logits within LOGIT_ATOL at every step; return the max difference."""
+    assert result.token_ids == expected.token_ids
+    assert len(result.step_logits) == len(expected.step_logits)
+    max_diff = 0.0
+    for step, (got, want) in enumerate(zip(result.step_logits, expected.step_logits, strict=True)):
+        diff = float((got - want).abs().max())
+        assert diff <= LOGIT_ATOL, f"step {step}: logits differ by {diff:.2e}"
+        max_diff = max(max_diff, diff)
+    return max_diff
+
+
+@pytest.mark.parametrize("cache_kind", ["concat", "static"])
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cached_greedy_equals_oracle(shape: str, length: str, cache_kind: str) -> None:
+    model = model_for(shape)
+    expected = oracle(shape, length)
+    config = greedy(len(expected.token_ids))
+    result = generate(
+        model,
+        prompt_for(shape, length),
+        config,
+        cache=make_cache(cache_kind, model),
+        keep_logits=True,
+    )
+    max_diff = assert_matches_oracle(result, expected)
+    print(f"{shape} prompt {length} {cache_kind}: max |logit diff| {max_diff:.2e}")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_test_models_are_a_strong_oracle(shape: str) -> None:
+    """Varied greedy tokens within a window, and a shifted position changes most choices."""
+    block_size = SHAPES[shape]["block_size"]
+    result = oracle(shape, "2")
+    assert_varied(result.token_ids[:block_size])
+    tokens = (result.prompt_ids + result.token_ids)[: block_size - 1]
+    assert position_sensitivity(model_for(shape), tokens) >= 0.5
+
+
+@pytest.mark.parametrize("cache_kind", ["concat", "static"])
+@pytest.mark.parametrize("window_keep", [1, 15])
+def test_window_keep_extremes_equal_oracle(window_keep: int, cache_kind: str) -> None:
+    """keep=1 restarts from the newest token alone; keep=15 re-prefills on every step."""
+    shape = "1L-2H-32d-ctx16"
+    model = model_for(shape)
+    expected = oracle(shape, "half", window_keep)
+    config = greedy(len(expected.token_ids), window_keep=window_keep)
+    result = generate(
+        model,
+        prompt_for(shape, "half"),
+        config,
+        cache=make_cache(cache_kind, model),
+        keep_logits=True,
+    )
+    assert_matches_oracle(result, expected)
+
+
+def test_window_start() -> None:
+    # Within the window the view does not move.
+    assert window_start(0, 16, block_size=16, keep=8) == 0
+    assert window_start(5, 21, block_size=16, keep=8) == 5
+    # One token over: cut back to the last `keep` tokens.
+    assert window_start(0, 17, block_size=16, keep=8) == 9
+    assert window_start(9, 26, block_size=16, keep=8) == 18
+    assert window_start(0, 17, block_size=16, keep=1) == 16
+
+
+def test_cached_path_reprefills_each_time_the_window_fills() -> None:
+    shape = "1L-2H-32d-ctx16"
+    model = model_for(shape)
+    # Prompt of 1, 48 new tokens, block 16, keep 8: the sequence is cut when it reaches
+    # 17 tokens, then every 9 more (26, 35, 44); the 48th token is never fed back.
+    real_reset = ConcatKVCache.reset
+    with mock.patch.object(ConcatKVCache, "reset", autospec=True, side_effect=real_reset) as reset:
+        generate(model, [7], greedy(48))
+    assert reset.call_count == 4
+
+
+def test_empty_prompt_and_prompt_over_context_are_errors() -> None:
+    model = model_for("1L-2H-32d-ctx16")
+    with pytest.raises(RoseError, match="empty"):
+        generate(model, [], greedy(4))
+    with pytest.raises(RoseError, match="17 tokens.*16"):
+        generate(model, list(range(17)), greedy(4))
+    with pytest.raises(RoseError, match="max_new_tokens"):
+        greedy(-1)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_zero_new_tokens(use_cache: bool) -> None:
+    result = generate(model_for("1L-2H-32d-ctx16"), [1, 2, 3], greedy(0), use_cache=use_cache)
+    assert result.token_ids == []
+    assert result.finish_reason == "length"
+
+
+def first_new_token_index(tokens: list[int], start: int) -> int:
+    """The first index >= start whose token does not occur earlier in the list."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_stops_at_end_of_text(use_cache: bool) -> None:
+    shape = "2L-3H-48d-ctx32"
+    expected = oracle(shape, "half").token_ids
+    # Call the oracle's k-th token "end of text": generation must stop right there.
+    k = first_new_token_index(expected, 5)
+    eot_id = expected[k]
+    streamed: list[int] = []
+    result = generate(
+        model_for(shape),
+        prompt_for(shape, "half"),
+        GenerationConfig(max_new_tokens=len(expected)),
+        use_cache=use_cache,
+        eot_id=eot_id,
+        on_token=streamed.append,
+    )
+    assert result.finish_reason == "eot"
+    assert result.token_ids == expected[:k]  # the end-of-text token itself is not kept
+    assert streamed == result.token_ids
+
+    ignoring = generate(
+        model_for(shape),
+        prompt_for(shape, "half"),
+        greedy(len(expected)),
+        use_cache=use_cache,
+        eot_id=eot_id,
+    )
+    assert ignoring.token_ids == expected
+    assert ignoring.finish_reason == "length"
+
+
+def two_letters(ids: list[int]) -> str:
+    """A tiny made-up detokenizer: every id is two letters, so a stop string can span tokens."""
+    letters = string.ascii_lowercase
+    return "".join(letters[i % 26] + letters[i // 26 % 26] for i in ids)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_stop_strings(use_cache: bool) -> None:
+    shape = "2L-3H-48d-ctx32"
+    expected = oracle(shape, "half").token_ids
+    text = two_letters(expected)
+    # The last letter of token k and the first of token k + 1: found only once k + 1 is out.
+    k = 6
+    stop = text[2 * k + 1 : 2 * k + 3]
+    end = text.index(stop) + len(stop)  # where the stop string first completes
+    stop_after = -(-end // 2)  # tokens needed to write `end` characters
+    result = generate(
+        model_for(shape),
+        prompt_for(shape, "half"),
+        greedy(len(expected), stop_strings=("never-made", stop)),
+        use_cache=use_cache,
+        decode=two_letters,
+    )
+    assert result.finish_reason == "stop_string"
+    assert result.token_ids == expected[:stop_after]
+    assert stop in two_letters(result.token_ids)
+    assert stop not in two_letters(result.token_ids[:-1])
+
+
+def test_stop_strings_need_a_decode_function() -> None:
+    with pytest.raises(RoseError, match="decode"):
+        generate(model_for("1L-2H-32d-ctx16"), [1], greedy(3, stop_strings=("x",)))
+    with pytest.raises(RoseError, match="empty"):
+        greedy(3, stop_strings=("",))

@@ -1,0 +1,132 @@
+"""Each KV-cache invariant, broken on purpose, makes the cached output leave the oracle.
+
+The three named functions of `rosetrainer/model.py` are swapped one at a time for the
+bug of `roseinfer/naive.py` that breaks them; the oracle (no cache: no past, a plain
+causal mask, positions from 0) is untouched by all three, the cached path is not.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from models import assert_clear_margins, make_test_model
+
+import rosetrainer.model
+from roseinfer.generate import GenerationConfig, generate
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.naive import drop_past_kv, positions_from_zero, top_left_causal_mask
+from rosetrainer.errors import RoseError
+from rosetrainer.model import causal_mask, position_ids
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = [11, 250, 37, 402, 8, 199, 61, 340]
+NEW_TOKENS = 12
+CONFIG = GenerationConfig(max_new_tokens=NEW_TOKENS, stop_at_eot=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_test_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def oracle_tokens(model) -> list[int]:
+    result = generate(model, PROMPT, CONFIG, use_cache=False, keep_logits=True)
+    assert_clear_margins(result.step_logits)
+    return result.token_ids
+
+
+def first_difference(tokens: list[int], expected: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
+
+
+def test_unpatched_cache_matches_the_oracle(model, oracle_tokens) -> None:
+    assert generate(model, PROMPT, CONFIG, cache=ConcatKVCache()).token_ids == oracle_tokens
+
+
+def test_top_left_mask_diverges_at_the_first_decode_step(model, oracle_tokens) -> None:
+    with mock.patch.object(rosetrainer.model, "causal_mask", top_left_causal_mask):
+        tokens = generate(model, PROMPT, CONFIG, cache=ConcatKVCache()).token_ids
+    # Step 0 comes from the prefill (q_len == kv_len: both masks agree); step 1 is the
+    # first query with a past, and the top-left row lets it see key 0 only.
+    assert first_difference(tokens, oracle_tokens) == 1
+
+
+def test_positions_from_zero_diverge_at_the_first_decode_step(model, oracle_tokens) -> None:
+    with mock.patch.object(rosetrainer.model, "position_ids", positions_from_zero):
+        tokens = generate(model, PROMPT, CONFIG, cache=ConcatKVCache()).token_ids
+    assert first_difference(tokens, oracle_tokens) == 1
+
+
+def test_dropped_past_fails_at_the_first_decode_step(model, oracle_tokens) -> None:
+    """Without the past the first decode step cannot even run: its mask spans past + new.
+
+    The prefill has no past to drop, so its token still equals the oracle's.
+    """
+    streamed: list[int] = []
+    with mock.patch.object(rosetrainer.model, "concat_kv", drop_past_kv):
+        with pytest.raises(RuntimeError, match="shape"):
+            generate(model, PROMPT, CONFIG, cache=ConcatKVCache(), on_token=streamed.append)
+    assert streamed == oracle_tokens[:1]
+
+
+def test_the_naive_functions_are_the_bugs_they_name() -> None:
+    # Bottom-right vs top-left: for 2 queries over 4 keys the last two rows vs the first two.
+    full = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(causal_mask(2, 4), full[2:])
+    assert torch.equal(top_left_causal_mask(2, 4), full[:2])
+    assert torch.equal(top_left_causal_mask(4, 4), causal_mask(4, 4))
+    assert position_ids(5, 2).tolist() == [5, 6]
+    assert positions_from_zero(5, 2).tolist() == [0, 1]
+    past = (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    new = (torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    assert rosetrainer.model.concat_kv(past, *new)[0].shape == (1, 2, 4, 4)
+    assert drop_past_kv(past, *new)[0].shape == (1, 2, 1, 4)
+
+
+# -- the model's own errors: what a caller got wrong, with the shapes named --
+
+
+def test_past_plus_new_over_block_size(model) -> None:
+    out = model(torch.zeros(1, 30, dtype=torch.long), use_cache=True)
+    with pytest.raises(RoseError, match=r"past \(30\) \+ new \(3\) = 33 .* block_size 32"):
+        model(torch.zeros(1, 3, dtype=torch.long), past_kv=out.past_kv, use_cache=True)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 512])
+def test_ids_outside_the_vocabulary(model, bad_id: int) -> None:
+    with pytest.raises(RoseError, match=rf"token id {bad_id} is outside the vocabulary \[0, 512\)"):
+        model(torch.tensor([[1, bad_id, 2]]))
+
+
+def test_mismatched_cache_shapes(model) -> None:
+    past = model(torch.zeros(2, 4, dtype=torch.long), use_cache=True).past_kv
+    with pytest.raises(
+        RoseError, match=r"layer 0 k has shape \(2, 2, 4, 16\), expected \(1, 2, 4, 16\)"
+    ):
+        model(torch.zeros(1, 1, dtype=torch.long), past_kv=past)
+    with pytest.raises(RoseError, match="past_kv has 1 layers, the model has 2"):
+        model(torch.zeros(2, 1, dtype=torch.long), past_kv=past[:1])
+    bad_v = [past[0], (past[1][0], past[1][1][:, :, :3])]
+    with pytest.raises(RoseError, match=r"layer 1 v has shape \(2, 2, 3, 16\)"):
+        model(torch.zeros(2, 1, dtype=torch.long), past_kv=bad_v)
+
+
+def test_attention_mask_length_mismatch(model) -> None:
+    past = model(torch.zeros(1, 4, dtype=torch.long), use_cache=True).past_kv
+    with pytest.raises(RoseError, match=r"shape \(1, 4\).*past \(4\) \+ new \(1\) = 5"):
+        model(torch.zeros(1, 1, dtype=torch.long), past_kv=past, attention_mask=torch.ones(1, 4))
+
+
+def test_static_cache_errors(model) -> None:
+    cache = StaticKVCache(model, max_len=8)
+    cache.forward(model, torch.zeros(1, 6, dtype=torch.long))
+    with pytest.raises(RoseError, match=r"8 positions: .*past \(6\) \+ new \(3\) = 9 do not fit"):
+        cache.forward(model, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(RoseError, match="input_pos"):
+        model(torch.zeros(1, 1, dtype=torch.long), past_kv=cache)
+    with pytest.raises(RoseError, match="1..block_size"):
+        StaticKVCache(model, max_len=33)
