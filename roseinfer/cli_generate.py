@@ -1,0 +1,371 @@
+"""python -m roseinfer.cli_generate: generate text with a rose checkpoint or a Hugging Face GPT-2.
+
+    python -m roseinfer.cli_generate --prompt "ROMEO:" --max-new-tokens 100
+
+Reading order: parse the flags (bad values fail before anything loads), pick the
+device and dtype, load the model and its tokenizer, encode the prompts, then for each
+prompt generate with streaming and report. Every check runs before the first status
+line, so a mistake is told in exactly one line (`[roseinfer] error: ...`, exit code 2).
+
+stdout carries only the text (the prompt, then its continuation, then a newline) or,
+with --json, one JSON object per prompt per line; every status line goes to stderr
+as `[roseinfer] what: value`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from roseinfer.generate import GenerationConfig, GenerationResult, generate
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.sampling import SamplingParams
+from rosetrainer.checkpoint import find_latest_checkpoint, load_model
+from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.hf import load_hf_gpt2
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+PROG = "roseinfer"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `[roseinfer] error: ...` line like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        raise RoseError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m roseinfer.cli_generate",
+        description="Generate text with a rose checkpoint or a Hugging Face GPT-2. The text "
+        "streams to stdout (the prompt, then its continuation); status goes to stderr.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint-path",
+        help="a rose .pt file, or a run directory holding best.pt or last.pt "
+        "(default: the newest checkpoint under checkpoints/)",
+    )
+    source.add_argument(
+        "--hf-model",
+        help="a local Hugging Face GPT-2 directory (config.json + weights), or a Hub id online",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt; repeat the flag for several (they run one after another). "
+        "With no prompt at all, one empty prompt: generation starts from <|endoftext|>",
+    )
+    p.add_argument(
+        "--prompt-file", help="a UTF-8 text file, one prompt per line; blank lines are skipped"
+    )
+    p.add_argument(
+        "--tokenizer-name",
+        help="tiktoken encoding (default: the checkpoint's tokenizer, else gpt2)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=200, help="default: 200")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="0 = greedy (argmax); default: 0.8"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=200,
+        help="sample among the k likeliest tokens; 0 = off; default: 200",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the likeliest tokens whose probability reaches p, in (0, 1]; "
+        "1.0 = off (default)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="one seed, one output (default: a random seed, shown on stderr)",
+    )
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="rerun the model on the whole sequence each step (the slow reference path)",
+    )
+    p.add_argument(
+        "--cache",
+        choices=["static", "concat"],
+        default="static",
+        help="static: buffers preallocated for the whole context (default); "
+        "concat: grown by concatenation each step",
+    )
+    p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop once the generated text contains this string (kept in the output); repeatable",
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="cast the weights to this type (float16 only on CUDA); default: float32",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="no streaming: print one JSON object per prompt per line",
+    )
+    return p
+
+
+def status(what: str, value: object) -> None:
+    print(f"[{PROG}] {what}: {value}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Flags -> settings, each checked before anything slow happens
+# ---------------------------------------------------------------------------
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    # torch's default generator starts from the same seed in every process, so an unseeded
+    # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
+    seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop_at_eot=not args.no_stop_at_eot,
+        stop_strings=tuple(args.stop),
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
+    """The prompts (--prompt ones first, then the file's), and how many blank lines were skipped."""
+    prompts = list(args.prompt or [])
+    blank_lines = 0
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise RoseError(f"prompt file not found: {path}")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise RoseError(f"prompt file {path} is not UTF-8 text") from None
+        from_file = [line for line in lines if line.strip()]
+        if not from_file:
+            raise RoseError(f"prompt file {path} holds no prompts (blank lines are skipped)")
+        prompts += from_file
+        blank_lines = len(lines) - len(from_file)
+    return prompts or [""], blank_lines
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RoseError(
+            "--device cuda, but CUDA is not available here (no GPU, or a CPU-only torch); "
+            "use --device cpu or auto"
+        )
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "float16" and device.type == "cpu":
+        raise RoseError("float16 is not supported on CPU; use bfloat16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RoseError(
+            f"bfloat16 is not supported on {torch.cuda.get_device_name(device)}; "
+            f"use float16 or float32"
+        )
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------
+# Model and tokenizer
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_file(path_arg: str | None) -> Path:
+    """The .pt to load: the one named, best.pt / last.pt of a run directory, or the newest."""
+    if path_arg is None:
+        latest = find_latest_checkpoint("checkpoints")
+        if latest is None:
+            raise RoseError(
+                "no checkpoint given and none under checkpoints/: train one with "
+                "`python -m rosetrainer.train --preset tiny`, or pass --checkpoint-path or --hf-model"
+            )
+        return latest
+    path = Path(path_arg)
+    if path.is_dir():
+        for name in ("best.pt", "last.pt"):
+            if (path / name).is_file():
+                return path / name
+    return path  # load_model says what is wrong with it, if anything
+
+
+def load_model_and_tokenizer(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[GPT, Tokenizer, str]:
+    """The model in eval mode, its tokenizer, and where the model came from."""
+    if args.hf_model:
+        model, source, trained_with = load_hf_gpt2(args.hf_model, device), args.hf_model, "gpt2"
+    else:
+        path = checkpoint_file(args.checkpoint_path)
+        model, ckpt = load_model(path, device)
+        source, trained_with = str(path), ckpt.get("tokenizer_name", "gpt2")
+    model = model.to(dtype).eval()
+    tokenizer = Tokenizer(args.tokenizer_name or trained_with)
+    vocab_size = model.config.vocab_size
+    if tokenizer.n_vocab > vocab_size:
+        raise RoseError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} tokens but the model's "
+            f"vocabulary has {vocab_size}: use the tokenizer the model was trained with"
+        )
+    return model, tokenizer, source
+
+
+def encode_prompts(prompts: list[str], tokenizer: Tokenizer, block_size: int) -> list[list[int]]:
+    """Token ids per prompt; an empty prompt starts from <|endoftext|>, as in training."""
+    encoded = []
+    for number, prompt in enumerate(prompts, start=1):
+        ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+        if len(ids) > block_size:
+            raise RoseError(
+                f"prompt {number} has {len(ids)} tokens but the model's context (block_size) is "
+                f"{block_size}: shorten it"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+# ---------------------------------------------------------------------------
+# Generation, streamed or as JSON
+# ---------------------------------------------------------------------------
+
+
+def write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def generate_streaming(
+    prompt: str, generate_one: Callable[..., GenerationResult], tokenizer: Tokenizer
+) -> GenerationResult:
+    """Print the prompt, each piece of text as its tokens arrive, and a final newline."""
+    decoder = tokenizer.stream_decoder()
+    write(prompt)
+    try:
+        return generate_one(on_token=lambda token: write(decoder.push(token)))
+    finally:  # also on Ctrl-C: what was held back, and the line ends
+        write(decoder.flush() + "\n")
+
+
+def as_json(prompt: str, result: GenerationResult, tokenizer: Tokenizer) -> str:
+    tokens_per_s = result.tokens_per_s
+    return json.dumps(
+        {
+            "prompt": prompt,
+            "prompt_token_ids": result.prompt_ids,
+            "token_ids": result.token_ids,
+            "text": tokenizer.decode(result.token_ids),
+            "finish_reason": result.finish_reason,
+            "time_to_first_token_ms": round(result.time_to_first_token_s * 1000, 3),
+            "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 3),
+            "total_time_ms": round(result.total_time_s * 1000, 3),
+        },
+        ensure_ascii=False,
+    )
+
+
+def report(result: GenerationResult) -> None:
+    status("prompt tokens", len(result.prompt_ids))
+    status("new tokens", len(result.token_ids))
+    status("finish reason", result.finish_reason)
+    status("time to first token", f"{result.time_to_first_token_s * 1000:.1f} ms")
+    tokens_per_s = result.tokens_per_s
+    status(
+        "tokens/s",
+        "n/a (fewer than 2 tokens)" if math.isnan(tokens_per_s) else f"{tokens_per_s:.1f}",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = generation_config(args)
+    prompts, blank_lines = read_prompts(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    model, tokenizer, source = load_model_and_tokenizer(args, device, dtype)
+    prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+    cache = None
+    if not args.no_kv_cache:
+        cache = StaticKVCache(model) if args.cache == "static" else ConcatKVCache()
+
+    status("device", device)
+    status("dtype", args.dtype)
+    status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
+    status("tokenizer", tokenizer.name)
+    status("kv cache", "off (uncached reference)" if cache is None else args.cache)
+    random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
+    status("seed", f"{config.seed}{random_seed}")
+    if args.prompt_file:
+        status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
+
+    for prompt, ids in zip(prompts, prompt_ids, strict=True):
+        if cache is not None:
+            cache.reset()  # each prompt starts from an empty cache
+        generate_one = functools.partial(
+            generate,
+            model,
+            ids,
+            config,
+            use_cache=cache is not None,
+            cache=cache,
+            eot_id=tokenizer.eot_id,
+            decode=tokenizer.decode,
+        )
+        if args.json:
+            result = generate_one()
+            print(as_json(prompt, result, tokenizer), flush=True)
+        else:
+            result = generate_streaming(prompt, generate_one, tokenizer)
+        report(result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(lambda: _main(argv), PROG)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        return run(build_parser().parse_args(argv))
+    except KeyboardInterrupt:
+        status("interrupted", "stopped by Ctrl-C")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout was closed early (e.g. piped into `head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    main()

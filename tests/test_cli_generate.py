@@ -1,0 +1,322 @@
+"""rose-generate end to end: text on stdout, status on stderr, one clear line per mistake.
+
+A few runs are real subprocesses (what a user types); the many bad-input cases call
+`main(argv)` in this process, which goes through the same `run_cli` wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import assert_clear_margins
+
+from roseinfer import cli_generate
+from roseinfer.generate import GenerationConfig, generate
+from rosetrainer.checkpoint import save_checkpoint
+from rosetrainer.config import GPTConfig
+from rosetrainer.hf import load_hf_gpt2
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import StreamDecoder, Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+JSON_FIELDS = {
+    "prompt",
+    "prompt_token_ids",
+    "token_ids",
+    "text",
+    "finish_reason",
+    "time_to_first_token_ms",
+    "tokens_per_s",
+    "total_time_ms",
+}
+
+
+# Tiny models on a shared 2-core machine run faster on one thread.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+# GPT-2's vocabulary, so the gpt2 tokenizer can decode whatever it samples.
+TINY = GPTConfig(vocab_size=50257, block_size=64, n_layer=1, n_head=2, n_embd=32)
+
+
+def write_checkpoint(path: Path, config: GPTConfig = TINY) -> None:
+    """A tiny rose checkpoint in the trainer's format."""
+    torch.manual_seed(0)
+    state = {
+        "model": GPT(config).state_dict(),
+        "model_config": config.to_dict(),
+        "tokenizer_name": "gpt2",
+    }
+    save_checkpoint(path, state)
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A training run's directory holding best.pt."""
+    directory = tmp_path_factory.mktemp("tiny_run")
+    write_checkpoint(directory / "best.pt")
+    return directory
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "roseinfer.cli_generate", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, env=ONE_THREAD, timeout=120)
+
+
+def main(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_generate.main([str(arg) for arg in args])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+# -- real processes --
+
+
+def test_streamed_text_equals_the_json_text(run_dir: Path) -> None:
+    prompt = "Hello, 世界"
+    args = [
+        "--checkpoint-path", run_dir, "--prompt", prompt, "--prompt", "",
+        "--max-new-tokens", "16", "--seed", "5", "--no-stop-at-eot",
+    ]  # fmt: skip
+    streamed = cli(*args)
+    as_json = cli(*args, "--json")
+    for done in (streamed, as_json):
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+
+    results = json_lines(as_json.stdout)
+    assert [r["prompt"] for r in results] == [prompt, ""]
+    tokenizer = Tokenizer("gpt2")
+    for result in results:
+        assert set(result) == JSON_FIELDS
+        assert len(result["token_ids"]) == 16
+        assert result["finish_reason"] == "length"
+        assert result["text"] == tokenizer.decode(result["token_ids"])
+        assert result["time_to_first_token_ms"] > 0
+        assert result["total_time_ms"] >= result["time_to_first_token_ms"]
+        assert result["tokens_per_s"] > 0
+    assert results[0]["prompt_token_ids"] == tokenizer.encode(prompt)
+    assert results[1]["prompt_token_ids"] == [tokenizer.eot_id]  # an empty prompt
+    # The stream is the prompt, then its continuation, then a newline, per prompt.
+    assert streamed.stdout == "".join(r["prompt"] + r["text"] + "\n" for r in results)
+
+    status_lines = streamed.stderr.splitlines()
+    assert all(line.startswith("[roseinfer] ") for line in status_lines)
+    assert "[roseinfer] device: cpu" in status_lines
+    assert "[roseinfer] dtype: float32" in status_lines
+    n_params = GPT(TINY).num_params(non_embedding=False)
+    assert f"[roseinfer] model: {run_dir / 'best.pt'} ({n_params:,} params)" in status_lines
+    assert f"[roseinfer] prompt tokens: {len(tokenizer.encode(prompt))}" in status_lines
+    assert "[roseinfer] finish reason: length" in status_lines
+    assert re.search(r"^\[roseinfer\] time to first token: \d+\.\d ms$", streamed.stderr, re.M)
+    assert re.search(r"^\[roseinfer\] tokens/s: \d+\.\d$", streamed.stderr, re.M)
+
+
+def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
+    prompt = "The quick brown fox"
+    done = cli(
+        "--hf-model", hf_gpt2_dir, "--prompt", prompt, "--temperature", "0",
+        "--max-new-tokens", "12", "--no-stop-at-eot", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [result] = json_lines(done.stdout)
+    model = load_hf_gpt2(str(hf_gpt2_dir)).eval()
+    config = GenerationConfig(max_new_tokens=12, stop_at_eot=False)
+    prompt_ids = Tokenizer("gpt2").encode(prompt)
+    expected = generate(model, prompt_ids, config, use_cache=False, keep_logits=True)
+    assert_clear_margins(expected.step_logits)
+    assert result["token_ids"] == expected.token_ids
+    assert f"[roseinfer] model: {hf_gpt2_dir} (" in done.stderr
+
+
+def test_no_checkpoint_anywhere_says_how_to_train_one(tmp_path: Path) -> None:
+    console_script = Path(sys.executable).with_name("rose-generate")
+    done = subprocess.run(
+        [console_script], capture_output=True, text=True, cwd=tmp_path, env=ONE_THREAD, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith("[roseinfer] error: no checkpoint given and none under checkpoints/")
+    assert "python -m rosetrainer.train --preset tiny" in line
+
+
+# -- in this process --
+
+
+@pytest.fixture(scope="module")
+def bad_files(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of things that are not a usable checkpoint (and no prompts.txt)."""
+    folder = tmp_path_factory.mktemp("bad_files")
+    (folder / "garbage.pt").write_bytes(b"not a checkpoint at all")
+    real = (run_dir / "best.pt").read_bytes()
+    (folder / "truncated.pt").write_bytes(real[: len(real) // 2])
+    (folder / "empty_run").mkdir()
+    small_vocab = GPTConfig(vocab_size=512, block_size=64, n_layer=1, n_head=2, n_embd=32)
+    write_checkpoint(folder / "small_vocab.pt", small_vocab)
+    return folder
+
+
+BAD_INPUTS = {
+    "missing checkpoint": (["--checkpoint-path", "{tmp}/nope.pt"], "checkpoint not found"),
+    "corrupt checkpoint": (["--checkpoint-path", "{tmp}/garbage.pt"], "not a PyTorch checkpoint"),
+    "truncated checkpoint": (["--checkpoint-path", "{tmp}/truncated.pt"], "is truncated"),
+    "run dir without checkpoints": (["--checkpoint-path", "{tmp}/empty_run"], "no .pt files"),
+    "unknown tokenizer": (["--tokenizer-name", "nope"], "unknown tokenizer 'nope'"),
+    "tokenizer bigger than the model": (
+        ["--checkpoint-path", "{tmp}/small_vocab.pt"],
+        "'gpt2' has 50257 tokens but the model's vocabulary has 512",
+    ),
+    "top_p zero": (["--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
+    "top_p over one": (["--top-p", "1.5"], "top_p must be in"),
+    "negative top_k": (["--top-k", "-1"], "top_k must be an integer >= 0"),
+    "negative temperature": (["--temperature", "-0.5"], "temperature must be >= 0"),
+    "negative max_new_tokens": (["--max-new-tokens", "-1"], "max_new_tokens must be >= 0"),
+    "float16 on CPU": (
+        ["--device", "cpu", "--dtype", "float16"],
+        "float16 is not supported on CPU; use bfloat16 or float32",
+    ),
+    "prompt over the context": (
+        ["--prompt", "word " * 80],
+        r"prompt 1 has \d+ tokens but the model's context \(block_size\) is 64",
+    ),
+    "missing prompt file": (["--prompt-file", "{tmp}/prompts.txt"], "prompt file not found"),
+    "empty stop string": (["--stop", ""], "stop strings must not be empty"),
+    "argparse: not an int": (["--max-new-tokens", "many"], "invalid int value: 'many'"),
+    "argparse: unknown device": (["--device", "tpu"], "invalid choice: 'tpu'"),
+    "argparse: two model sources": (["--hf-model", "{tmp}"], "not allowed with"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_code_2(
+    case: str, run_dir: Path, bad_files: Path, capsys: pytest.CaptureFixture
+) -> None:
+    case_args, message = BAD_INPUTS[case]
+    args = ["--checkpoint-path", run_dir] + [arg.format(tmp=bad_files) for arg in case_args]
+    code, out, err = main(capsys, *args)
+    assert code == 2
+    assert out == ""
+    [line] = err.splitlines()
+    assert line.startswith("[roseinfer] error: ")
+    assert re.search(message, line), line
+
+
+def test_cuda_asked_for_where_there_is_none(
+    run_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = main(capsys, "--checkpoint-path", run_dir, "--device", "cuda")
+    assert code == 2
+    assert err == (
+        "[roseinfer] error: --device cuda, but CUDA is not available here (no GPU, or a "
+        "CPU-only torch); use --device cpu or auto\n"
+    )
+
+
+def test_bfloat16_on_a_gpu_without_it(
+    run_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    code, _, err = main(
+        capsys, "--checkpoint-path", run_dir, "--device", "cuda", "--dtype", "bfloat16"
+    )
+    assert code == 2
+    assert err == (
+        "[roseinfer] error: bfloat16 is not supported on Tesla T4; use float16 or float32\n"
+    )
+
+
+def run_json(capsys: pytest.CaptureFixture, *args: str | Path) -> list[dict]:
+    code, out, err = main(capsys, "--json", *args)
+    assert code == 0, err
+    return json_lines(out)
+
+
+def test_every_path_and_every_prompt_start_fresh(
+    run_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Two prompts in one run equal each prompt alone, whatever cache (or none) carries them."""
+    common = ["--checkpoint-path", run_dir, "--max-new-tokens", "10", "--seed", "11"]
+    prompts = ["--prompt", "To be", "--prompt", "or not"]
+    together = run_json(capsys, *common, *prompts)
+    alone = [run_json(capsys, *common, "--prompt", p)[0] for p in ("To be", "or not")]
+    assert [r["token_ids"] for r in together] == [r["token_ids"] for r in alone]
+    for path in (["--cache", "concat"], ["--no-kv-cache"]):
+        other = run_json(capsys, *common, *prompts, *path)
+        assert [r["token_ids"] for r in other] == [r["token_ids"] for r in together]
+
+
+def test_no_prompt_is_one_empty_prompt_and_the_newest_checkpoint_is_found(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_checkpoint(tmp_path / "checkpoints" / "tiny" / "last.pt")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = main(capsys, "--json", "--max-new-tokens", "3", "--dtype", "bfloat16")
+    assert code == 0, err
+    [result] = json_lines(out)
+    assert result["prompt"] == ""
+    assert result["prompt_token_ids"] == [50256]
+    assert len(result["token_ids"]) == 3
+    assert f"[roseinfer] model: {Path('checkpoints/tiny/last.pt')} (" in err
+    assert "[roseinfer] dtype: bfloat16" in err
+
+
+def test_prompt_file_skips_blank_lines(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first line\n\n   \nsecond, 第二\n", encoding="utf-8")
+    code, out, err = main(
+        capsys, "--checkpoint-path", run_dir, "--prompt-file", prompts, "--max-new-tokens", "2"
+    )
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("first line")
+    assert out.splitlines()[1].startswith("second, 第二")
+    assert len(out.splitlines()) == 2
+    assert f"[roseinfer] prompt file: {prompts} (2 blank lines skipped)" in err.splitlines()
+
+
+def test_stop_string(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    common = ["--checkpoint-path", run_dir, "--seed", "2", "--max-new-tokens", "30"]
+    [full] = run_json(capsys, *common, "--prompt", "Once")
+    stop = full["text"][10:13]  # three characters from the middle of the text
+    [stopped] = run_json(capsys, *common, "--prompt", "Once", "--stop", stop)
+    assert stopped["finish_reason"] == "stop_string"
+    assert stop in stopped["text"]
+    assert full["text"].startswith(stopped["text"])
+    assert len(stopped["token_ids"]) < len(full["token_ids"])
+
+
+def test_ctrl_c_while_streaming_stops_cleanly(
+    run_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pushed = []
+    real_push = StreamDecoder.push
+
+    def push_then_interrupt(self: StreamDecoder, token_id: int) -> str:
+        pushed.append(token_id)
+        if len(pushed) == 3:
+            raise KeyboardInterrupt
+        return real_push(self, token_id)
+
+    monkeypatch.setattr(StreamDecoder, "push", push_then_interrupt)
+    code, out, err = main(capsys, "--checkpoint-path", run_dir, "--prompt", "Hi", "--seed", "1")
+    assert code == 130
+    assert out.startswith("Hi") and out.endswith("\n")
+    assert err.splitlines()[-1] == "[roseinfer] interrupted: stopped by Ctrl-C"
+    assert "error" not in err
