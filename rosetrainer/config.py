@@ -77,6 +77,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     # optimisation
     max_steps: int = 600
+    lr_decay_steps: int | None = None  # length of the cosine decay; None: max_steps
     learning_rate: float = 2e-3
     min_lr: float = 2e-4
     warmup_steps: int = 30
@@ -104,6 +105,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RoseError(f"train config: {name} must be a positive integer, got {value!r}")
+        decay = self.lr_decay_steps
+        if decay is not None and (
+            not isinstance(decay, int) or isinstance(decay, bool) or decay < 1
+        ):
+            raise RoseError(
+                f"train config: lr_decay_steps must be a positive integer, got {decay!r}"
+            )
         if self.warmup_steps < 0 or self.sample_tokens < 0:
             raise RoseError("train config: warmup_steps and sample_tokens must be >= 0")
         if not (self.learning_rate > 0 and 0 <= self.min_lr <= self.learning_rate):

@@ -1,0 +1,95 @@
+"""Where a training process computes: its device, its autocast dtype, its torchrun rank.
+
+Under `torchrun --nproc_per_node=N` every process gets RANK, LOCAL_RANK and
+WORLD_SIZE in its environment; `setup_device` reads them, picks one GPU per
+process (or the CPU), and joins the process group (NCCL on GPUs, Gloo on CPUs).
+A plain `python -m ...` run is rank 0 of a world of one, and joins nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rosetrainer.errors import RoseError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Runtime:
+    """The device, the autocast dtype, and which of the torchrun processes this is."""
+
+    device: torch.device
+    dtype: torch.dtype  # the autocast compute dtype; float32 means no autocast
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        enabled = self.dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=enabled)
+
+    def synchronize(self) -> None:
+        """Wait for queued GPU work, so that a clock reading means what it says."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def setup_device(device: str = "auto", dtype: str = "float32") -> Runtime:
+    """Check the device and dtype asked for, and join the process group under torchrun."""
+    if dtype not in DTYPES:
+        raise RoseError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RoseError(
+            f"--device {device} asks for CUDA, but this PyTorch sees no GPU; use --device cpu (or auto)"
+        )
+    if not use_cuda:
+        torch_device = torch.device("cpu")
+    elif world_size > 1:
+        torch_device = torch.device("cuda", local_rank)  # one GPU per process
+    else:
+        torch_device = torch.device("cuda" if device == "auto" else device)
+
+    if dtype == "float16" and torch_device.type != "cuda":
+        raise RoseError(
+            "--dtype float16 trains only on CUDA (it needs loss scaling and fast fp16 kernels); "
+            "on CPU use float32 or bfloat16"
+        )
+    if dtype == "bfloat16" and torch_device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RoseError("this GPU has no bfloat16 support; use --dtype float16 or float32")
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: much faster, same training
+    if world_size > 1:
+        dist.init_process_group(backend="nccl" if torch_device.type == "cuda" else "gloo")
+    return Runtime(torch_device, DTYPES[dtype], rank, world_size)
+
+
+def mean_over_ranks(values: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """The mean of `values` over all processes (the values themselves in a single process)."""
+    if rt.distributed:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= rt.world_size
+    return values
+
+
+def shutdown(rt: Runtime) -> None:
+    if rt.distributed:
+        dist.destroy_process_group()

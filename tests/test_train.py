@@ -1,0 +1,299 @@
+"""The trainer: schedule, activation checkpointing, exact resume, configs, errors, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosetrainer.checkpoint import load_checkpoint
+from rosetrainer.config import GPTConfig, TrainConfig
+from rosetrainer.errors import RoseError
+from rosetrainer.model import GPT
+from rosetrainer.train import cli, learning_rate_at, main, resolve_configs
+
+# A model small enough that a step takes milliseconds; the vocabulary stays GPT-2's.
+TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory, tinyshakespeare_path: Path) -> Path:
+    """The first 20,000 characters of TinyShakespeare: ~5,000 tokens."""
+    path = tmp_path_factory.mktemp("text") / "shakespeare.txt"
+    path.write_text(tinyshakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return path
+
+
+def tiny_run(text_file: Path, run_dir: Path, *extra: str) -> list[str]:
+    """Flags for a few-millisecond-per-step run on text_file, writing to run_dir."""
+    data_dir = text_file.parent / "data"
+    return [
+        "--text-file", str(text_file), "--data-dir", str(data_dir), "--checkpoint-path",
+        str(run_dir), *TINY_MODEL, "--batch-size", "4", "--eval-iters", "2",
+        "--warmup-steps", "2", "--sample-tokens", "0", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+
+
+# ---------------------------------------------------------------------------
+# The learning-rate schedule
+# ---------------------------------------------------------------------------
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None:
+    cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    # Warmup: step s (0-based) gets (s + 1) / 10 of the peak.
+    assert learning_rate_at(0, cfg) == pytest.approx(1e-4)
+    assert learning_rate_at(4, cfg) == pytest.approx(5e-4)
+    assert learning_rate_at(9, cfg) == pytest.approx(1e-3)
+    # Cosine over steps 10..110: the peak at its start, halfway between at its middle.
+    assert learning_rate_at(10, cfg) == pytest.approx(1e-3)
+    assert learning_rate_at(60, cfg) == pytest.approx(5.5e-4)
+    assert learning_rate_at(35, cfg) == pytest.approx(1e-4 + 9e-4 * (1 + math.cos(math.pi / 4)) / 2)
+    decay = [learning_rate_at(s, cfg) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:], strict=False))
+    # From lr_decay_steps (default max_steps) on: min_lr, for a run extended past it too.
+    assert learning_rate_at(110, cfg) == pytest.approx(1e-4)
+    assert learning_rate_at(500, cfg) == pytest.approx(1e-4)
+
+
+def test_lr_decay_steps_sets_the_schedule_length_independently_of_max_steps() -> None:
+    cfg = TrainConfig(
+        learning_rate=1e-3, min_lr=0.0, warmup_steps=0, max_steps=50, lr_decay_steps=200
+    )
+    assert learning_rate_at(100, cfg) == pytest.approx(5e-4)  # halfway through the decay
+    assert learning_rate_at(49, cfg) > 5e-4
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing
+# ---------------------------------------------------------------------------
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_every_gradient() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, block_size=32, n_layer=3, n_head=2, n_embd=32)).train()
+    idx = torch.randint(300, (4, 32))
+    targets = torch.randint(300, (4, 32))
+
+    def run(checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Loss, gradients, and how many numbers the forward kept for the backward."""
+        model.zero_grad(set_to_none=True)
+        model.activation_checkpointing = checkpointing
+        kept = []
+
+        def count(tensor: torch.Tensor) -> torch.Tensor:
+            kept.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+            loss = model(idx, targets).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(kept)
+
+    loss_plain, grads_plain, kept_plain = run(checkpointing=False)
+    loss_ckpt, grads_ckpt, kept_ckpt = run(checkpointing=True)
+
+    assert kept_ckpt < kept_plain / 2, "checkpointing must keep fewer activations for backward"
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=0)
+    assert grads_ckpt.keys() == grads_plain.keys()
+    for name, grad in grads_plain.items():
+        assert grad.abs().sum() > 0, f"{name} got no gradient"
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Exact resume, through the command line (in this process)
+# ---------------------------------------------------------------------------
+
+RESUME_FLAGS = ["--grad-accum-steps", "2", "--dropout", "0.1", "--eval-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight_and_resumed(
+    text_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """6 steps in one go; and 3 steps (schedule still 6 long), stop, resume to 6."""
+    root = tmp_path_factory.mktemp("runs")
+    straight, resumed = root / "straight", root / "resumed"
+    assert cli(tiny_run(text_file, straight, *RESUME_FLAGS, "--max-steps", "6")) == 0
+    first_half = [*RESUME_FLAGS, "--max-steps", "3", "--lr-decay-steps", "6"]
+    assert cli(tiny_run(text_file, resumed, *first_half)) == 0
+    assert load_checkpoint(resumed / "last.pt")["step"] == 3
+    # Only what may change is given: everything else comes from the checkpoint.
+    assert cli(["--checkpoint-path", str(resumed), "--resume", "--max-steps", "6"]) == 0
+    return straight, resumed
+
+
+def test_resume_continues_exactly_where_the_run_stopped(
+    straight_and_resumed: tuple[Path, Path],
+) -> None:
+    straight, resumed = straight_and_resumed
+    straight_losses = train_losses(straight)
+    assert [step for step, _ in straight_losses] == [1, 2, 3, 4, 5, 6]
+    assert train_losses(resumed) == straight_losses  # bit for bit: same weights, data, dropout
+
+    final_straight = load_checkpoint(straight / "last.pt")
+    final_resumed = load_checkpoint(resumed / "last.pt")
+    assert final_resumed["step"] == final_straight["step"] == 6
+    for name, tensor in final_straight["model"].items():
+        assert torch.equal(final_resumed["model"][name], tensor), name
+    assert torch.equal(final_resumed["data_state"], final_straight["data_state"])
+
+
+def test_a_checkpoint_holds_the_whole_training_state(
+    straight_and_resumed: tuple[Path, Path],
+) -> None:
+    straight, _ = straight_and_resumed
+    ckpt = load_checkpoint(straight / "last.pt")  # weights_only=True: plain data only
+    assert (
+        ckpt["model_config"]
+        == GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1).to_dict()
+    )
+    assert ckpt["train_config"]["grad_accum_steps"] == 2
+    assert ckpt["optimizer"]["state"], "AdamW moments must be saved"
+    assert ckpt["scaler"] is None  # float32: no loss scaling
+    assert ckpt["tokenizer_name"] == "gpt2"
+    assert set(ckpt["rng"]) == {"torch", "cuda", "python"}
+    evals = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    val_losses = [r["val_loss"] for r in evals if r["kind"] == "eval"]
+    assert len(val_losses) == 3  # steps 2, 4, 6
+    assert ckpt["best_val_loss"] == min(val_losses)
+    assert load_checkpoint(straight / "best.pt")["best_val_loss"] == min(val_losses)
+    assert (straight / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--n-embd", "64"], "n_embd=64"),
+        (["--block-size", "64"], "learned positions only up to there"),
+        (["--batch-size", "8"], "batch_size=8"),
+        (["--max-steps", "6"], "pass --max-steps larger than 6"),
+    ],
+)
+def test_resume_refuses_settings_that_would_make_it_another_run(
+    straight_and_resumed: tuple[Path, Path], flags: list[str], message: str
+) -> None:
+    straight, _ = straight_and_resumed
+    args = {"checkpoint_path": str(straight), "resume": True, "max_steps": 10}
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        args[name.removeprefix("--").replace("-", "_")] = int(value)
+    with pytest.raises(RoseError, match=message):
+        resolve_configs(args)
+
+
+# ---------------------------------------------------------------------------
+# Configs from a file and flags
+# ---------------------------------------------------------------------------
+
+
+def test_flags_override_the_config_file_which_overrides_the_preset(tmp_path: Path) -> None:
+    config = tmp_path / "run.json"
+    config.write_text(
+        json.dumps(
+            {
+                "preset": "tiny",
+                "model": {"n_layer": 2, "dropout": 0.2},
+                "train": {"max_steps": 50, "batch_size": 3},
+            }
+        )
+    )
+    model_cfg, train_cfg = resolve_configs({"config": str(config), "max_steps": 7})
+    assert (model_cfg.n_layer, model_cfg.n_embd, model_cfg.dropout) == (
+        2,
+        128,
+        0.2,
+    )  # n_embd: tiny's
+    assert (train_cfg.max_steps, train_cfg.batch_size) == (7, 3)
+    assert train_cfg.checkpoint_path == "checkpoints/tiny"
+
+
+# ---------------------------------------------------------------------------
+# Bad input: one line on stderr, exit code 2
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+        (["--max-steps", "-5"], "max_steps must be a positive integer"),
+        (["--dtype", "float8"], "dtype must be float32, bfloat16 or float16"),
+        (["--dtype", "float16", "--device", "cpu"], "float16 trains only on CUDA"),
+        (["--lr-decay-steps", "0"], "lr_decay_steps must be a positive integer"),
+        (["--config", "no/such/run.toml"], "config file not found"),
+        (["--resume", "--checkpoint-path", "no/such/run"], "checkpoint not found"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(
+    flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["rose-train", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[rosetrainer.train] error: ") and message in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["rose-train", "--device", "cuda"])
+    with pytest.raises(SystemExit, match="2"):
+        main()
+
+
+def test_resuming_from_a_corrupt_checkpoint_fails_cleanly_from_the_shell(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "last.pt").write_bytes(b"PK\x03\x04 not really a zip archive")
+    done = subprocess.run(
+        [sys.executable, "-m", "rosetrainer.train", "--resume", "--checkpoint-path", str(run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("[rosetrainer.train] error: checkpoint ")
+    assert "truncated" in done.stderr and done.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C
+# ---------------------------------------------------------------------------
+
+
+def test_ctrl_c_saves_the_current_step_and_exits_130(text_file: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    flags = tiny_run(text_file, run_dir, "--max-steps", "100000", "--eval-interval", "100000")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rosetrainer.train", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "no training step was logged in time"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    logged_steps = [step for step, _ in train_losses(run_dir)]
+    assert ckpt["step"] == logged_steps[-1] >= 1  # the save is of the last finished step
+    assert f"interrupted at step {ckpt['step']}" in out
