@@ -3,7 +3,7 @@
 Each function has the signature of the invariant it breaks in `rosetrainer/model.py`
 and is what a first attempt at a cache tends to write. Patch one in with
 `unittest.mock.patch.object(rosetrainer.model, "causal_mask", top_left_causal_mask)`
-(or "position_ids", "concat_kv") and the cached output parts from the uncached
+(or "position_ids" with `positions_from_zero`, "concat_kv" with `lose_past_kv`) and the cached output parts from the uncached
 oracle at the first decode step. The prefill is never affected: with no past, each
 buggy version does exactly what the correct one does.
 """
@@ -34,12 +34,19 @@ def positions_from_zero(
     return torch.arange(q_len, device=device)
 
 
-def drop_past_kv(
+def lose_past_kv(
     layer_past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bug: the cached past is ignored; the new tokens attend to their own keys only.
+    """The bug: the past's slots are there, but what was in them is lost (zeros).
 
-    In rose the cache hands back what attention used, so the past is lost for good,
-    and the decode step's mask (sized for past + new) no longer matches the keys.
+    This is a cache that is allocated but never written, or rebuilt each step instead
+    of extended. The shapes all line up, so nothing complains: the new token simply
+    attends to keys and values that no longer say anything about the prompt.
     """
-    return k, v
+    if layer_past is None:
+        return k, v
+    past_k, past_v = layer_past
+    return (
+        torch.cat([torch.zeros_like(past_k), k], dim=2),
+        torch.cat([torch.zeros_like(past_v), v], dim=2),
+    )

@@ -16,7 +16,7 @@ from models import assert_clear_margins, make_test_model
 import rosetrainer.model
 from roseinfer.generate import GenerationConfig, generate
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.naive import drop_past_kv, positions_from_zero, top_left_causal_mask
+from roseinfer.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
 from rosetrainer.errors import RoseError
 from rosetrainer.model import causal_mask, position_ids
 
@@ -61,16 +61,11 @@ def test_positions_from_zero_diverge_at_the_first_decode_step(model, oracle_toke
     assert first_difference(tokens, oracle_tokens) == 1
 
 
-def test_dropped_past_fails_at_the_first_decode_step(model, oracle_tokens) -> None:
-    """Without the past the first decode step cannot even run: its mask spans past + new.
-
-    The prefill has no past to drop, so its token still equals the oracle's.
-    """
-    streamed: list[int] = []
-    with mock.patch.object(rosetrainer.model, "concat_kv", drop_past_kv):
-        with pytest.raises(RuntimeError, match="shape"):
-            generate(model, PROMPT, CONFIG, cache=ConcatKVCache(), on_token=streamed.append)
-    assert streamed == oracle_tokens[:1]
+def test_lost_past_diverges_at_the_first_decode_step(model, oracle_tokens) -> None:
+    with mock.patch.object(rosetrainer.model, "concat_kv", lose_past_kv):
+        tokens = generate(model, PROMPT, CONFIG, cache=ConcatKVCache()).token_ids
+    # The prefill has no past to lose, so its token still equals the oracle's.
+    assert first_difference(tokens, oracle_tokens) == 1
 
 
 def test_the_naive_functions_are_the_bugs_they_name() -> None:
@@ -84,7 +79,9 @@ def test_the_naive_functions_are_the_bugs_they_name() -> None:
     past = (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     new = (torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
     assert rosetrainer.model.concat_kv(past, *new)[0].shape == (1, 2, 4, 4)
-    assert drop_past_kv(past, *new)[0].shape == (1, 2, 1, 4)
+    lost_k, lost_v = lose_past_kv((torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4)), *new)
+    assert lost_k.shape == (1, 2, 4, 4) and lost_k[:, :, :3].abs().sum() == 0
+    assert torch.equal(lost_v[:, :, 3:], new[1])
 
 
 # -- the model's own errors: what a caller got wrong, with the shapes named --
