@@ -40,7 +40,11 @@ JSON_FIELDS = {
 
 
 # Tiny models on a shared 2-core machine run faster on one thread.
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+def one_thread_env() -> dict[str, str]:
+    # Read at call time: the session fixture has set TIKTOKEN_CACHE_DIR by then.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 # GPT-2's vocabulary, so the gpt2 tokenizer can decode whatever it samples.
 TINY = GPTConfig(vocab_size=50257, block_size=64, n_layer=1, n_head=2, n_embd=32)
 
@@ -66,7 +70,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "roseinfer.cli_generate", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, env=ONE_THREAD, timeout=120)
+    return subprocess.run(
+        command, capture_output=True, text=True, env=one_thread_env(), timeout=120
+    )
 
 
 def main(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str, str]:
@@ -144,7 +150,12 @@ def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
 def test_no_checkpoint_anywhere_says_how_to_train_one(tmp_path: Path) -> None:
     console_script = Path(sys.executable).with_name("rose-generate")
     done = subprocess.run(
-        [console_script], capture_output=True, text=True, cwd=tmp_path, env=ONE_THREAD, timeout=120
+        [console_script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=one_thread_env(),
+        timeout=120,
     )
     assert done.returncode == 2
     assert done.stdout == ""

@@ -15,6 +15,7 @@ from models import (
     position_sensitivity,
 )
 
+import roseinfer.generate
 from roseinfer.generate import GenerationConfig, GenerationResult, generate, window_start
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from rosetrainer.errors import RoseError
@@ -138,10 +139,11 @@ def test_cached_path_reprefills_each_time_the_window_fills() -> None:
     model = model_for(shape)
     # Prompt of 1, 48 new tokens, block 16, keep 8: the sequence is cut when it reaches
     # 17 tokens, then every 9 more (26, 35, 44); the 48th token is never fed back.
-    real_reset = ConcatKVCache.reset
-    with mock.patch.object(ConcatKVCache, "reset", autospec=True, side_effect=real_reset) as reset:
+    # One prefill of the prompt, then one re-prefill per cut.
+    real_prefill = roseinfer.generate.prefill
+    with mock.patch.object(roseinfer.generate, "prefill", side_effect=real_prefill) as prefill:
         generate(model, [7], greedy(48))
-    assert reset.call_count == 4
+    assert prefill.call_count == 1 + 4
 
 
 def test_empty_prompt_and_prompt_over_context_are_errors() -> None:
