@@ -21,6 +21,7 @@ cached path re-prefills those; the uncached path reads exactly the same window.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -241,6 +242,8 @@ def generate_batch(
     those of its prompt generated alone. `on_token(row, token)` streams.
     """
     block_size = model.config.block_size
+    if not prompts:
+        raise RoseError("no prompts given: pass at least one list of token ids")
     for prompt in prompts:
         if not prompt:
             raise RoseError("a prompt is empty: start it from the end-of-text token instead")
@@ -262,6 +265,11 @@ def generate_batch(
             results += _run(steps, [prompt], config, eot_id, decode, row_callback, keep_logits)
         return results
     cache = ConcatKVCache() if cache is None else cache
+    if isinstance(cache, StaticKVCache) and cache.batch_size != len(prompts):
+        raise RoseError(
+            f"the static cache holds {cache.batch_size} row(s) but {len(prompts)} prompt(s) "
+            f"were given: build it with StaticKVCache(model, batch_size={len(prompts)})"
+        )
     sample = row_sampler(model, config, n_rows=len(prompts))
     steps = cached_steps(model, prompts, sample, keep, cache, config.prefill_chunk)
     return _run(steps, prompts, config, eot_id, decode, on_token, keep_logits)
@@ -311,9 +319,9 @@ def _run(
     started = time.perf_counter()
     first_token_at = started
     with torch.inference_mode():
-        for step, (tokens, logits) in enumerate(steps):
-            if step == config.max_new_tokens:
-                break
+        # islice never asks for a step past the last one, so the last token is not fed
+        # back through the model for nothing (and max_new_tokens=0 runs no model at all).
+        for step, (tokens, logits) in enumerate(itertools.islice(steps, config.max_new_tokens)):
             if step == 0:
                 first_token_at = time.perf_counter()
             for row, token in enumerate(tokens):

@@ -42,6 +42,11 @@ class ConcatKVCache:
     def forward(self, model: GPT, ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
         attention_mask = None
         if self.pad_lengths is not None:
+            if self.pad_lengths.shape != (ids.size(0),):
+                raise RoseError(
+                    f"pad_lengths has shape {tuple(self.pad_lengths.shape)}, but {ids.size(0)} "
+                    f"row(s) of ids were given: give one left-padding length per row"
+                )
             # The model wants the mask over past + new: a slot is real once past the padding.
             slots = torch.arange(self.seq_len + ids.size(1), device=ids.device)
             attention_mask = slots[None, :] >= self.pad_lengths[:, None]
@@ -127,15 +132,15 @@ class StaticKVCache:
 
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
         """Forget every position; the buffers stay (stale slots are masked until rewritten)."""
+        if pad_lengths is not None and pad_lengths.shape != (self.batch_size,):
+            raise RoseError(
+                f"pad_lengths has shape {tuple(pad_lengths.shape)}, but the cache holds "
+                f"{self.batch_size} rows: give one left-padding length per row"
+            )
         self.seq_len = 0
         self.pad_lengths = pad_lengths
         self.real_slots = None  # (B, max_len): slot holds a real token, not padding
         if pad_lengths is not None:
-            if pad_lengths.shape != (self.batch_size,):
-                raise RoseError(
-                    f"pad_lengths has shape {tuple(pad_lengths.shape)}, but the cache holds "
-                    f"{self.batch_size} rows"
-                )
             slots = torch.arange(self.max_len, device=self.causal_rows.device)
             self.real_slots = slots[None, :] >= pad_lengths[:, None]
 

@@ -236,6 +236,13 @@ class GPT(nn.Module):
             # holds the full causal mask and hands out its rows for those slots.
             if input_pos is None:
                 raise RoseError("a preallocated cache needs input_pos, the slots of the new tokens")
+            if attention_mask is not None:
+                raise RoseError(
+                    "a preallocated cache carries its own padding (reset it with pad_lengths); "
+                    "attention_mask is for a list of (k, v) only"
+                )
+            if validate:
+                self._check_slots(past_kv, B, T, input_pos)
             pos = past_kv.position_ids(input_pos)
             attn_mask = past_kv.mask_rows(input_pos)
             layer_pasts = past_kv.layers
@@ -248,12 +255,7 @@ class GPT(nn.Module):
                 pos = position_ids(past_len, T, device)
                 attn_mask = None if past_len == 0 else causal_mask(T, kv_len, device)
             else:
-                if attention_mask.shape != (B, kv_len):
-                    raise RoseError(
-                        f"attention mask covers {attention_mask.shape[-1]} positions "
-                        f"(shape {tuple(attention_mask.shape)}), but past ({past_len}) + "
-                        f"new ({T}) = {kv_len} for a batch of {B}"
-                    )
+                self._check_attention_mask(attention_mask, B, past_len, T)
                 pos = padded_position_ids(attention_mask)[:, past_len:]
                 attn_mask = padding_mask(causal_mask(T, kv_len, device), attention_mask)
             layer_pasts = past_kv if past_kv is not None else [None] * self.config.n_layer
@@ -324,6 +326,38 @@ class GPT(nn.Module):
                         f"past_kv layer {i} {name} has shape {tuple(t.shape)}, expected "
                         f"{expected} (batch, n_head, past_len, head_dim)"
                     )
+
+    def _check_attention_mask(
+        self, attention_mask: torch.Tensor, B: int, past_len: int, T: int
+    ) -> None:
+        shape = tuple(attention_mask.shape)
+        if attention_mask.dim() != 2 or shape[0] != B:
+            raise RoseError(
+                f"attention mask has shape {shape}, but idx has a batch of {B}: it must be "
+                f"(batch, past + new) = ({B}, {past_len + T})"
+            )
+        if shape[1] != past_len + T:
+            raise RoseError(
+                f"attention mask covers {shape[1]} positions (shape {shape}), but past "
+                f"({past_len}) + new ({T}) = {past_len + T}"
+            )
+
+    def _check_slots(self, cache: object, B: int, T: int, input_pos: torch.Tensor) -> None:
+        """A preallocated cache's rows and slots must fit the new tokens (an out-of-range
+        slot would be an index error on CPU and a device-side assert on CUDA)."""
+        cache_rows, _, n_slots, _ = cache.layers[0].k.shape
+        if cache_rows != B:
+            raise RoseError(f"the cache holds {cache_rows} row(s), but idx has a batch of {B}")
+        if tuple(input_pos.shape) != (T,):
+            raise RoseError(
+                f"input_pos has shape {tuple(input_pos.shape)}, but idx has {T} new token(s): "
+                f"give one cache slot per new token, shape ({T},)"
+            )
+        low, high = int(input_pos.min()), int(input_pos.max())
+        if low < 0 or high >= n_slots:
+            raise RoseError(
+                f"input_pos {low}..{high} falls outside the cache's slots 0..{n_slots - 1}"
+            )
 
     # -- training helpers --
 

@@ -28,10 +28,15 @@ import torch
 from torch import nn
 
 import rosetrainer.model
+from roseinfer.generate import GenerationResult
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
 
 MIN_MARGIN = 1e-4
+# fp32 on CPU: the cached paths do the same sums in another order (a masked softmax over
+# the whole static buffer, a decode query alone, a padded batch), so logits agree to
+# rounding only.
+LOGIT_ATOL = 1e-5
 
 
 def make_test_model(
@@ -117,3 +122,15 @@ def position_sensitivity(model: GPT, tokens: Sequence[int], shift: int = 1) -> f
         with mock.patch.object(rosetrainer.model, "position_ids", shifted):
             shifted_choice = model(idx).logits.argmax(-1)
     return float((true_choice != shifted_choice).float().mean())
+
+
+def assert_matches_oracle(result: GenerationResult, expected: GenerationResult) -> float:
+    """Tokens identical, logits within LOGIT_ATOL at every step; return the max difference."""
+    assert result.token_ids == expected.token_ids
+    assert len(result.step_logits) == len(expected.step_logits)
+    max_diff = 0.0
+    for step, (got, want) in enumerate(zip(result.step_logits, expected.step_logits, strict=True)):
+        diff = float((got - want).abs().max())
+        assert diff <= LOGIT_ATOL, f"step {step}: logits differ by {diff:.2e}"
+        max_diff = max(max_diff, diff)
+    return max_diff

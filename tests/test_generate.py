@@ -10,6 +10,7 @@ import pytest
 import torch
 from models import (
     assert_clear_margins,
+    assert_matches_oracle,
     assert_varied,
     make_test_model,
     position_sensitivity,
@@ -21,10 +22,6 @@ from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-# fp32 on CPU: the cached paths do the same sums in another order (a masked softmax over
-# the whole static buffer, a decode query alone), so logits agree to rounding only.
-LOGIT_ATOL = 1e-5
 
 SHAPES = {
     "1L-2H-32d-ctx16": dict(n_layer=1, n_head=2, n_embd=32, block_size=16),
@@ -64,18 +61,6 @@ def oracle(shape: str, length: str, window_keep: int | None = None) -> Generatio
     result = generate(model, prompt_for(shape, length), config, use_cache=False, keep_logits=True)
     assert_clear_margins(result.step_logits)
     return result
-
-
-def assert_matches_oracle(result: GenerationResult, expected: GenerationResult) -> float:
-    """Tokens identical, logits within LOGIT_ATOL at every step; return the max difference."""
-    assert result.token_ids == expected.token_ids
-    assert len(result.step_logits) == len(expected.step_logits)
-    max_diff = 0.0
-    for step, (got, want) in enumerate(zip(result.step_logits, expected.step_logits, strict=True)):
-        diff = float((got - want).abs().max())
-        assert diff <= LOGIT_ATOL, f"step {step}: logits differ by {diff:.2e}"
-        max_diff = max(max_diff, diff)
-    return max_diff
 
 
 @pytest.mark.parametrize("cache_kind", ["concat", "static"])
