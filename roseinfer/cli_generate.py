@@ -3,13 +3,15 @@
     python -m roseinfer.cli_generate --prompt "ROMEO:" --max-new-tokens 100
 
 Reading order: parse the flags (bad values fail before anything loads), pick the
-device and dtype, load the model and its tokenizer, encode the prompts, then for each
-prompt generate with streaming and report. Every check runs before the first status
-line, so a mistake is told in exactly one line (`[roseinfer] error: ...`, exit code 2).
+device and dtype, load the model and its tokenizer, encode the prompts, then generate
+for the prompts in batches (one left-padded batch of up to --batch-size prompts at a
+time) and report. Every check runs before the first status line, so a mistake is told
+in exactly one line (`[roseinfer] error: ...`, exit code 2).
 
 stdout carries only the text (the prompt, then its continuation, then a newline) or,
-with --json, one JSON object per prompt per line; every status line goes to stderr
-as `[roseinfer] what: value`.
+with --json, one JSON object per prompt per line, in prompt order. A batch of one
+prompt streams its text as it is made; a batch of several prints each prompt's text
+once the batch is done. Every status line goes to stderr as `[roseinfer] what: value`.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import math
 import os
 import random
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
-from roseinfer.generate import GenerationConfig, GenerationResult, generate
+from roseinfer.generate import GenerationConfig, GenerationResult, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import find_latest_checkpoint, load_model
@@ -37,6 +40,7 @@ from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "roseinfer"
+DEFAULT_BATCH_SIZE = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m roseinfer.cli_generate",
         description="Generate text with a rose checkpoint or a Hugging Face GPT-2. The text "
-        "streams to stdout (the prompt, then its continuation); status goes to stderr.",
+        "goes to stdout (the prompt, then its continuation); status goes to stderr. Several "
+        "prompts run together as one batch: a batch of one prompt streams its text as it is "
+        "made, a batch of several prints each prompt's text, in order, once the batch is done.",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
@@ -67,11 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompt",
         action="append",
-        help="a prompt; repeat the flag for several (they run one after another). "
+        help="a prompt; repeat the flag for several (they run together, see --batch-size). "
         "With no prompt at all, one empty prompt: generation starts from <|endoftext|>",
     )
     p.add_argument(
         "--prompt-file", help="a UTF-8 text file, one prompt per line; blank lines are skipped"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="generate for at most this many prompts at once, as one left-padded batch; "
+        "prompts go in consecutive batches, and each prompt's output equals its output alone. "
+        "A batch of one streams; a batch of several prints its texts when it is done "
+        f"(default: {DEFAULT_BATCH_SIZE})",
     )
     p.add_argument(
         "--tokenizer-name",
@@ -268,14 +283,30 @@ def write(text: str) -> None:
     sys.stdout.flush()
 
 
+def make_cache(
+    args: argparse.Namespace, model: GPT, batch: list[list[int]]
+) -> StaticKVCache | ConcatKVCache | None:
+    """A fresh cache for one batch (None: the uncached reference path)."""
+    if args.no_kv_cache:
+        return None
+    if args.cache == "concat":
+        return ConcatKVCache()
+    # No row ever needs more slots than the longest prompt plus its new tokens, nor more
+    # than the context (longer runs restart from a shorter window): allocate no more.
+    longest = max(map(len, batch))
+    max_len = min(model.config.block_size, longest + args.max_new_tokens)
+    return StaticKVCache(model, batch_size=len(batch), max_len=max_len)
+
+
 def generate_streaming(
-    prompt: str, generate_one: Callable[..., GenerationResult], tokenizer: Tokenizer
+    prompt: str, generate_one: Callable[..., list[GenerationResult]], tokenizer: Tokenizer
 ) -> GenerationResult:
     """Print the prompt, each piece of text as its tokens arrive, and a final newline."""
     decoder = tokenizer.stream_decoder()
     write(prompt)
     try:
-        return generate_one(on_token=lambda token: write(decoder.push(token)))
+        [result] = generate_one(on_token=lambda _row, token: write(decoder.push(token)))
+        return result
     finally:  # also on Ctrl-C: what was held back, and the line ends
         write(decoder.flush() + "\n")
 
@@ -298,6 +329,7 @@ def as_json(prompt: str, result: GenerationResult, tokenizer: Tokenizer) -> str:
 
 
 def report(result: GenerationResult) -> None:
+    """One prompt's status lines."""
     status("prompt tokens", len(result.prompt_ids))
     status("new tokens", len(result.token_ids))
     status("finish reason", result.finish_reason)
@@ -309,46 +341,69 @@ def report(result: GenerationResult) -> None:
     )
 
 
+def run_batch(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    args: argparse.Namespace,
+    config: GenerationConfig,
+    model: GPT,
+    tokenizer: Tokenizer,
+) -> None:
+    """Generate for one batch of prompts, print their outputs in order, and report."""
+    cache = make_cache(args, model, prompt_ids)
+    status("batch size", len(prompts))
+    generate_now = functools.partial(
+        generate_batch,
+        model,
+        prompt_ids,
+        config,
+        use_cache=cache is not None,
+        cache=cache,
+        eot_id=tokenizer.eot_id,
+        decode=tokenizer.decode,
+    )
+    started = time.perf_counter()
+    if args.json:
+        results = generate_now()
+        for prompt, result in zip(prompts, results, strict=True):
+            print(as_json(prompt, result, tokenizer), flush=True)
+    elif len(prompts) == 1:
+        results = [generate_streaming(prompts[0], generate_now, tokenizer)]
+    else:
+        results = generate_now()
+        for prompt, result in zip(prompts, results, strict=True):
+            write(prompt + tokenizer.decode(result.token_ids) + "\n")
+    elapsed = time.perf_counter() - started
+    for result in results:
+        report(result)
+    if len(results) > 1:
+        new_tokens = sum(len(result.token_ids) for result in results)
+        status("batched tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
+
+
 def run(args: argparse.Namespace) -> int:
     config = generation_config(args)
+    if args.batch_size < 1:
+        raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts, blank_lines = read_prompts(args)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     model, tokenizer, source = load_model_and_tokenizer(args, device, dtype)
     prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
-    cache = None
-    if not args.no_kv_cache:
-        cache = StaticKVCache(model) if args.cache == "static" else ConcatKVCache()
 
     status("device", device)
     status("dtype", args.dtype)
     status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
     status("tokenizer", tokenizer.name)
-    status("kv cache", "off (uncached reference)" if cache is None else args.cache)
+    status("kv cache", "off (uncached reference)" if args.no_kv_cache else args.cache)
     random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
     status("seed", f"{config.seed}{random_seed}")
     if args.prompt_file:
         status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
 
-    for prompt, ids in zip(prompts, prompt_ids, strict=True):
-        if cache is not None:
-            cache.reset()  # each prompt starts from an empty cache
-        generate_one = functools.partial(
-            generate,
-            model,
-            ids,
-            config,
-            use_cache=cache is not None,
-            cache=cache,
-            eot_id=tokenizer.eot_id,
-            decode=tokenizer.decode,
-        )
-        if args.json:
-            result = generate_one()
-            print(as_json(prompt, result, tokenizer), flush=True)
-        else:
-            result = generate_streaming(prompt, generate_one, tokenizer)
-        report(result)
+    for start in range(0, len(prompts), args.batch_size):
+        batch = slice(start, start + args.batch_size)
+        run_batch(prompts[batch], prompt_ids[batch], args, config, model, tokenizer)
     return 0
 
 

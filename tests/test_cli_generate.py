@@ -195,6 +195,7 @@ BAD_INPUTS = {
     "negative top_k": (["--top-k", "-1"], "top_k must be an integer >= 0"),
     "negative temperature": (["--temperature", "-0.5"], "temperature must be >= 0"),
     "negative max_new_tokens": (["--max-new-tokens", "-1"], "max_new_tokens must be >= 0"),
+    "zero batch size": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     "float16 on CPU": (
         ["--device", "cpu", "--dtype", "float16"],
         "float16 is not supported on CPU; use bfloat16 or float32",
@@ -270,6 +271,59 @@ def test_every_path_and_every_prompt_start_fresh(
     for path in (["--cache", "concat"], ["--no-kv-cache"]):
         other = run_json(capsys, *common, *prompts, *path)
         assert [r["token_ids"] for r in other] == [r["token_ids"] for r in together]
+
+
+RAGGED_PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog, again and again"]
+
+
+@pytest.mark.parametrize("decoding", ["greedy", "seeded"])
+def test_a_ragged_batch_equals_each_prompt_alone(
+    decoding: str, run_dir: Path, hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Greedy on the wide-init HF model (clear margins: a near-tie cannot flip a token);
+    # sampling on the tiny checkpoint, one seed per row.
+    if decoding == "greedy":
+        common = ["--hf-model", hf_gpt2_dir, "--temperature", "0", "--max-new-tokens", "12"]
+    else:
+        common = ["--checkpoint-path", run_dir, "--seed", "11", "--max-new-tokens", "12"]
+    prompts = [arg for prompt in RAGGED_PROMPTS for arg in ("--prompt", prompt)]
+    together = run_json(capsys, *common, *prompts)
+    alone = [run_json(capsys, *common, "--prompt", p)[0] for p in RAGGED_PROMPTS]
+    assert [r["prompt"] for r in together] == RAGGED_PROMPTS
+    lengths = [len(r["prompt_token_ids"]) for r in together]
+    assert lengths[0] == 1 and lengths[1] > 10  # ragged: the batch is left-padded
+    assert [r["token_ids"] for r in together] == [r["token_ids"] for r in alone]
+    assert all(len(r["token_ids"]) > 0 for r in together)
+    if decoding == "greedy":
+        model = load_hf_gpt2(str(hf_gpt2_dir)).eval()
+        config = GenerationConfig(max_new_tokens=12)
+        for result in together:
+            expected = generate(
+                model, result["prompt_token_ids"], config, use_cache=False, keep_logits=True
+            )
+            assert_clear_margins(expected.step_logits)
+            assert result["token_ids"] == expected.token_ids
+
+
+def test_batch_size_only_changes_how_the_text_is_printed(
+    run_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    common = ["--checkpoint-path", run_dir, "--seed", "3", "--max-new-tokens", "8"]
+    prompts = ["--prompt", "To be", "--prompt", "or not to be, that is", "--prompt", "Ay"]
+    outputs = {}
+    for batch_size in ("1", "2", None):
+        size_flag = [] if batch_size is None else ["--batch-size", batch_size]
+        code, out, err = main(capsys, *common, *prompts, *size_flag)
+        assert code == 0, err
+        outputs[batch_size] = out
+        batch_sizes = re.findall(r"^\[roseinfer\] batch size: (\d+)$", err, re.M)
+        batched_rates = re.findall(r"^\[roseinfer\] batched tokens/s: \d+\.\d \(", err, re.M)
+        expected_sizes = {"1": ["1", "1", "1"], "2": ["2", "1"], None: ["3"]}[batch_size]
+        assert batch_sizes == expected_sizes
+        assert len(batched_rates) == sum(size != "1" for size in expected_sizes)
+    # Streamed one by one (batch size 1), or printed per batch: the same text, in order.
+    assert outputs["1"] == outputs["2"] == outputs[None]
+    assert outputs[None].startswith("To be")
 
 
 def test_no_prompt_is_one_empty_prompt_and_the_newest_checkpoint_is_found(
