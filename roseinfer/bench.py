@@ -7,6 +7,12 @@ installed). Batch 1, greedy, a P-token prompt, N new tokens. It prints tokens/s,
 ms/token, time to first token, per-step latency early vs late, speedups, and the
 fraction of the memory roofline: the bytes a decode step must read (weights plus
 the cache) against a streaming-read bandwidth measured in the same run.
+
+A second table batches: for each B in --batch-sizes, B prompts of ragged lengths run
+as one left-padded batch on a static cache, against the same prompts one by one,
+interleaved round by round; it reports generated tokens/s of each and the speedup.
+A decode step reads every weight once whatever B is, so batching buys throughput
+until the step turns compute-bound.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import GenerationConfig, generate, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError, run_cli
@@ -45,6 +51,17 @@ class PathResult:
     step_ms: list[float]
 
 
+@dataclass
+class BatchResult:
+    batch_size: int
+    prompt_lengths: list[int]
+    new_tokens: int  # over all rows
+    batched_tokens_per_s: float  # one left-padded batch
+    one_by_one_tokens_per_s: float  # the same prompts, one after another
+    speedup: float
+    tokens_agree: bool  # every batched row equals its prompt run alone
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="roseinfer.bench", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
@@ -65,10 +82,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke test")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--batch-sizes",
+        help="comma list of batch sizes for the batched table; '' to skip "
+        "(default: 1,4,16; with --quick: 1,4)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.prompt_len, args.new_tokens, args.rounds = "tiny", 8, 24, 1
         args.early_step = 4
+    if args.batch_sizes is None:
+        args.batch_sizes = "1,4" if args.quick else "1,4,16"
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise RoseError(
+            f"--batch-sizes takes a comma list of integers, got {args.batch_sizes!r}"
+        ) from None
+    if any(b < 1 for b in args.batch_sizes):
+        raise RoseError(f"batch sizes must be >= 1, got {args.batch_sizes}")
     if args.prompt_len < 1 or args.new_tokens < 2 or args.rounds < 1:
         raise RoseError("need --prompt-len >= 1, --new-tokens >= 2 and --rounds >= 1")
     args.paths = [name.strip() for name in args.paths.split(",") if name.strip()]
@@ -160,6 +192,69 @@ def run_rose(
     return result.token_ids
 
 
+def ragged_prompts(
+    n: int, prompt_len: int, vocab_size: int, generator: torch.Generator
+) -> list[list[int]]:
+    """n random prompts of lengths between prompt_len // 2 and prompt_len (a ragged batch
+    that still leaves room for the new tokens in the window)."""
+    lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (n,), generator=generator)
+    return [torch.randint(vocab_size, (int(k),), generator=generator).tolist() for k in lengths]
+
+
+def run_batched(
+    model: GPT, prompts: list[list[int]], n: int, clock: StepClock, max_len: int
+) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=n, stop_at_eot=False)
+    cache = StaticKVCache(model, batch_size=len(prompts), max_len=max_len)
+    clock.start()
+    results = generate_batch(model, prompts, config, cache=cache, on_token=clock.tick)
+    return [result.token_ids for result in results]
+
+
+def elapsed(clock: StepClock) -> float:
+    return clock.times[-1] - clock.times[0]
+
+
+def bench_batches(model: GPT, args: argparse.Namespace) -> list[BatchResult]:
+    """Per batch size: one batch vs one by one, static caches, interleaved round by round."""
+    generator = torch.Generator().manual_seed(args.seed)
+    max_len = args.prompt_len + args.new_tokens
+    results = []
+    for batch_size in args.batch_sizes:
+        prompts = ragged_prompts(batch_size, args.prompt_len, model.config.vocab_size, generator)
+        run_batched(model, prompts, 4, StepClock(args.device), max_len)  # warm-up
+        batched_s, one_by_one_s = [], []
+        for round_idx in range(args.rounds):
+            batch_clock = StepClock(args.device)
+            batched = run_batched(model, prompts, args.new_tokens, batch_clock, max_len)
+            batched_s.append(elapsed(batch_clock))
+            prompt_clocks = [StepClock(args.device) for _ in prompts]
+            one_by_one = [
+                run_rose(model, prompt, args.new_tokens, "static", prompt_clock, max_len)
+                for prompt, prompt_clock in zip(prompts, prompt_clocks, strict=True)
+            ]
+            one_by_one_s.append(sum(map(elapsed, prompt_clocks)))
+            print(
+                f"[roseinfer.bench] round {round_idx + 1}: batch of {batch_size} done",
+                file=sys.stderr,
+            )
+        new_tokens = sum(map(len, batched))
+        batched_tps = new_tokens / statistics.median(batched_s)
+        one_by_one_tps = new_tokens / statistics.median(one_by_one_s)
+        results.append(
+            BatchResult(
+                batch_size=batch_size,
+                prompt_lengths=[len(prompt) for prompt in prompts],
+                new_tokens=new_tokens,
+                batched_tokens_per_s=batched_tps,
+                one_by_one_tokens_per_s=one_by_one_tps,
+                speedup=batched_tps / one_by_one_tps,
+                tokens_agree=batched == one_by_one,
+            )
+        )
+    return results
+
+
 def make_hf_runner(model: GPT):
     """The same weights in transformers' GPT2LMHeadModel, and a function that times generate."""
     from transformers.generation.streamers import BaseStreamer
@@ -238,19 +333,19 @@ def summarize(
     )
 
 
+def print_heading(title: str, header: str) -> None:
+    print(f"\n{title}\n{header}\n{'-' * len(header)}")
+
+
 def print_table(results: list[PathResult], args: argparse.Namespace, bandwidth: float) -> None:
     base = {r.path: r.tokens_per_s for r in results}
-    print(
-        f"\ndecode, batch 1, greedy: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
+    print_heading(
+        f"decode, batch 1, greedy: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
         f"{args.dtype} on {args.device}, median of {args.rounds} interleaved round(s); "
-        f"streaming read {bandwidth / 1e9:.1f} GB/s"
-    )
-    header = (
+        f"streaming read {bandwidth / 1e9:.1f} GB/s",
         f"{'path':<15}{'tok/s':>9}{'ms/tok':>9}{'TTFT ms':>9}{'early ms':>10}{'late ms':>9}"
-        f"{'late/early':>11}{'vs uncached':>12}{'vs HF':>7}{'roofline':>10}"
+        f"{'late/early':>11}{'vs uncached':>12}{'vs HF':>7}{'roofline':>10}",
     )
-    print(header)
-    print("-" * len(header))
     for r in results:
         vs_unc = f"{r.tokens_per_s / base['uncached']:.1f}x" if "uncached" in base else "-"
         vs_hf = f"{r.tokens_per_s / base['hf']:.2f}x" if "hf" in base else "-"
@@ -259,6 +354,22 @@ def print_table(results: list[PathResult], args: argparse.Namespace, bandwidth: 
             f"{r.time_to_first_token_ms:>9.1f}{r.early_step_ms:>10.2f}{r.late_step_ms:>9.2f}"
             f"{r.late_step_ms / r.early_step_ms:>11.2f}{vs_unc:>12}{vs_hf:>7}"
             f"{r.roofline_fraction:>9.0%}"
+        )
+
+
+def print_batch_table(results: list[BatchResult], args: argparse.Namespace) -> None:
+    print_heading(
+        f"batched decode, greedy, static cache: prompts of {max(1, args.prompt_len // 2)}.."
+        f"{args.prompt_len} tokens, {args.new_tokens} new tokens each, {args.dtype} on "
+        f"{args.device}, median of {args.rounds} interleaved round(s)",
+        f"{'batch':>5}{'new tokens':>12}{'batched tok/s':>15}{'one-by-one tok/s':>18}"
+        f"{'speedup':>9}{'same tokens':>13}",
+    )
+    for r in results:
+        print(
+            f"{r.batch_size:>5}{r.new_tokens:>12}{r.batched_tokens_per_s:>15.1f}"
+            f"{r.one_by_one_tokens_per_s:>18.1f}{r.speedup:>8.2f}x"
+            f"{'yes' if r.tokens_agree else 'NO':>13}"
         )
 
 
@@ -318,6 +429,8 @@ def bench(argv: list[str] | None = None) -> int:
                 clocks[path].append(clock)
                 print(f"[roseinfer.bench] round {round_idx + 1}: {path} done", file=sys.stderr)
 
+        batch_results = bench_batches(model, args)
+
     results = [summarize(p, clocks[p], tokens[p], model, args, bandwidth) for p in paths]
     reference = tokens[paths[0]]
     agree = {p: tokens[p] == reference for p in paths}
@@ -327,6 +440,7 @@ def bench(argv: list[str] | None = None) -> int:
             "bandwidth_bytes_per_s": bandwidth,
             "results": [asdict(r) for r in results],
             "tokens_agree": agree,
+            "batched": [asdict(r) for r in batch_results],
         }
         print(json.dumps(payload))
     else:
@@ -335,6 +449,8 @@ def bench(argv: list[str] | None = None) -> int:
             f"same tokens as {paths[0]}: "
             + ", ".join(f"{p} {'yes' if ok else 'NO'}" for p, ok in agree.items())
         )
+        if batch_results:
+            print_batch_table(batch_results, args)
     if args.plot:
         plot(results, args.plot, args)
         print(f"[roseinfer.bench] per-step latency plot: {args.plot}", file=sys.stderr)

@@ -1,6 +1,11 @@
-"""The training benchmark runs and prints its table (a smoke test: no timing is asserted)."""
+"""The benchmarks run and print their tables (smoke tests: no timing is asserted)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -16,3 +21,33 @@ def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFi
         tokens_per_s, total_mib = float(row[5].replace(",", "")), float(row[-1].replace(",", ""))
         assert tokens_per_s > 0 and total_mib > 0
     assert "tiny: checkpointing saves" in out
+
+
+def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
+    paths = ["uncached", "concat", "static"]
+    command = [
+        sys.executable, "-m", "roseinfer.bench", "--quick", "--json", "--plot", "",
+        "--paths", ",".join(paths),
+    ]  # fmt: skip
+    # One thread: the quick model is tiny, and the CI machine has two shared cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    new_tokens, prompt_len = payload["args"]["new_tokens"], payload["args"]["prompt_len"]
+
+    assert [r["path"] for r in payload["results"]] == paths
+    assert payload["tokens_agree"] == {path: True for path in paths}
+    for result in payload["results"]:
+        assert len(result["tokens"]) == new_tokens
+        assert result["tokens_per_s"] > 0
+
+    batched = payload["batched"]
+    assert [b["batch_size"] for b in batched] == [1, 4]
+    for b in batched:
+        assert b["tokens_agree"], f"batch of {b['batch_size']}: a row left its run alone"
+        assert b["new_tokens"] == b["batch_size"] * new_tokens
+        assert len(b["prompt_lengths"]) == b["batch_size"]
+        assert all(prompt_len // 2 <= n <= prompt_len for n in b["prompt_lengths"])
+        assert b["batched_tokens_per_s"] > 0 and b["one_by_one_tokens_per_s"] > 0
+    assert len(set(batched[-1]["prompt_lengths"])) > 1  # ragged: the batch is padded
