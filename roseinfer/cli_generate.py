@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="static: buffers preallocated for the whole context (default); "
         "concat: grown by concatenation each step",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the one-token decode step of the static cache (the first step "
+        "compiles: seconds to minutes; then every step reuses the graph)",
+    )
     p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
     p.add_argument(
         "--stop",
@@ -160,6 +166,11 @@ def status(what: str, value: object) -> None:
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    if args.compile and (args.no_kv_cache or args.cache != "static"):
+        raise RoseError(
+            "--compile compiles the static cache's decode step: drop --no-kv-cache "
+            "and --cache concat, or drop --compile"
+        )
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     # torch's default generator starts from the same seed in every process, so an unseeded
     # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
@@ -293,9 +304,12 @@ def make_cache(
         return ConcatKVCache()
     # No row ever needs more slots than the longest prompt plus its new tokens, nor more
     # than the context (longer runs restart from a shorter window): allocate no more.
+    # A compiled step is built for one buffer shape: then always allocate the whole context.
     longest = max(map(len, batch))
     max_len = min(model.config.block_size, longest + args.max_new_tokens)
-    return StaticKVCache(model, batch_size=len(batch), max_len=max_len)
+    if args.compile:
+        max_len = model.config.block_size
+    return StaticKVCache(model, batch_size=len(batch), max_len=max_len, compile_decode=args.compile)
 
 
 def generate_streaming(

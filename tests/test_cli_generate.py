@@ -206,6 +206,10 @@ BAD_INPUTS = {
     ),
     "missing prompt file": (["--prompt-file", "{tmp}/prompts.txt"], "prompt file not found"),
     "empty stop string": (["--stop", ""], "stop strings must not be empty"),
+    "compile without the static cache": (
+        ["--compile", "--cache", "concat"],
+        "--compile compiles the static cache's decode step",
+    ),
     "argparse: not an int": (["--max-new-tokens", "many"], "invalid int value: 'many'"),
     "argparse: unknown device": (["--device", "tpu"], "invalid choice: 'tpu'"),
     "argparse: two model sources": (["--hf-model", "{tmp}"], "not allowed with"),

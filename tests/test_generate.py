@@ -81,6 +81,17 @@ def test_cached_greedy_equals_oracle(shape: str, length: str, cache_kind: str) -
     print(f"{shape} prompt {length} {cache_kind}: max |logit diff| {max_diff:.2e}")
 
 
+def test_compiled_static_decode_equals_oracle() -> None:
+    """torch.compile of the one-token step: same tokens, logits close, past the window too."""
+    shape, length = "2L-3H-48d-ctx32", "half"
+    model = model_for(shape)
+    expected = oracle(shape, length)
+    cache = StaticKVCache(model, compile_decode=True)
+    config = greedy(len(expected.token_ids))
+    result = generate(model, prompt_for(shape, length), config, cache=cache, keep_logits=True)
+    assert_matches_oracle(result, expected)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_test_models_are_a_strong_oracle(shape: str) -> None:
     """Varied greedy tokens within a window, and a shifted position changes most choices."""
