@@ -73,10 +73,10 @@ class TrainConfig:
     tokenizer_name: str = "gpt2"
     val_fraction: float = 0.1
     # batch: batch_size * grad_accum_steps sequences of block_size tokens per optimizer step
-    batch_size: int = 16
+    batch_size: int = 8
     grad_accum_steps: int = 1
     # optimisation
-    max_steps: int = 600
+    max_steps: int = 500
     lr_decay_steps: int | None = None  # length of the cosine decay; None: max_steps
     learning_rate: float = 2e-3
     min_lr: float = 2e-4
@@ -87,7 +87,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     # evaluation, logging, checkpoints
     eval_interval: int = 100
-    eval_iters: int = 20
+    eval_iters: int = 10
     checkpoint_path: str = "checkpoints/tiny"  # a run directory: last.pt, best.pt, metrics
     resume: bool = False
     sample_tokens: int = 120

@@ -495,11 +495,11 @@ def finish(
             f"interrupted at step {summary['step']}: saved {run_dir}/last.pt; continue with --resume"
         )
         return None
-    val_loss = summary["val_loss"]
+    val_loss, tokens_per_s = summary["val_loss"], summary["tokens_per_s"]
+    speed = f"{tokens_per_s:,.0f} tokens/s; " if tokens_per_s else ""
     say(
         f"step {summary['step']}: val loss {val_loss:.4f} (ppl {math.exp(val_loss):.1f}), "
-        f"best {summary['best_val_loss']:.4f}; {summary['tokens_per_s'] or 0:,.0f} tokens/s; "
-        f"checkpoints in {run_dir}"
+        f"best {summary['best_val_loss']:.4f}; {speed}checkpoints in {run_dir}"
     )
     plot_losses(log.read(), Path(run_dir) / "loss.png")
     if not cfg.sample_tokens:
@@ -572,11 +572,15 @@ def resume_configs(
             f"block_size {asked_model.block_size} is larger than the checkpoint's "
             f"{saved_model.block_size}: its model learned positions only up to there"
         )
-    differ = [f"{k}={v!r}" for k, v in model_values.items() if getattr(saved_model, k) != v]
+    differ = [
+        f"{k}={v!r} (checkpoint: {getattr(saved_model, k)!r})"
+        for k, v in model_values.items()
+        if getattr(saved_model, k) != v
+    ]
     if differ:
         raise RoseError(
-            f"resume keeps the checkpoint's model ({saved_model}), but {', '.join(differ)} "
-            f"was asked; drop those settings"
+            f"resume keeps the checkpoint's model, so it cannot change {', '.join(differ)}; "
+            f"drop those settings"
         )
     saved = ckpt["train_config"]
     differ = [
@@ -606,6 +610,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     """Only the flags actually given (argparse.SUPPRESS), so that they can override a file."""
     parser = argparse.ArgumentParser(
         prog="python -m rosetrainer.train",
+        usage="%(prog)s [options]  (--help lists them)",
         description="Train a GPT on a text (default: the tiny preset on TinyShakespeare).",
         argument_default=argparse.SUPPRESS,
     )

@@ -24,7 +24,7 @@ def run_flags(text_file: Path, run_dir: Path, batch_size: int) -> list[str]:
         "--text-file", str(text_file), "--data-dir", str(text_file.parent / "data"),
         "--checkpoint-path", str(run_dir), "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
         "--block-size", "32", "--batch-size", str(batch_size), "--grad-accum-steps", "2",
-        "--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "2", "--eval-iters", "2",
+        "--max-steps", "3", "--warmup-steps", "1", "--eval-interval", "2", "--eval-iters", "1",
         "--sample-tokens", "0", "--device", "cpu",
     ]  # fmt: skip
 
@@ -45,14 +45,14 @@ def test_two_ddp_processes_match_one_process_with_twice_the_batch(
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on a small machine
     done = subprocess.run(
-        [*torchrun, "-m", "rosetrainer.train", *run_flags(text_file, tmp_path / "ddp", 2)],
+        [*torchrun, "-m", "rosetrainer.train", *run_flags(text_file, tmp_path / "ddp", 1)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 process(es)" in done.stdout
     assert done.stdout.count("val loss") == 3  # evals at steps 2 and 3, the final line: rank 0 only
 
-    assert cli(run_flags(text_file, tmp_path / "single", 4)) == 0
+    assert cli(run_flags(text_file, tmp_path / "single", 2)) == 0
 
     ddp, single = logged_losses(tmp_path / "ddp"), logged_losses(tmp_path / "single")
     assert [(kind, step) for kind, step, _ in ddp] == [(kind, step) for kind, step, _ in single]

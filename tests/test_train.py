@@ -36,7 +36,7 @@ def tiny_run(text_file: Path, run_dir: Path, *extra: str) -> list[str]:
     data_dir = text_file.parent / "data"
     return [
         "--text-file", str(text_file), "--data-dir", str(data_dir), "--checkpoint-path",
-        str(run_dir), *TINY_MODEL, "--batch-size", "4", "--eval-iters", "2",
+        str(run_dir), *TINY_MODEL, "--batch-size", "2", "--eval-iters", "1",
         "--warmup-steps", "2", "--sample-tokens", "0", "--device", "cpu", *extra,
     ]  # fmt: skip
 
