@@ -138,6 +138,8 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
         attn_pdrop=cfg.dropout,
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
+        # A rose model may carry an output matrix of its own (the chapters' random one does).
+        tie_word_embeddings=model.lm_head.weight is model.transformer.wte.weight,
     )
     hf_state = {
         name: tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
