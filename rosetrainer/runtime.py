@@ -78,8 +78,6 @@ def setup_device(device: str = "auto", dtype: str = "float32") -> Runtime:
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: much faster, same training
-    else:
-        keep_freed_memory()
     if world_size > 1:
         dist.init_process_group(backend="nccl" if torch_device.type == "cuda" else "gloo")
     return Runtime(torch_device, DTYPES[dtype], rank, world_size)
@@ -93,7 +91,8 @@ def keep_freed_memory() -> None:
     block to the kernel as soon as it is freed, and the next step page-faults every
     page of it back in, zero-filled by the kernel: on a 2-core CPU that is ~40% of a
     tiny-model step. Raising glibc's mmap and trim thresholds keeps those blocks in
-    the heap, ready for reuse. Elsewhere (macOS, musl) this does nothing.
+    the heap, ready for reuse; the process's resident size then counts freed blocks
+    too. Elsewhere (macOS, musl) this does nothing.
     """
     if sys.platform != "linux":
         return

@@ -49,7 +49,13 @@ from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
 from rosetrainer.data import get_batch, load_tokens, prepare_data
 from rosetrainer.errors import RoseError, run_cli
 from rosetrainer.model import GPT
-from rosetrainer.runtime import Runtime, mean_over_ranks, setup_device, shutdown
+from rosetrainer.runtime import (
+    Runtime,
+    keep_freed_memory,
+    mean_over_ranks,
+    setup_device,
+    shutdown,
+)
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "rosetrainer"
@@ -352,6 +358,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig) -> dict[str, Any]:
     stopped (`resolve_configs` gives the configs that continue it).
     """
     rt = setup_device(cfg.device, cfg.dtype)
+    if rt.device.type == "cpu":
+        keep_freed_memory()
     try:
         return _train(model_cfg, cfg, rt)
     finally:
