@@ -20,14 +20,13 @@ flaking somewhere else.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from unittest import mock
 
 import torch
-from torch import nn
 
 import rosetrainer.model
+from roseinfer.demo import wide_random_init
 from roseinfer.generate import GenerationResult
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
@@ -48,7 +47,8 @@ def make_test_model(
     block_size: int = 32,
     vocab_size: int = 512,
 ) -> GPT:
-    """A small GPT in eval mode whose greedy output is varied and position-sensitive."""
+    """A small GPT in eval mode whose greedy output is varied and position-sensitive
+    (the chapters' wide init, roseinfer.demo.wide_random_init)."""
     config = GPTConfig(
         vocab_size=vocab_size,
         block_size=block_size,
@@ -56,20 +56,7 @@ def make_test_model(
         n_head=n_head,
         n_embd=n_embd,
     )
-    generator = torch.Generator().manual_seed(seed)
-    model = GPT(config)
-    model.lm_head.weight = nn.Parameter(torch.empty(vocab_size, n_embd))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.startswith("transformer.wte.") or name.startswith("transformer.wpe."):
-                param.normal_(0.0, 1.0, generator=generator)
-            elif param.dim() == 2:
-                param.normal_(0.0, 1.0 / math.sqrt(param.size(1)), generator=generator)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1, generator=generator)
-            # LayerNorm weights keep their 1.0
-        model.lm_head.weight.mul_(4.0)  # logits with std ~4: wide margins, fp32 error ~1e-6
-    return model.eval()
+    return wide_random_init(GPT(config), seed)
 
 
 def top2_margins(step_logits: Sequence[torch.Tensor]) -> list[float]:
