@@ -85,8 +85,15 @@ def padding_mask(mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tens
 LayerPast = tuple[torch.Tensor, torch.Tensor]
 
 
+# With activation checkpointing, the training loss is computed over this many slices of
+# the sequence, so the full (B, T, vocab) logits never exist at once.
+LOSS_CHUNKS = 8
+
+
 class GPTOutput(NamedTuple):
-    logits: torch.Tensor  # (B, T, vocab), or (B, 1, vocab) with last_only=True
+    # (B, T, vocab), or (B, 1, vocab) with last_only=True; None when activation
+    # checkpointing computed the training loss slice by slice
+    logits: torch.Tensor | None
     loss: torch.Tensor | None  # mean cross-entropy over targets != -100, when targets given
     past_kv: list[LayerPast] | object | None  # the updated cache, when use_cache=True
 
@@ -272,13 +279,18 @@ class GPT(nn.Module):
             presents.append(present)
         x = self.transformer.ln_f(x)
 
+        if targets is not None and last_only:
+            raise RoseError("targets need logits at every position; drop last_only")
+        if recompute and targets is not None:
+            # The (B, T, vocab) logits, their log-softmax and gradients outweigh every
+            # block's activations at GPT-2's vocabulary: recompute them too, a slice of
+            # the sequence at a time, and never hold them whole (logits are not returned).
+            return GPTOutput(None, self._recomputed_loss(x, targets), None)
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            if last_only:
-                raise RoseError("targets need logits at every position; drop last_only")
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
@@ -289,6 +301,25 @@ class GPT(nn.Module):
         else:
             new_past = presents
         return GPTOutput(logits, loss, new_past)
+
+    def _recomputed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over targets != -100, its logits built LOSS_CHUNKS slices at a
+        time and rebuilt in the backward pass (activation checkpointing of the head)."""
+        total = x.new_zeros((), dtype=torch.float32)
+        for x_part, t_part in zip(
+            x.chunk(LOSS_CHUNKS, dim=1), targets.chunk(LOSS_CHUNKS, dim=1), strict=True
+        ):
+            total = total + checkpoint(self._summed_loss, x_part, t_part, use_reentrant=False)
+        return total / (targets != -100).sum()
+
+    def _summed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x).float()
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
 
     # -- validation: clear errors instead of an index error deep inside an Embedding --
 

@@ -106,7 +106,9 @@ def test_activation_checkpointing_gives_the_same_loss_and_every_gradient() -> No
     loss_ckpt, grads_ckpt, kept_ckpt = run(checkpointing=True)
 
     assert kept_ckpt < kept_plain / 2, "checkpointing must keep fewer activations for backward"
-    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=0)
+    # The checkpointed loss is summed over slices of the sequence, then divided: the same
+    # sum in another order, so equal up to float32 rounding.
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=1e-6, atol=0)
     assert grads_ckpt.keys() == grads_plain.keys()
     for name, grad in grads_plain.items():
         assert grad.abs().sum() > 0, f"{name} got no gradient"
