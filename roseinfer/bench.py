@@ -1,8 +1,9 @@
 """python -m roseinfer.bench: decode speed, side by side, on one set of weights.
 
 One process times, interleaved round by round: the uncached oracle, the
-concatenating cache, the static cache, the static cache with a compiled decode
-step, and Hugging Face `transformers` `generate` on the same weights (when it is
+concatenating cache, the static cache, the static cache with its decode step
+compiled (inductor's default mode, and max-autotune with the weights frozen into
+the graph), and Hugging Face `transformers` `generate` on the same weights (when it is
 installed). Batch 1, greedy, a P-token prompt, N new tokens. It prints tokens/s,
 ms/token, time to first token, per-step latency early vs late, speedups, and the
 fraction of the memory roofline: the bytes a decode step must read (weights plus
@@ -33,7 +34,9 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError, run_cli
 from rosetrainer.model import GPT
 
-ALL_PATHS = ("uncached", "concat", "static", "static+compile", "hf")
+ALL_PATHS = ("uncached", "concat", "static", "static+compile", "static+autotune", "hf")
+# The static cache's decode step, eager or compiled in one of kv_cache.COMPILE_MODES.
+STATIC_PATHS = {"static": None, "static+compile": "default", "static+autotune": "max-autotune"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -183,8 +186,8 @@ def run_rose(
     cache = None
     if path == "concat":
         cache = ConcatKVCache()
-    elif path.startswith("static"):
-        cache = StaticKVCache(model, max_len=max_len, compile_decode=path == "static+compile")
+    elif path in STATIC_PATHS:
+        cache = StaticKVCache(model, max_len=max_len, compile_decode=STATIC_PATHS[path])
     clock.start()
     result = generate(
         model, prompt, config, use_cache=path != "uncached", cache=cache, on_token=clock.tick
@@ -312,7 +315,7 @@ def summarize(
         lo, hi = max(1, step - 5), min(len(step_ms), step + 6)
         return statistics.median(step_ms[lo:hi])
 
-    if path == "static" or path == "static+compile":
+    if path in STATIC_PATHS:
         positions = args.prompt_len + args.new_tokens  # the whole buffer is read every step
     elif path == "uncached":
         positions = 0.0  # recomputes instead of reading a cache

@@ -31,7 +31,7 @@ from typing import NoReturn
 import torch
 
 from roseinfer.generate import GenerationConfig, GenerationResult, generate_batch
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.kv_cache import COMPILE_MODES, ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import find_latest_checkpoint, load_model
 from rosetrainer.errors import RoseError, run_cli
@@ -128,9 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="torch.compile the one-token decode step of the static cache (the first step "
-        "compiles: seconds to minutes; then every step reuses the graph)",
+        nargs="?",
+        const="default",
+        choices=COMPILE_MODES,
+        help="torch.compile the one-token decode step of the static cache; the first step "
+        "compiles, then every step reuses the graph. 'default' (what --compile alone asks) "
+        "compiles in seconds; 'max-autotune' freezes the weights into the graph and picks "
+        "the fastest matmul kernels, a minute or two of compiling for the fastest decode",
     )
     p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
     p.add_argument(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -102,7 +104,7 @@ class StaticKVCache:
         model: GPT,
         batch_size: int = 1,
         max_len: int | None = None,
-        compile_decode: bool = False,
+        compile_decode: str | None = None,
     ) -> None:
         cfg = model.config
         weight = model.lm_head.weight  # the cache lives where the weights do, in their dtype
@@ -123,6 +125,11 @@ class StaticKVCache:
         # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
         self.causal_rows = causal_mask(self.max_len, self.max_len, weight.device)
         # One-token decode steps all have the same shapes, so they compile to one graph.
+        if compile_decode is not None and compile_decode not in COMPILE_MODES:
+            raise RoseError(
+                f"compile_decode is one of {', '.join(COMPILE_MODES)} (or None for eager), "
+                f"got {compile_decode!r}"
+            )
         self.compile_decode = compile_decode
         self.reset()
 
@@ -168,8 +175,8 @@ class StaticKVCache:
                 f"{B} row(s) with past ({self.seq_len}) + new ({T}) = {self.seq_len + T} do not fit"
             )
         input_pos = torch.arange(self.seq_len, self.seq_len + T, device=ids.device)
-        if T == 1 and self.compile_decode:
-            logits = compiled_static_step()(model, ids, input_pos, self)
+        if T == 1 and self.compile_decode is not None:
+            logits = compiled_static_step(self.compile_decode)(model, ids, input_pos, self)
         else:
             logits = static_step(model, ids, input_pos, self, validate=validate)
         self.seq_len += T
@@ -200,7 +207,37 @@ def static_step(
     return out.logits[:, -1, :]
 
 
+# How the one-token step may be compiled:
+# * "default": inductor fuses the small ops (layer norms, GELU, the cache write,
+#   attention's softmax) around the usual matmul library calls; compiles in seconds.
+# * "max-autotune": the weights are frozen into the graph as constants, so they can be
+#   packed once for the matmul kernels, and inductor times its own generated matmul
+#   kernels against the library's and keeps the faster. For one-row decode matmuls on a
+#   CPU without native bf16 its kernels win clearly in bf16. Compiling takes a minute or
+#   two, and frozen weights are read once: changing them in place afterwards is not seen.
+COMPILE_MODES = ("default", "max-autotune")
+
+
 @functools.cache
-def compiled_static_step():
+def compiled_static_step(mode: str = "default") -> Callable[..., torch.Tensor]:
     """`static_step` through torch.compile, built on first use (importing dynamo is slow)."""
-    return torch.compile(static_step, dynamic=False, fullgraph=True)
+    if mode == "default":
+        return torch.compile(static_step, dynamic=False, fullgraph=True)
+    from torch._inductor import config as inductor_config  # (imported on demand: slow)
+
+    # CUDA graphs stay off: they would need the step's inputs at fixed addresses.
+    step = torch.compile(
+        static_step, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs"
+    )
+
+    def frozen_step(*args: object) -> torch.Tensor:
+        # Dynamo reads the freezing flag while it traces (and guards on the weights' identity,
+        # so another model compiles anew); torch.compile's options only reach inductor.
+        # The autotuner would report every kernel timing on stderr (and trip a deprecation
+        # warning inside torch): the compile stays quiet instead.
+        quiet = dict(max_autotune_report_choices_stats=False, autotune_num_choices_displayed=0)
+        with inductor_config.patch(freezing=True, **quiet), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            return step(*args)
+
+    return frozen_step

@@ -18,7 +18,7 @@ from models import (
 
 import roseinfer.generate
 from roseinfer.generate import GenerationConfig, GenerationResult, generate, window_start
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.kv_cache import COMPILE_MODES, ConcatKVCache, StaticKVCache
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -81,15 +81,41 @@ def test_cached_greedy_equals_oracle(shape: str, length: str, cache_kind: str) -
     print(f"{shape} prompt {length} {cache_kind}: max |logit diff| {max_diff:.2e}")
 
 
-def test_compiled_static_decode_equals_oracle() -> None:
-    """torch.compile of the one-token step: same tokens, logits close, past the window too."""
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_compiled_static_decode_equals_oracle(mode: str) -> None:
+    """torch.compile of the one-token step: same tokens, logits close, past the window too
+    (max-autotune: the frozen weights and inductor's own matmul kernels too)."""
     shape, length = "2L-3H-48d-ctx32", "half"
     model = model_for(shape)
     expected = oracle(shape, length)
-    cache = StaticKVCache(model, compile_decode=True)
+    cache = StaticKVCache(model, compile_decode=mode)
     config = greedy(len(expected.token_ids))
     result = generate(model, prompt_for(shape, length), config, cache=cache, keep_logits=True)
     assert_matches_oracle(result, expected)
+
+
+def test_frozen_decode_step_is_not_reused_for_other_weights() -> None:
+    """max-autotune bakes one model's weights into its graph: a second model of the same
+    shape must get a graph of its own, not decode with the first model's weights."""
+    shape, length = "2L-3H-48d-ctx32", "half"
+    first, second = model_for(shape), make_test_model(seed=1, **SHAPES[shape])
+    prompt = prompt_for(shape, length)
+    for model in (first, second):
+        config = greedy(SHAPES[shape]["block_size"])
+        expected = generate(model, prompt, config, use_cache=False, keep_logits=True)
+        cache = StaticKVCache(model, compile_decode="max-autotune")
+        result = generate(model, prompt, config, cache=cache, keep_logits=True)
+        assert_matches_oracle(result, expected)
+    assert first_tokens_differ(first, second, prompt)
+
+
+def first_tokens_differ(first, second, prompt: list[int]) -> bool:
+    """The two models' greedy outputs differ (else the test above could not tell them apart)."""
+    config = greedy(8)
+    return (
+        generate(first, prompt, config, use_cache=False).token_ids
+        != generate(second, prompt, config, use_cache=False).token_ids
+    )
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

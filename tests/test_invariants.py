@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import assert_clear_margins, make_test_model
 
 import rosetrainer.model
@@ -18,7 +19,7 @@ from roseinfer.generate import GenerationConfig, generate
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
 from rosetrainer.errors import RoseError
-from rosetrainer.model import causal_mask, position_ids
+from rosetrainer.model import causal_mask, one_query_attention, position_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,6 +86,24 @@ def test_the_naive_functions_are_the_bugs_they_name() -> None:
 
 
 # -- the model's own errors: what a caller got wrong, with the shapes named --
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_attention_is_sdpa(dtype: torch.dtype) -> None:
+    """The decode step's written-out attention equals SDPA's for one query: over every key,
+    and under a padding mask that hides a different number of keys per row."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=generator) for n in (1, 37, 37))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    real_keys = torch.arange(37)[None, :] >= torch.tensor([0, 5, 36])[:, None]
+    mask = real_keys[:, None, None, :]  # (B, 1, 1, kv_len): row 2 sees only its last key
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    for attn_mask in (None, mask):
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        got = one_query_attention(q, k, v, attn_mask)
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    # Row 2 attends to its one real key only: its output is exactly that key's value.
+    torch.testing.assert_close(one_query_attention(q, k, v, mask)[2], v[2, :, -1:])
 
 
 def test_past_plus_new_over_block_size(model) -> None:
