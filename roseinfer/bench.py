@@ -452,6 +452,11 @@ def bench(argv: list[str] | None = None) -> int:
             f"same tokens as {paths[0]}: "
             + ", ".join(f"{p} {'yes' if ok else 'NO'}" for p, ok in agree.items())
         )
+        if args.dtype != "float32" and not all(agree.values()):
+            print(
+                f"({args.dtype}: kernels that sum in another order round differently, and a "
+                "random model's near-ties then flip; identical tokens are float32's promise)"
+            )
         if batch_results:
             print_batch_table(batch_results, args)
     if args.plot:

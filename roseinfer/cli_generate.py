@@ -414,6 +414,10 @@ def run(args: argparse.Namespace) -> int:
     status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
     status("tokenizer", tokenizer.name)
     status("kv cache", "off (uncached reference)" if args.no_kv_cache else args.cache)
+    if args.compile:
+        # Compiling happens inside the first decode step, so tokens/s below includes it.
+        how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"
+        status("compiled decode", f"{args.compile} (the first step compiles: {how_long})")
     random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
     status("seed", f"{config.seed}{random_seed}")
     if args.prompt_file:

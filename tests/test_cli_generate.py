@@ -210,6 +210,10 @@ BAD_INPUTS = {
         ["--compile", "--cache", "concat"],
         "--compile compiles the static cache's decode step",
     ),
+    "compile mode that does not exist": (
+        ["--compile", "fast"],
+        r"argument --compile: invalid choice: 'fast' \(choose from .*'max-autotune'",
+    ),
     "argparse: not an int": (["--max-new-tokens", "many"], "invalid int value: 'many'"),
     "argparse: unknown device": (["--device", "tpu"], "invalid choice: 'tpu'"),
     "argparse: two model sources": (["--hf-model", "{tmp}"], "not allowed with"),
