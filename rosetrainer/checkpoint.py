@@ -118,10 +118,14 @@ def strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
     return clean
 
 
-def check_weights_fit(state_dict: dict[str, torch.Tensor], config: GPTConfig, source: str) -> None:
-    """Raise a RoseError naming what differs when `state_dict` is not a GPT of `config`."""
-    with torch.device("meta"):  # shapes only: no memory, no time spent on initialisation
-        expected = {name: t.shape for name, t in GPT(config).state_dict().items()}
+def check_weights_fit(state_dict: dict[str, torch.Tensor], model: GPT, source: str) -> None:
+    """Raise a RoseError naming what differs when `state_dict` does not fit `model`.
+
+    It checks against the model the weights are about to be loaded into: a model built on
+    PyTorch's meta device instead would cost no memory, but its initialisation imports
+    torch._dynamo, two seconds at every start of the CLI."""
+    config = model.config
+    expected = {name: t.shape for name, t in model.state_dict().items()}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     mismatched = [
@@ -155,8 +159,8 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
         raise RoseError("checkpoint's model_config must be a plain dict of GPTConfig fields")
     config = GPTConfig.from_dict(ckpt["model_config"])
     state_dict = strip_wrapper_prefixes(ckpt["model"])
-    check_weights_fit(state_dict, config, "checkpoint weights")
     model = GPT(config)
+    check_weights_fit(state_dict, model, "checkpoint weights")
     model.load_state_dict(state_dict)
     return model.to(device)
 

@@ -64,9 +64,8 @@ def load_hf_gpt2(name_or_path: str, device: str | torch.device = "cpu") -> GPT:
     """A rose GPT holding the weights of a Hugging Face GPT-2 (folder or Hub id)."""
     directory = _local_directory(name_or_path)
     config = gpt_config_from_hf(_read_config(directory))
-    state_dict = state_dict_from_hf(_read_weights(directory), config)
     model = GPT(config)
-    model.load_state_dict(state_dict)
+    model.load_state_dict(state_dict_from_hf(_read_weights(directory), model))
     return model.to(device)
 
 
@@ -95,10 +94,8 @@ def gpt_config_from_hf(hf_config: dict[str, Any]) -> GPTConfig:
     return GPTConfig(**values, dropout=0.0, bias=True)
 
 
-def state_dict_from_hf(
-    hf_state: dict[str, torch.Tensor], config: GPTConfig
-) -> dict[str, torch.Tensor]:
-    """Rename/transpose a Hugging Face GPT-2 state_dict into rose's, checked against `config`."""
+def state_dict_from_hf(hf_state: dict[str, torch.Tensor], model: GPT) -> dict[str, torch.Tensor]:
+    """Rename/transpose a Hugging Face GPT-2 state_dict into rose's, checked against `model`."""
     state_dict = {}
     for hf_name, tensor in hf_state.items():
         # GPT2LMHeadModel saves "transformer.h.0...", a bare GPT2Model "h.0...".
@@ -118,7 +115,7 @@ def state_dict_from_hf(
                 "rose's GPT-2 ties the two, so an untied model cannot be imported"
             )
         state_dict["lm_head.weight"] = token_embedding
-    check_weights_fit(state_dict, config, "Hugging Face weights")
+    check_weights_fit(state_dict, model, "Hugging Face weights")
     return state_dict
 
 

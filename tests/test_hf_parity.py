@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from rosetrainer.errors import RoseError
 from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, state_dict_from_hf, to_hf_gpt2
+from rosetrainer.model import GPT
 
 BLOCK_SIZE = 96
 
@@ -122,7 +123,7 @@ def test_export_back_to_hugging_face_gives_the_original_model(safetensors_dir, h
 def test_tied_lm_head_in_the_file_is_accepted_and_an_untied_one_refused(hf_model):
     hf_state = dict(hf_model.state_dict())  # includes lm_head.weight, the same tensor as wte
     config = gpt_config_from_hf(hf_model.config.to_dict())
-    converted = state_dict_from_hf(hf_state, config)
+    converted = state_dict_from_hf(hf_state, GPT(config))
     assert torch.equal(converted["lm_head.weight"], hf_state["transformer.wte.weight"])
     assert torch.equal(
         converted["transformer.h.0.mlp.c_fc.weight"],
@@ -130,13 +131,13 @@ def test_tied_lm_head_in_the_file_is_accepted_and_an_untied_one_refused(hf_model
     )
     hf_state["lm_head.weight"] = hf_state["lm_head.weight"] + 1.0
     with pytest.raises(RoseError, match="lm_head.weight differs from the token embedding"):
-        state_dict_from_hf(hf_state, config)
+        state_dict_from_hf(hf_state, GPT(config))
 
 
 def test_weights_of_another_shape_are_named(hf_model):
     config = gpt_config_from_hf({**hf_model.config.to_dict(), "n_layer": 2})
     with pytest.raises(RoseError, match=r"unexpected: transformer\.h\.2\."):
-        state_dict_from_hf(hf_model.state_dict(), config)
+        state_dict_from_hf(hf_model.state_dict(), GPT(config))
 
 
 @pytest.mark.parametrize(
