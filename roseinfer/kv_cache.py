@@ -124,12 +124,12 @@ class StaticKVCache:
         ]
         # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
         self.causal_rows = causal_mask(self.max_len, self.max_len, weight.device)
-        # One-token decode steps all have the same shapes, so they compile to one graph.
         if compile_decode is not None and compile_decode not in COMPILE_MODES:
             raise RoseError(
                 f"compile_decode is one of {', '.join(COMPILE_MODES)} (or None for eager), "
                 f"got {compile_decode!r}"
             )
+        # One-token decode steps all have the same shapes, so they compile to one graph.
         self.compile_decode = compile_decode
         self.reset()
 
