@@ -28,16 +28,17 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.generate import GenerationConfig, generate, generate_batch
+from roseinfer.generate import generate, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError, run_cli
 from rosetrainer.model import GPT
+from rosetrainer.runtime import DTYPES
 
 ALL_PATHS = ("uncached", "concat", "static", "static+compile", "static+autotune", "hf")
 # The static cache's decode step, eager or compiled in one of kv_cache.COMPILE_MODES.
 STATIC_PATHS = {"static": None, "static+compile": "default", "static+autotune": "max-autotune"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -182,15 +183,21 @@ class StepClock:
 def run_rose(
     model: GPT, prompt: list[int], n: int, path: str, clock: StepClock, max_len: int
 ) -> list[int]:
-    config = GenerationConfig(max_new_tokens=n, stop_at_eot=False)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
     cache = None
     if path == "concat":
         cache = ConcatKVCache()
     elif path in STATIC_PATHS:
-        cache = StaticKVCache(model, max_len=max_len, compile_decode=STATIC_PATHS[path])
+        cache = StaticKVCache(model, max_len=max_len)
     clock.start()
     result = generate(
-        model, prompt, config, use_cache=path != "uncached", cache=cache, on_token=clock.tick
+        model,
+        prompt,
+        params,
+        use_cache=path != "uncached",
+        cache=cache,
+        on_token=clock.tick,
+        compile=STATIC_PATHS.get(path),
     )
     return result.token_ids
 
@@ -207,10 +214,10 @@ def ragged_prompts(
 def run_batched(
     model: GPT, prompts: list[list[int]], n: int, clock: StepClock, max_len: int
 ) -> list[list[int]]:
-    config = GenerationConfig(max_new_tokens=n, stop_at_eot=False)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
     cache = StaticKVCache(model, batch_size=len(prompts), max_len=max_len)
     clock.start()
-    results = generate_batch(model, prompts, config, cache=cache, on_token=clock.tick)
+    results = generate_batch(model, prompts, params, cache=cache, on_token=clock.tick)
     return [result.token_ids for result in results]
 
 

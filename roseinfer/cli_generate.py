@@ -28,20 +28,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-import torch
-
-from roseinfer.generate import GenerationConfig, GenerationResult, generate_batch
-from roseinfer.kv_cache import COMPILE_MODES, ConcatKVCache, StaticKVCache
+from roseinfer.generate import COMPILE_MODES, GenerationResult, generate_batch
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
 from roseinfer.sampling import SamplingParams
-from rosetrainer.checkpoint import find_latest_checkpoint, load_model
 from rosetrainer.errors import RoseError, run_cli
-from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.model import GPT
+from rosetrainer.runtime import DTYPES
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "roseinfer"
 DEFAULT_BATCH_SIZE = 32
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
 
@@ -169,22 +166,23 @@ def status(what: str, value: object) -> None:
 # ---------------------------------------------------------------------------
 
 
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     if args.compile and (args.no_kv_cache or args.cache != "static"):
         raise RoseError(
             "--compile compiles the static cache's decode step: drop --no-kv-cache "
             "and --cache concat, or drop --compile"
         )
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     # torch's default generator starts from the same seed in every process, so an unseeded
     # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
     seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
-    return GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         seed=seed,
-        stop_at_eot=not args.no_stop_at_eot,
-        stop_strings=tuple(args.stop),
+        ignore_eos=args.no_stop_at_eot,
+        stop=tuple(args.stop),
     )
 
 
@@ -206,72 +204,6 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
         prompts += from_file
         blank_lines = len(lines) - len(from_file)
     return prompts or [""], blank_lines
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RoseError(
-            "--device cuda, but CUDA is not available here (no GPU, or a CPU-only torch); "
-            "use --device cpu or auto"
-        )
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "float16" and device.type == "cpu":
-        raise RoseError("float16 is not supported on CPU; use bfloat16 or float32")
-    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RoseError(
-            f"bfloat16 is not supported on {torch.cuda.get_device_name(device)}; "
-            f"use float16 or float32"
-        )
-    return DTYPES[name]
-
-
-# ---------------------------------------------------------------------------
-# Model and tokenizer
-# ---------------------------------------------------------------------------
-
-
-def checkpoint_file(path_arg: str | None) -> Path:
-    """The .pt to load: the one named, best.pt / last.pt of a run directory, or the newest."""
-    if path_arg is None:
-        latest = find_latest_checkpoint("checkpoints")
-        if latest is None:
-            raise RoseError(
-                "no checkpoint given and none under checkpoints/: train one with "
-                "`python -m rosetrainer.train --preset tiny`, or pass --checkpoint-path or --hf-model"
-            )
-        return latest
-    path = Path(path_arg)
-    if path.is_dir():
-        for name in ("best.pt", "last.pt"):
-            if (path / name).is_file():
-                return path / name
-    return path  # load_model says what is wrong with it, if anything
-
-
-def load_model_and_tokenizer(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> tuple[GPT, Tokenizer, str]:
-    """The model in eval mode, its tokenizer, and where the model came from."""
-    if args.hf_model:
-        model, source, trained_with = load_hf_gpt2(args.hf_model, device), args.hf_model, "gpt2"
-    else:
-        path = checkpoint_file(args.checkpoint_path)
-        model, ckpt = load_model(path, device)
-        source, trained_with = str(path), ckpt.get("tokenizer_name", "gpt2")
-    model = model.to(dtype).eval()
-    tokenizer = Tokenizer(args.tokenizer_name or trained_with)
-    vocab_size = model.config.vocab_size
-    if tokenizer.n_vocab > vocab_size:
-        raise RoseError(
-            f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} tokens but the model's "
-            f"vocabulary has {vocab_size}: use the tokenizer the model was trained with"
-        )
-    return model, tokenizer, source
 
 
 def encode_prompts(prompts: list[str], tokenizer: Tokenizer, block_size: int) -> list[list[int]]:
@@ -313,7 +245,7 @@ def make_cache(
     max_len = min(model.config.block_size, longest + args.max_new_tokens)
     if args.compile:
         max_len = model.config.block_size
-    return StaticKVCache(model, batch_size=len(batch), max_len=max_len, compile_decode=args.compile)
+    return StaticKVCache(model, batch_size=len(batch), max_len=max_len)
 
 
 def generate_streaming(
@@ -338,6 +270,7 @@ def as_json(prompt: str, result: GenerationResult, tokenizer: Tokenizer) -> str:
             "token_ids": result.token_ids,
             "text": tokenizer.decode(result.token_ids),
             "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
             "time_to_first_token_ms": round(result.time_to_first_token_s * 1000, 3),
             "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 3),
             "total_time_ms": round(result.total_time_s * 1000, 3),
@@ -363,7 +296,7 @@ def run_batch(
     prompts: list[str],
     prompt_ids: list[list[int]],
     args: argparse.Namespace,
-    config: GenerationConfig,
+    params: SamplingParams,
     model: GPT,
     tokenizer: Tokenizer,
 ) -> None:
@@ -374,11 +307,12 @@ def run_batch(
         generate_batch,
         model,
         prompt_ids,
-        config,
+        params,
         use_cache=cache is not None,
         cache=cache,
         eot_id=tokenizer.eot_id,
         decode=tokenizer.decode,
+        compile=args.compile,
     )
     started = time.perf_counter()
     if args.json:
@@ -400,13 +334,15 @@ def run_batch(
 
 
 def run(args: argparse.Namespace) -> int:
-    config = generation_config(args)
+    params = sampling_params(args)
     if args.batch_size < 1:
         raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts, blank_lines = read_prompts(args)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    model, tokenizer, source = load_model_and_tokenizer(args, device, dtype)
+    model, tokenizer, source = load_model_and_tokenizer(
+        args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
+    )
     prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
 
     status("device", device)
@@ -419,13 +355,13 @@ def run(args: argparse.Namespace) -> int:
         how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"
         status("compiled decode", f"{args.compile} (the first step compiles: {how_long})")
     random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
-    status("seed", f"{config.seed}{random_seed}")
+    status("seed", f"{params.seed}{random_seed}")
     if args.prompt_file:
         status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
 
     for start in range(0, len(prompts), args.batch_size):
         batch = slice(start, start + args.batch_size)
-        run_batch(prompts[batch], prompt_ids[batch], args, config, model, tokenizer)
+        run_batch(prompts[batch], prompt_ids[batch], args, params, model, tokenizer)
     return 0
 
 

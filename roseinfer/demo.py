@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from roseinfer.generate import GenerationConfig, GenerationResult, generate
+from roseinfer.generate import GenerationResult, generate
+from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import find_latest_checkpoint, load_model
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
@@ -110,8 +111,8 @@ def demo_model(seed: int = 0) -> tuple[GPT, Tokenizer, str]:
 
 def oracle_weakness(model: GPT, tokenizer: Tokenizer) -> str | None:
     """Why greedy decoding of PROMPT on `model` makes a weak oracle; None if it is strong."""
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, stop_at_eot=False)
-    result = generate(model, tokenizer.encode(PROMPT), config, use_cache=False, keep_logits=True)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    result = generate(model, tokenizer.encode(PROMPT), greedy, use_cache=False, keep_logits=True)
     distinct = len(set(result.token_ids)) / len(result.token_ids)
     if distinct < MIN_DISTINCT_FRACTION:
         return f"its greedy text repeats itself ({distinct:.0%} distinct tokens)"

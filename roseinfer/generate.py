@@ -11,6 +11,11 @@ rests on three invariants, each a named function in `rosetrainer/model.py`:
 the bottom row of the full mask, not the top one) and `position_ids` (a new token's
 position continues after the past, it does not restart at 0).
 
+Each prompt is one `Sequence` (roseinfer/sequence.py): its `SamplingParams`, its own
+random stream, its tokens and why it stopped. What belongs to the loop rather than to
+a request (how much of the window to keep, the prefill chunk, compiling the decode
+step) is passed to `generate_batch` on its own.
+
 Past the context window both paths follow one policy, `window_start`: GPT-2's
 positions are learned only up to `block_size`, so a cache cannot slide by one token
 (every cached key was computed at a position that would have to shift). When the
@@ -21,38 +26,21 @@ cached path re-prefills those; the uncached path reads exactly the same window.
 from __future__ import annotations
 
 import functools
-import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams, sample_next_token
+from roseinfer.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
 KVCache = ConcatKVCache | StaticKVCache
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = None  # with sampling: one seed, one output
-    stop_at_eot: bool = True
-    stop_strings: tuple[str, ...] = ()
-    window_keep: int | None = None  # tokens kept when the window is full; None = block_size // 2
-    prefill_chunk: int | None = None  # prefill long prompts this many tokens at a time
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
-            raise RoseError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if any(not s for s in self.stop_strings):
-            raise RoseError("stop strings must not be empty")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise RoseError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+StepFn = Callable[[GPT, torch.Tensor, KVCache], torch.Tensor]
 
 
 def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
@@ -66,9 +54,10 @@ def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
     return start
 
 
-def window_keep(model: GPT, config: GenerationConfig) -> int:
+def checked_keep(model: GPT, keep: int | None = None) -> int:
+    """Tokens kept when the window is full (None: block_size // 2), checked."""
     block_size = model.config.block_size
-    keep = block_size // 2 if config.window_keep is None else config.window_keep
+    keep = block_size // 2 if keep is None else keep
     if not 1 <= keep <= block_size - 1:
         raise RoseError(
             f"window_keep must be in [1, block_size - 1 = {block_size - 1}], got {keep}"
@@ -76,35 +65,48 @@ def window_keep(model: GPT, config: GenerationConfig) -> int:
     return keep
 
 
-RowSampler = Callable[[torch.Tensor], list[int]]  # (B, vocab) logits -> one token per row
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of (B, vocab) logits, each drawn with its own request's
+    parameters and random stream (so a row samples as its prompt would alone)."""
+    if all(seq.params.greedy for seq in seqs):
+        return torch.argmax(logits, dim=-1).tolist()
+    return [
+        int(sample_next_token(logits[i : i + 1], seq.params, seq.generator))
+        for i, seq in enumerate(seqs)
+    ]
+
+
+def model_step(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One model call on top of `cache`: the logits of each row's last new token (B, vocab)."""
+    return model(ids, cache=cache, last_only=True, validate=False).logits[:, -1, :]
 
 
 def uncached_steps(
-    model: GPT, prompt: list[int], sample: RowSampler, keep: int
+    model: GPT, seq: Sequence, keep: int
 ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """The oracle: every step re-runs the model on the whole window of one row.
 
     Yields ([token], logits) per step, the shape the cached path yields for one row.
     """
     device = model.lm_head.weight.device
-    tokens = list(prompt)
+    tokens = list(seq.prompt_ids)
     start = 0
     while True:
         start = window_start(start, len(tokens), model.config.block_size, keep)
         idx = torch.tensor([tokens[start:]], device=device)
         logits = model(idx).logits[:, -1, :]
-        new_tokens = sample(logits)
+        new_tokens = sample_rows(logits, [seq])
         yield new_tokens, logits
         tokens += new_tokens
 
 
 def cached_steps(
     model: GPT,
-    prompts: list[list[int]],
-    sample: RowSampler,
+    seqs: list[Sequence],
     keep: int,
     cache: KVCache,
     prefill_chunk: int | None = None,
+    decode_step: StepFn = model_step,
 ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """Prefill once, then one token per row per step on top of `cache`.
 
@@ -112,13 +114,13 @@ def cached_steps(
     Yields (one token per row, logits) per step.
     """
     device = model.lm_head.weight.device
-    rows = [list(p) for p in prompts]
+    rows = [list(seq.prompt_ids) for seq in seqs]
     starts = [0] * len(rows)
     logits = prefill(
         model, cache, [row[s:] for row, s in zip(rows, starts, strict=True)], prefill_chunk
     )
     while True:
-        new_tokens = sample(logits)
+        new_tokens = sample_rows(logits, seqs)
         yield new_tokens, logits
         for row, token in zip(rows, new_tokens, strict=True):
             row.append(token)
@@ -135,7 +137,7 @@ def cached_steps(
             logits = prefill(model, cache, windows, prefill_chunk)
         else:
             step_ids = torch.tensor(new_tokens, device=device)[:, None]
-            logits = cache.forward(model, step_ids, validate=False)
+            logits = decode_step(model, step_ids, cache)
 
 
 def prefill(
@@ -156,6 +158,7 @@ def prefill(
                 f"longer than that; got {len(windows)} prompt(s) of {len(windows[0])} tokens"
             )
         ids = torch.tensor([windows[0][cache.seq_len :]], device=device)
+        model._check_ids(ids)
     else:
         longest = max(map(len, windows))
         pads = [longest - len(w) for w in windows]
@@ -166,15 +169,16 @@ def prefill(
         cache.reset(torch.tensor(pads, device=device) if max(pads) > 0 else None)
     chunk = chunk or ids.size(1)
     for i in range(0, ids.size(1), chunk):
-        logits = cache.forward(model, ids[:, i : i + chunk])
-    return logits
+        out = model(ids[:, i : i + chunk], cache=cache, last_only=True)
+    return out.logits[:, -1, :]
 
 
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # the new tokens (a final <|endoftext|> is not included)
-    finish_reason: str  # "length", "eot" or "stop_string"
+    finish_reason: str  # "stop" (end-of-text, a stop token or string) or "length"
+    stop_reason: int | str | None  # the token id or stop string that stopped it
     step_logits: list[torch.Tensor] | None  # (vocab,) float32 per step, when asked for
     time_to_first_token_s: float
     total_time_s: float
@@ -186,64 +190,93 @@ class GenerationResult:
         return n / decode_time if n > 0 and decode_time > 0 else float("nan")
 
 
+TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
+
+
 def generate(
     model: GPT,
     prompt_ids: list[int],
-    config: GenerationConfig,
-    *,
-    use_cache: bool = True,
-    cache: KVCache | None = None,
-    eot_id: int | None = None,
-    decode: Callable[[list[int]], str] | None = None,
-    on_token: Callable[[int], None] | None = None,
-    keep_logits: bool = False,
+    params: SamplingParams,
+    **options: object,
 ) -> GenerationResult:
-    """Generate up to `config.max_new_tokens` tokens after `prompt_ids`.
-
-    use_cache=False runs the oracle; otherwise `cache` (default: a fresh ConcatKVCache)
-    carries the past. A cache that already holds the prompt's first tokens (a shared
-    prefix, the earlier turns of a conversation) is fed only the rest. `eot_id` enables
-    stopping at end-of-text, `decode` (ids -> text) enables stop strings, and
-    `on_token` sees every kept token as it is made (streaming).
-    """
-    row_callback = None if on_token is None else (lambda _row, token: on_token(token))
-    (result,) = generate_batch(
-        model,
-        [prompt_ids],
-        config,
-        use_cache=use_cache,
-        cache=cache,
-        eot_id=eot_id,
-        decode=decode,
-        on_token=row_callback,
-        keep_logits=keep_logits,
-    )
+    """Generate after one prompt: `generate_batch` with one row (same options)."""
+    (result,) = generate_batch(model, [prompt_ids], params, **options)
     return result
 
 
 def generate_batch(
     model: GPT,
     prompts: list[list[int]],
-    config: GenerationConfig,
+    params: SamplingParams | list[SamplingParams],
     *,
     use_cache: bool = True,
     cache: KVCache | None = None,
     eot_id: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
-    on_token: Callable[[int, int], None] | None = None,
+    on_token: TokenCallback | None = None,
     keep_logits: bool = False,
+    window_keep: int | None = None,
+    prefill_chunk: int | None = None,
+    compile: str | None = None,
 ) -> list[GenerationResult]:
-    """Generate for several prompts at once; one result per prompt, in order.
+    """Generate for several prompts; one result per prompt, in order.
 
-    With the cache, the prompts run as one left-padded batch (a StaticKVCache must be
-    built with batch_size=len(prompts)); each row stops on its own while the others go
-    on. Without it, each prompt runs the oracle on its own. With sampling, every row
-    draws from its own generator seeded with `config.seed`, so a row's tokens equal
-    those of its prompt generated alone. `on_token(row, token)` streams.
+    params: one SamplingParams for every prompt, or one per prompt. Each prompt is a
+    `Sequence` with its own random stream seeded from its params, so a row's tokens
+    equal those of its prompt generated alone.
+    use_cache=False runs the oracle, each prompt on its own. Otherwise the prompts run
+    as one left-padded batch on `cache` (default: a fresh ConcatKVCache; a StaticKVCache
+    must have one row per prompt), each row stopping on its own while the others go on.
+    A cache that already holds the prompt's first tokens (a shared prefix, the earlier
+    turns of a conversation) is fed only the rest.
+    eot_id: end-of-text stops a row (unless its params ignore_eos); decode (ids -> text)
+    enables stop strings; on_token(row, token) sees each kept token as it is made.
+    window_keep: tokens kept when the context window is full (default block_size // 2);
+    prefill_chunk: prefill long prompts this many tokens at a time; compile: compile the
+    static cache's one-token decode step ("default" or "max-autotune").
     """
+    seqs = make_sequences(model, prompts, params, eot_id, decode)
+    keep = checked_keep(model, window_keep)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise RoseError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if not use_cache:
+        results = []
+        for row, seq in enumerate(seqs):
+            callback = None if on_token is None else functools.partial(_on_row, on_token, row)
+            results += _run(uncached_steps(model, seq, keep), [seq], callback, keep_logits)
+        return results
+    cache = ConcatKVCache() if cache is None else cache
+    if isinstance(cache, StaticKVCache) and cache.batch_size != len(prompts):
+        raise RoseError(
+            f"the static cache holds {cache.batch_size} row(s) but {len(prompts)} prompt(s) "
+            f"were given: build it with StaticKVCache(model, batch_size={len(prompts)})"
+        )
+    decode_step = model_step
+    if compile is not None:
+        if not isinstance(cache, StaticKVCache):
+            raise RoseError("compile needs a StaticKVCache: its decode steps have one shape")
+        decode_step = compiled_step(compile)
+    steps = cached_steps(model, seqs, keep, cache, prefill_chunk, decode_step)
+    return _run(steps, seqs, on_token, keep_logits)
+
+
+def make_sequences(
+    model: GPT,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    eot_id: int | None,
+    decode: Callable[[list[int]], str] | None,
+) -> list[Sequence]:
+    """One checked Sequence per prompt."""
     block_size = model.config.block_size
     if not prompts:
         raise RoseError("no prompts given: pass at least one list of token ids")
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise RoseError(
+            f"{len(params)} SamplingParams for {len(prompts)} prompt(s): give one, or one per prompt"
+        )
     for prompt in prompts:
         if not prompt:
             raise RoseError("a prompt is empty: start it from the end-of-text token instead")
@@ -252,113 +285,92 @@ def generate_batch(
                 f"a prompt has {len(prompt)} tokens but the model's context (block_size) is "
                 f"{block_size}: shorten the prompt"
             )
-    if config.stop_strings and decode is None:
-        raise RoseError("stop strings need a decode function (ids -> text)")
-    keep = window_keep(model, config)
-
-    if not use_cache:
-        results = []
-        for i, prompt in enumerate(prompts):
-            sample = row_sampler(model, config, n_rows=1)
-            steps = uncached_steps(model, prompt, sample, keep)
-            row_callback = None if on_token is None else functools.partial(_on_row, on_token, i)
-            results += _run(steps, [prompt], config, eot_id, decode, row_callback, keep_logits)
-        return results
-    cache = ConcatKVCache() if cache is None else cache
-    if isinstance(cache, StaticKVCache) and cache.batch_size != len(prompts):
-        raise RoseError(
-            f"the static cache holds {cache.batch_size} row(s) but {len(prompts)} prompt(s) "
-            f"were given: build it with StaticKVCache(model, batch_size={len(prompts)})"
-        )
-    sample = row_sampler(model, config, n_rows=len(prompts))
-    steps = cached_steps(model, prompts, sample, keep, cache, config.prefill_chunk)
-    return _run(steps, prompts, config, eot_id, decode, on_token, keep_logits)
-
-
-def _on_row(on_token: Callable[[int, int], None], row: int, _: int, token: int) -> None:
-    on_token(row, token)
-
-
-def row_sampler(model: GPT, config: GenerationConfig, n_rows: int) -> RowSampler:
-    """One token per row from (B, vocab) logits; with sampling, one generator per row."""
-    if config.sampling.greedy:
-        return lambda logits: torch.argmax(logits, dim=-1).tolist()
     device = model.lm_head.weight.device
-    generators = [torch.Generator(device=device) for _ in range(n_rows)]
-    for generator in generators:
-        if config.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(config.seed)
+    return [
+        Sequence(list(prompt), p, eos_id=eot_id, decode=decode, device=device)
+        for prompt, p in zip(prompts, params, strict=True)
+    ]
 
-    def sample(logits: torch.Tensor) -> list[int]:
-        return [
-            int(sample_next_token(logits[i : i + 1], config.sampling, generator))
-            for i, generator in enumerate(generators)
-        ]
 
-    return sample
+def _on_row(on_token: TokenCallback, row: int, _: int, token: int) -> None:
+    on_token(row, token)
 
 
 def _run(
     steps: Iterator[tuple[list[int], torch.Tensor]],
-    prompts: list[list[int]],
-    config: GenerationConfig,
-    eot_id: int | None,
-    decode: Callable[[list[int]], str] | None,
-    on_token: Callable[[int, int], None] | None,
+    seqs: list[Sequence],
+    on_token: TokenCallback | None,
     keep_logits: bool,
 ) -> list[GenerationResult]:
-    """Consume the steps until every row has stopped; the stopping rules live here."""
-    n_rows = len(prompts)
-    new_ids: list[list[int]] = [[] for _ in prompts]
-    step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    finish: list[str | None] = [None] * n_rows
-    finished_at = [0.0] * n_rows
-    text_len = [0] * n_rows  # decoded length before the latest token (for stop strings)
+    """Consume the steps until every row has stopped; each Sequence applies its own rules."""
+    step_logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     started = time.perf_counter()
-    first_token_at = started
     with torch.inference_mode():
-        # islice never asks for a step past the last one, so the last token is not fed
-        # back through the model for nothing (and max_new_tokens=0 runs no model at all).
-        for step, (tokens, logits) in enumerate(itertools.islice(steps, config.max_new_tokens)):
-            if step == 0:
-                first_token_at = time.perf_counter()
-            for row, token in enumerate(tokens):
-                if finish[row] is not None:
+        # The loop asks for the next step only while a row is still going, so the last
+        # token is never fed back through the model for nothing.
+        for tokens, logits in steps:
+            now = time.perf_counter()
+            for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                if seq.is_finished:
                     continue  # this row stopped; the batch runs on for the others
                 if keep_logits:
                     step_logits[row].append(logits[row].float().cpu())
-                if config.stop_at_eot and token == eot_id:
-                    finish[row] = "eot"
-                else:
-                    new_ids[row].append(token)
-                    if on_token is not None:
-                        on_token(row, token)
-                    if config.stop_strings:
-                        text = decode(new_ids[row])
-                        if _completes_stop_string(text, text_len[row], config.stop_strings):
-                            finish[row] = "stop_string"
-                        text_len[row] = len(text)
-                if finish[row] is not None:
-                    finished_at[row] = time.perf_counter()
-            if all(reason is not None for reason in finish):
+                kept = len(seq.output_ids)
+                seq.append_token(token, now)
+                if on_token is not None and len(seq.output_ids) > kept:
+                    on_token(row, token)
+            if all(seq.is_finished for seq in seqs):
                 break
     steps.close()
-    ended = time.perf_counter()
     return [
         GenerationResult(
-            prompt_ids=list(prompts[row]),
-            token_ids=new_ids[row],
-            finish_reason=finish[row] or "length",
+            prompt_ids=list(seq.prompt_ids),
+            token_ids=list(seq.output_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
             step_logits=step_logits[row] if keep_logits else None,
-            time_to_first_token_s=first_token_at - started,
-            total_time_s=(finished_at[row] if finish[row] else ended) - started,
+            time_to_first_token_s=seq.token_times[0] - started,
+            total_time_s=seq.finish_time - started,
         )
-        for row in range(n_rows)
+        for row, seq in enumerate(seqs)
     ]
 
 
-def _completes_stop_string(text: str, old_len: int, stop_strings: tuple[str, ...]) -> bool:
-    """Did the text added after `old_len` characters complete one of the stop strings?"""
-    return any(s in text[max(0, old_len - len(s) + 1) :] for s in stop_strings)
+# How the one-token step may be compiled:
+# * "default": inductor fuses the small ops (layer norms, GELU, the cache write,
+#   attention's softmax) around the usual matmul library calls; compiles in seconds.
+# * "max-autotune": the weights are frozen into the graph as constants, so they can be
+#   packed once for the matmul kernels, and inductor times its own generated matmul
+#   kernels against the library's and keeps the faster. For one-row decode matmuls on a
+#   CPU without native bf16 its kernels win clearly in bf16. Compiling takes a minute or
+#   two, and frozen weights are read once: changing them in place afterwards is not seen.
+COMPILE_MODES = ("default", "max-autotune")
+
+
+@functools.cache
+def compiled_step(mode: str = "default") -> StepFn:
+    """`model_step` through torch.compile, built on first use (importing dynamo is slow)."""
+    if mode not in COMPILE_MODES:
+        raise RoseError(
+            f"compile is one of {', '.join(COMPILE_MODES)} (or None for eager), got {mode!r}"
+        )
+    if mode == "default":
+        return torch.compile(model_step, dynamic=False, fullgraph=True)
+    from torch._inductor import config as inductor_config  # (imported on demand: slow)
+
+    # CUDA graphs stay off: they would need the step's inputs at fixed addresses.
+    step = torch.compile(
+        model_step, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs"
+    )
+
+    def frozen_step(*args: object) -> torch.Tensor:
+        # Dynamo reads the freezing flag while it traces (and guards on the weights' identity,
+        # so another model compiles anew); torch.compile's options only reach inductor.
+        # The autotuner would report every kernel timing on stderr (and trip a deprecation
+        # warning inside torch): the compile stays quiet instead.
+        quiet = dict(max_autotune_report_choices_stats=False, autotune_num_choices_displayed=0)
+        with inductor_config.patch(freezing=True, **quiet), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            return step(*args)
+
+    return frozen_step

@@ -1,23 +1,20 @@
 """The one GPT-2 of rose.
 
 Read top to bottom: three small functions that hold the KV-cache invariants
-(`concat_kv`, `causal_mask`, `position_ids`), then attention, the MLP, a
-transformer block, and the model. Parameter names follow OpenAI's / Hugging
-Face's GPT-2 so their weights load with a transpose and nothing else.
+(`concat_kv`, `causal_mask`, `position_ids`), the cache protocol (`KVCache`: what the
+model asks of any cache), then attention, the MLP, a transformer block, and the
+model. Parameter names follow OpenAI's / Hugging Face's GPT-2 so their weights load
+with a transpose and nothing else.
 
-The model is stateless: a cache of past keys/values is passed in and the
-updated one is handed back. Two kinds of cache are understood:
-
-* a list with one `(k, v)` pair per layer, each (B, n_head, past_len, head_dim),
-  grown by concatenation (the teaching version); and
-* a preallocated cache object (`roseinfer.kv_cache.StaticKVCache`) written in
-  place at an explicit `input_pos`; it supplies its own mask rows and positions.
+The model is stateless: a cache is passed in, written by each layer, and owned by the
+caller (`roseinfer.kv_cache` has a concatenating and a preallocated one; the serving
+engine a paged one). Without a cache the model sees the whole sequence at once.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -78,11 +75,33 @@ def padding_mask(mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tens
     return combined | ~combined.any(dim=-1, keepdim=True)
 
 
+LayerPast = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What the model asks of a KV cache: two questions per call, one per layer.
+
+    Per call, before any layer runs: `prepare(batch, q_len, device)` says where the q_len new
+    tokens of each row stand (their positions, (B or 1, q_len)) and which keys their
+    queries may see (a boolean mask broadcastable to (B, 1, q_len, kv_len), or None
+    for plain causal attention over the new tokens alone). Per layer: `update` keeps
+    that layer's new keys/values and returns every key/value the new queries attend
+    over, along the time axis. A cache counts the new tokens as held from `prepare` on.
+    """
+
+    def prepare(
+        self, batch: int, q_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 # ---------------------------------------------------------------------------
 # The network
 # ---------------------------------------------------------------------------
-
-LayerPast = tuple[torch.Tensor, torch.Tensor]
 
 
 # With activation checkpointing, the training loss is computed over this many slices of
@@ -95,7 +114,6 @@ class GPTOutput(NamedTuple):
     # checkpointing computed the training loss slice by slice
     logits: torch.Tensor | None
     loss: torch.Tensor | None  # mean cross-entropy over targets != -100, when targets given
-    past_kv: list[LayerPast] | object | None  # the updated cache, when use_cache=True
 
 
 def one_query_attention(
@@ -128,18 +146,16 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        layer_past: LayerPast | object | None = None,
-        input_pos: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LayerPast]:
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends on its own.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
 
-        if layer_past is None or isinstance(layer_past, tuple):
-            k, v = concat_kv(layer_past, k, v)
-        else:  # a preallocated cache: write in place at input_pos, read the whole buffer
-            k, v = layer_past.update(input_pos, k, v)
+        if cache is not None:  # keep this layer's new keys/values; attend over all of them
+            k, v = cache.update(layer, k, v)
 
         if T == 1 and not self.training:
             y = one_query_attention(q, k, v, attn_mask)
@@ -153,7 +169,7 @@ class CausalSelfAttention(nn.Module):
                 is_causal=attn_mask is None,  # only ever without a past: q_len == kv_len
             )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y)), (k, v)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -182,13 +198,11 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        layer_past: LayerPast | object | None = None,
-        input_pos: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LayerPast]:
-        attn_out, present = self.attn(self.ln_1(x), attn_mask, layer_past, input_pos)
-        x = x + attn_out
-        x = x + self.mlp(self.ln_2(x))
-        return x, present
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -234,92 +248,53 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        past_kv: list[LayerPast] | object | None = None,
-        use_cache: bool = False,
+        cache: KVCache | None = None,
         *,
-        attention_mask: torch.Tensor | None = None,
-        input_pos: torch.Tensor | None = None,
         last_only: bool = False,
         validate: bool = True,
     ) -> GPTOutput:
         """Run the model on token ids `idx` (B, T).
 
         targets: (B, T) next-token ids (-100 is ignored) -> mean cross-entropy `loss`.
-        past_kv: a list of per-layer (k, v) from an earlier call, or a preallocated cache.
-        use_cache: hand back the updated cache as `past_kv` of the output.
-        attention_mask: (B, past_len + T), 1 for real tokens and 0 for left padding.
-        input_pos: (T,) cache slots of the new tokens; required with a preallocated cache.
+        cache: keys/values of earlier tokens; the new ones are added to it (see KVCache).
         last_only: compute logits for the last position only (generation needs no more).
-        validate: check ids and shapes; a decode loop feeding back its own argmax may skip it.
+        validate: check ids and positions; a decode loop feeding back its own argmax may skip it.
         """
         B, T = idx.shape
-        device = idx.device
         if validate:
             self._check_ids(idx)
-
-        if past_kv is not None and not isinstance(past_kv, (list, tuple)):
-            # Preallocated cache: the caller says which slots the new tokens fill; the cache
-            # holds the full causal mask and hands out its rows for those slots.
-            if input_pos is None:
-                raise RoseError("a preallocated cache needs input_pos, the slots of the new tokens")
-            if attention_mask is not None:
-                raise RoseError(
-                    "a preallocated cache carries its own padding (reset it with pad_lengths); "
-                    "attention_mask is for a list of (k, v) only"
-                )
-            if validate:
-                self._check_slots(past_kv, B, T, input_pos)
-            pos = past_kv.position_ids(input_pos)
-            attn_mask = past_kv.mask_rows(input_pos)
-            layer_pasts = past_kv.layers
+        if cache is None:
+            pos, attn_mask = position_ids(0, T, idx.device), None
         else:
-            past_len = 0 if past_kv is None else past_kv[0][0].size(2)
-            if validate:
-                self._check_past(past_kv, B, past_len, T)
-            kv_len = past_len + T
-            if attention_mask is None:
-                pos = position_ids(past_len, T, device)
-                attn_mask = None if past_len == 0 else causal_mask(T, kv_len, device)
-            else:
-                self._check_attention_mask(attention_mask, B, past_len, T)
-                pos = padded_position_ids(attention_mask)[:, past_len:]
-                attn_mask = padding_mask(causal_mask(T, kv_len, device), attention_mask)
-            layer_pasts = past_kv if past_kv is not None else [None] * self.config.n_layer
-
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        x = self.transformer.drop(x)
-        presents = []
+            pos, attn_mask = cache.prepare(B, T, idx.device)
+        if validate:
+            self._check_positions(pos)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for block, layer_past in zip(self.transformer.h, layer_pasts, strict=True):
-            if recompute and not use_cache and layer_past is None:
-                x, present = checkpoint(block, x, attn_mask, use_reentrant=False)
+        for layer, block in enumerate(self.transformer.h):
+            if recompute and cache is None:
+                x = checkpoint(block, x, attn_mask, use_reentrant=False)
             else:
-                x, present = block(x, attn_mask, layer_past, input_pos)
-            presents.append(present)
+                x = block(x, attn_mask, cache, layer)
         x = self.transformer.ln_f(x)
-
-        if targets is not None and last_only:
-            raise RoseError("targets need logits at every position; drop last_only")
         if recompute and targets is not None:
             # The (B, T, vocab) logits, their log-softmax and gradients outweigh every
             # block's activations at GPT-2's vocabulary: recompute them too, a slice of
             # the sequence at a time, and never hold them whole (logits are not returned).
-            return GPTOutput(None, self._recomputed_loss(x, targets), None)
-        if last_only:
-            x = x[:, -1:, :]
-        logits = self.lm_head(x)
+            return GPTOutput(None, self._recomputed_loss(x, targets))
+        return self._head(x, targets, last_only)
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None, last_only: bool) -> GPTOutput:
+        """Final hidden states -> logits (and the loss, given targets)."""
+        if targets is not None and last_only:
+            raise RoseError("targets need logits at every position; drop last_only")
+        logits = self.lm_head(x[:, -1:, :] if last_only else x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
-        if not use_cache:
-            new_past = None
-        elif past_kv is not None and not isinstance(past_kv, (list, tuple)):
-            new_past = past_kv  # written in place
-        else:
-            new_past = presents
-        return GPTOutput(logits, loss, new_past)
+        return GPTOutput(logits, loss)
 
     def _recomputed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over targets != -100, its logits built LOSS_CHUNKS slices at a
@@ -357,56 +332,12 @@ class GPT(nn.Module):
                 f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
             )
 
-    def _check_past(self, past_kv: list[LayerPast] | None, B: int, past_len: int, T: int) -> None:
-        cfg = self.config
-        if past_len + T > cfg.block_size:
+    def _check_positions(self, pos: torch.Tensor) -> None:
+        last = int(pos.max())
+        if last >= self.config.block_size:
             raise RoseError(
-                f"past ({past_len}) + new ({T}) = {past_len + T} tokens exceed block_size "
-                f"{cfg.block_size}: learned positions stop there (crop the context first)"
-            )
-        if past_kv is None:
-            return
-        if len(past_kv) != cfg.n_layer:
-            raise RoseError(f"past_kv has {len(past_kv)} layers, the model has {cfg.n_layer}")
-        expected = (B, cfg.n_head, past_len, cfg.head_dim)
-        for i, layer_past in enumerate(past_kv):
-            for name, t in zip(("k", "v"), layer_past, strict=True):
-                if tuple(t.shape) != expected:
-                    raise RoseError(
-                        f"past_kv layer {i} {name} has shape {tuple(t.shape)}, expected "
-                        f"{expected} (batch, n_head, past_len, head_dim)"
-                    )
-
-    def _check_attention_mask(
-        self, attention_mask: torch.Tensor, B: int, past_len: int, T: int
-    ) -> None:
-        shape = tuple(attention_mask.shape)
-        if attention_mask.dim() != 2 or shape[0] != B:
-            raise RoseError(
-                f"attention mask has shape {shape}, but idx has a batch of {B}: it must be "
-                f"(batch, past + new) = ({B}, {past_len + T})"
-            )
-        if shape[1] != past_len + T:
-            raise RoseError(
-                f"attention mask covers {shape[1]} positions (shape {shape}), but past "
-                f"({past_len}) + new ({T}) = {past_len + T}"
-            )
-
-    def _check_slots(self, cache: object, B: int, T: int, input_pos: torch.Tensor) -> None:
-        """A preallocated cache's rows and slots must fit the new tokens (an out-of-range
-        slot would be an index error on CPU and a device-side assert on CUDA)."""
-        cache_rows, _, n_slots, _ = cache.layers[0].k.shape
-        if cache_rows != B:
-            raise RoseError(f"the cache holds {cache_rows} row(s), but idx has a batch of {B}")
-        if tuple(input_pos.shape) != (T,):
-            raise RoseError(
-                f"input_pos has shape {tuple(input_pos.shape)}, but idx has {T} new token(s): "
-                f"give one cache slot per new token, shape ({T},)"
-            )
-        low, high = int(input_pos.min()), int(input_pos.max())
-        if low < 0 or high >= n_slots:
-            raise RoseError(
-                f"input_pos {low}..{high} falls outside the cache's slots 0..{n_slots - 1}"
+                f"a token would stand at position {last}, but the model's learned positions "
+                f"stop at block_size - 1 = {self.config.block_size - 1}: crop the context first"
             )
 
     # -- training helpers --

@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import generate
 from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
@@ -320,9 +320,8 @@ def plot_losses(records: list[dict[str, Any]], png_path: Path) -> None:
 
 def sample_text(model: GPT, tokenizer: Tokenizer, n_tokens: int, seed: int) -> str:
     """n_tokens from the model, started from end-of-text; temperature 0.8, top-k 200."""
-    sampling = SamplingParams(temperature=0.8, top_k=200)
-    config = GenerationConfig(max_new_tokens=n_tokens, sampling=sampling, seed=seed)
-    result = generate(model.eval(), [tokenizer.eot_id], config, eot_id=tokenizer.eot_id)
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.8, top_k=200, seed=seed)
+    result = generate(model.eval(), [tokenizer.eot_id], params, eot_id=tokenizer.eot_id)
     return tokenizer.decode(result.token_ids)
 
 
