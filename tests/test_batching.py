@@ -8,7 +8,9 @@ every step. Shapes that disagree (mask, cache, positions, batch) are clear error
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -17,17 +19,16 @@ from models import LOGIT_ATOL, assert_clear_margins, assert_matches_oracle, make
 
 import roseinfer.generate
 from roseinfer.generate import (
-    GenerationConfig,
     GenerationResult,
     cached_steps,
+    checked_keep,
     generate,
     generate_batch,
     prefill,
-    row_sampler,
-    window_keep,
 )
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams
+from roseinfer.sequence import Sequence
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,8 +54,8 @@ def random_ids(n: int, seed: int) -> list[int]:
 RAGGED_PROMPTS = [random_ids(n, seed=100 + n) for n in RAGGED_LENGTHS]
 
 
-def greedy(max_new_tokens: int = NEW_TOKENS, **overrides) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eot=False, **overrides)
+def greedy(max_tokens: int = NEW_TOKENS, **overrides) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **overrides)
 
 
 def make_cache(kind: str, batch_size: int = 1) -> ConcatKVCache | StaticKVCache:
@@ -120,7 +121,7 @@ def test_a_row_stops_at_end_of_text_while_the_others_go_on(
     results = generate_batch(
         tiny_model(),
         RAGGED_PROMPTS,
-        GenerationConfig(max_new_tokens=NEW_TOKENS),
+        SamplingParams(max_tokens=NEW_TOKENS),
         cache=make_cache(cache_kind, batch_size=len(RAGGED_PROMPTS)),
         eot_id=eot_id,
         keep_logits=True,
@@ -128,7 +129,7 @@ def test_a_row_stops_at_end_of_text_while_the_others_go_on(
     for row, (prompt, result) in enumerate(zip(RAGGED_PROMPTS, results, strict=True)):
         want = oracle(tuple(prompt))
         if row == stopping_row:
-            assert result.finish_reason == "eot"
+            assert (result.finish_reason, result.stop_reason) == ("stop", eot_id)
             assert result.token_ids == want.token_ids[:stop_index]
             # The eot step's logits are kept too: one step more than kept tokens.
             assert len(result.step_logits) == stop_index + 1
@@ -141,12 +142,7 @@ def test_a_row_stops_at_end_of_text_while_the_others_go_on(
 
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_sampled_rows_equal_their_single_seeded_runs(cache_kind: str) -> None:
-    config = GenerationConfig(
-        max_new_tokens=12,
-        sampling=SamplingParams(temperature=1.0, top_k=50),
-        seed=1234,
-        stop_at_eot=False,
-    )
+    config = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     model = tiny_model()
     batched = generate_batch(
         model,
@@ -199,20 +195,22 @@ def test_forks_of_a_prefix_equal_independent_runs(cache_kind: str) -> None:
         assert len(set(buffers)) == len(buffers)
 
     # Step the forks round-robin, so each one writes between the others' steps.
-    sample = row_sampler(model, config, n_rows=1)
-    keep = window_keep(model, config)
+    keep = checked_keep(model)
     prompts = [PREFIX + suffix for suffix in SUFFIXES]
-    runs = [cached_steps(model, [p], sample, keep, f) for p, f in zip(prompts, forks, strict=True)]
+    runs = [
+        cached_steps(model, [Sequence(p, config)], keep, f)
+        for p, f in zip(prompts, forks, strict=True)
+    ]
     tokens: list[list[int]] = [[] for _ in runs]
     logits: list[list[torch.Tensor]] = [[] for _ in runs]
     with torch.inference_mode():
-        for _ in range(config.max_new_tokens):
+        for _ in range(config.max_tokens):
             for i in reversed(range(len(runs))):
                 [token], step_logits = next(runs[i])
                 tokens[i].append(token)
                 logits[i].append(step_logits[0])
     for prompt, got_tokens, got_logits in zip(prompts, tokens, logits, strict=True):
-        want = oracle(tuple(prompt), config.max_new_tokens)
+        want = oracle(tuple(prompt), config.max_tokens)
         assert got_tokens == want.token_ids
         for got, ref in zip(got_logits, want.step_logits, strict=True):
             assert torch.allclose(got, ref, atol=LOGIT_ATOL, rtol=0)
@@ -221,7 +219,7 @@ def test_forks_of_a_prefix_equal_independent_runs(cache_kind: str) -> None:
     # The prefix cache itself still continues any suffix, through the public API.
     [fork] = cache.fork(1)
     result = generate(model, prompts[0], config, cache=fork, keep_logits=True)
-    assert_matches_oracle(result, oracle(tuple(prompts[0]), config.max_new_tokens))
+    assert_matches_oracle(result, oracle(tuple(prompts[0]), config.max_tokens))
     assert_unchanged(cache, before)
 
 
@@ -229,24 +227,27 @@ def test_forks_of_a_prefix_equal_independent_runs(cache_kind: str) -> None:
 def test_n_new_tokens_take_one_prefill_and_n_minus_1_steps(cache_kind: str) -> None:
     """The last token is never fed back: nothing would read its logits."""
     cache = make_cache(cache_kind)
-    spy = spy_on_forward(cache)
-    generate(tiny_model(), [1, 2, 3], greedy(5), cache=cache)
-    assert [call.args[1].size(1) for call in spy.call_args_list] == [3, 1, 1, 1, 1]
+    with model_calls(tiny_model()) as calls:
+        generate(tiny_model(), [1, 2, 3], greedy(5), cache=cache)
+    assert [ids.size(1) for ids in calls] == [3, 1, 1, 1, 1]
     assert cache.seq_len == 3 + 4
-    spy.reset_mock()
-    cache.reset()
-    assert generate(tiny_model(), [1, 2, 3], greedy(0), cache=cache).token_ids == []
-    assert spy.call_count == 0
+    with model_calls(tiny_model()) as calls:
+        generate(tiny_model(), [1, 2, 3], greedy(1), cache=make_cache(cache_kind))
+    assert [ids.size(1) for ids in calls] == [3]  # one token: the prefill's logits give it
 
 
 # -- multi-turn --
 
 
-def spy_on_forward(cache) -> mock.Mock:
-    """Record every call the loop makes to this cache (the real forward still runs)."""
-    spy = mock.Mock(wraps=cache.forward)
-    cache.forward = spy
-    return spy
+@contextlib.contextmanager
+def model_calls(model) -> Iterator[list[torch.Tensor]]:
+    """Record the token ids of every call made to `model` (the real forward still runs)."""
+    calls: list[torch.Tensor] = []
+    hook = model.register_forward_pre_hook(lambda _module, args: calls.append(args[0].clone()))
+    try:
+        yield calls
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("stop", ["length", "eot"])
@@ -260,20 +261,19 @@ def test_a_second_turn_prefills_only_itself_and_equals_one_run(cache_kind: str, 
     if stop == "eot":  # the first turn ends on "end of text" after 5 tokens
         eot_id = first_oracle[5]
         assert eot_id not in first_oracle[:5]
-    config = GenerationConfig(max_new_tokens=8, stop_at_eot=stop == "eot")
+    config = SamplingParams(max_tokens=8, ignore_eos=stop != "eot")
     cache = make_cache(cache_kind)
     turn1 = generate(model, first_prompt, config, cache=cache, eot_id=eot_id)
-    assert turn1.finish_reason == stop
+    assert turn1.finish_reason == {"length": "length", "eot": "stop"}[stop]
     ended_with = [eot_id] if stop == "eot" else []  # the chat keeps its end-of-text token
     history = first_prompt + turn1.token_ids + ended_with
     second_prompt = history + user_turn
 
     held = cache.seq_len
     assert held == len(history) - 1  # all but the newest token, never fed back
-    spy = spy_on_forward(cache)
-    turn2 = generate(model, second_prompt, greedy(12), cache=cache, keep_logits=True)
-    first_call_ids = spy.call_args_list[0].args[1]
-    assert first_call_ids.tolist() == [second_prompt[held:]]  # only what the cache lacks
+    with model_calls(model) as calls:
+        turn2 = generate(model, second_prompt, greedy(12), cache=cache, keep_logits=True)
+    assert calls[0].tolist() == [second_prompt[held:]]  # only what the cache lacks
     assert_matches_oracle(turn2, oracle(tuple(second_prompt), 12))
 
 
@@ -290,12 +290,12 @@ def test_chunked_prefill_equals_one_shot_prefill(cache_kind: str, chunk: int) ->
         model, LONG_PROMPT, greedy(6), cache=make_cache(cache_kind), keep_logits=True
     )
     cache = make_cache(cache_kind)
-    spy = spy_on_forward(cache)
-    chunked = generate(
-        model, LONG_PROMPT, greedy(6, prefill_chunk=chunk), cache=cache, keep_logits=True
-    )
+    with model_calls(model) as calls:
+        chunked = generate(
+            model, LONG_PROMPT, greedy(6), cache=cache, keep_logits=True, prefill_chunk=chunk
+        )
     prefill_calls = -(-len(LONG_PROMPT) // chunk)
-    widths = [call.args[1].size(1) for call in spy.call_args_list[:prefill_calls]]
+    widths = [ids.size(1) for ids in calls[:prefill_calls]]
     assert sum(widths) == len(LONG_PROMPT) and max(widths) <= chunk
     assert_matches_oracle(chunked, one_shot)
     assert_matches_oracle(chunked, oracle(tuple(LONG_PROMPT), 6))
@@ -307,9 +307,10 @@ def test_chunked_prefill_of_a_ragged_batch(cache_kind: str) -> None:
     results = generate_batch(
         tiny_model(),
         prompts,
-        greedy(6, prefill_chunk=3),
+        greedy(6),
         cache=make_cache(cache_kind, batch_size=len(prompts)),
         keep_logits=True,
+        prefill_chunk=3,
     )
     for prompt, result in zip(prompts, results, strict=True):
         assert_matches_oracle(result, oracle(tuple(prompt), 6))
@@ -318,39 +319,21 @@ def test_chunked_prefill_of_a_ragged_batch(cache_kind: str) -> None:
 # -- shapes that disagree --
 
 
-def past_of(batch: int, length: int):
+def run_on(cache, batch: int, length: int) -> torch.Tensor:
+    """Feed `length` zero tokens per row to the model on top of `cache`; the last logits."""
     with torch.no_grad():
-        return tiny_model()(torch.zeros(batch, length, dtype=torch.long), use_cache=True).past_kv
-
-
-def call_model(**kwargs) -> None:
-    with torch.no_grad():
-        tiny_model()(use_cache=True, **kwargs)
+        return tiny_model()(torch.zeros(batch, length, dtype=torch.long), cache=cache).logits
 
 
 def static_cache_holding(batch: int, length: int) -> StaticKVCache:
     cache = make_cache("static", batch_size=batch)
-    with torch.no_grad():
-        cache.forward(tiny_model(), torch.zeros(batch, length, dtype=torch.long))
+    run_on(cache, batch, length)
     return cache
 
 
-def call_on_static_cache(
-    idx_shape: tuple[int, int], cache_rows: int, input_pos: list[int], **extra
-) -> None:
-    """Call the model with new tokens of `idx_shape` on a static cache holding 3 tokens."""
-    call_model(
-        idx=torch.zeros(idx_shape, dtype=torch.long),
-        past_kv=static_cache_holding(cache_rows, 3),
-        input_pos=torch.tensor(input_pos),
-        **extra,
-    )
-
-
-def concat_cache_holding(length: int) -> ConcatKVCache:
+def concat_cache_holding(length: int, batch: int = 1) -> ConcatKVCache:
     cache = ConcatKVCache()
-    with torch.no_grad():
-        cache.forward(tiny_model(), torch.zeros(1, length, dtype=torch.long))
+    run_on(cache, batch, length)
     return cache
 
 
@@ -361,53 +344,20 @@ def ragged_concat_cache() -> ConcatKVCache:
 
 
 MISMATCHES = {
-    "mask one position short": (
-        lambda: call_model(
-            idx=torch.zeros(2, 2, dtype=torch.long),
-            past_kv=past_of(2, 10),
-            attention_mask=torch.ones(2, 11),
-        ),
-        r"attention mask covers 11 positions \(shape \(2, 11\)\), but past \(10\) \+ new \(2\) "
-        r"= 12",
-    ),
-    "mask for another batch": (
-        lambda: call_model(
-            idx=torch.zeros(2, 1, dtype=torch.long),
-            past_kv=past_of(2, 4),
-            attention_mask=torch.ones(3, 5),
-        ),
-        r"attention mask has shape \(3, 5\), but idx has a batch of 2: .* = \(2, 5\)",
-    ),
-    "mask without a batch axis": (
-        lambda: call_model(idx=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(3)),
-        r"attention mask has shape \(3,\), but idx has a batch of 2",
-    ),
     "past for another batch": (
-        lambda: call_model(idx=torch.zeros(1, 1, dtype=torch.long), past_kv=past_of(2, 4)),
-        r"past_kv layer 0 k has shape \(2, 2, 4, 16\), expected \(1, 2, 4, 16\)",
+        lambda: run_on(concat_cache_holding(4, batch=2), 1, 1),
+        r"the cache holds 2 row\(s\), but 1 row\(s\) of ids were given",
     ),
     "static cache for another batch": (
-        lambda: call_on_static_cache((1, 1), cache_rows=2, input_pos=[3]),
-        r"the cache holds 2 row\(s\), but idx has a batch of 1",
+        lambda: run_on(static_cache_holding(2, 3), 1, 1),
+        r"static cache holds 2 row\(s\) x 32 positions: 1 row\(s\) with past \(3\)",
     ),
-    "input_pos longer than the new tokens": (
-        lambda: call_on_static_cache((1, 2), cache_rows=1, input_pos=[3, 4, 5]),
-        r"input_pos has shape \(3,\), but idx has 2 new token\(s\)",
-    ),
-    "input_pos past the last slot": (
-        lambda: call_on_static_cache((1, 2), cache_rows=1, input_pos=[31, 32]),
-        r"input_pos 31..32 falls outside the cache's slots 0..31",
-    ),
-    "attention mask with a static cache": (
-        lambda: call_on_static_cache(
-            (1, 1), cache_rows=1, input_pos=[3], attention_mask=torch.ones(1, 4)
-        ),
-        "a preallocated cache carries its own padding",
+    "past + new over the context": (
+        lambda: run_on(concat_cache_holding(30), 1, 3),
+        r"a token would stand at position 32, but .* block_size - 1 = 31",
     ),
     "static cache past its slots": (
-        lambda: static_cache_holding(1, 30).forward(
-            tiny_model(), torch.zeros(1, 3, dtype=torch.long)
-        ),
+        lambda: run_on(static_cache_holding(1, 30), 1, 3),
         r"1 row\(s\) x 32 positions: 1 row\(s\) with past \(30\) \+ new \(3\) = 33 do not fit",
     ),
     "static pad_lengths for another batch": (
@@ -415,7 +365,7 @@ MISMATCHES = {
         r"pad_lengths has shape \(3,\), but the cache holds 2 rows",
     ),
     "concat pad_lengths for another batch": (
-        lambda: ragged_concat_cache().forward(tiny_model(), torch.zeros(2, 3, dtype=torch.long)),
+        lambda: run_on(ragged_concat_cache(), 2, 3),
         r"pad_lengths has shape \(3,\), but 2 row\(s\) of ids were given",
     ),
     "batch on a static cache for another batch": (
@@ -453,6 +403,4 @@ def test_a_refused_reset_leaves_the_static_cache_as_it_was() -> None:
     with pytest.raises(RoseError, match="pad_lengths"):
         cache.reset(torch.tensor([1]))
     assert cache.seq_len == 3 and cache.pad_lengths is None
-    with torch.no_grad():
-        logits = cache.forward(tiny_model(), torch.zeros(2, 1, dtype=torch.long))
-    assert logits.shape == (2, 512) and cache.seq_len == 4
+    assert run_on(cache, 2, 1).shape == (2, 1, 512) and cache.seq_len == 4

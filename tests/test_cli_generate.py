@@ -18,7 +18,8 @@ import torch
 from models import assert_clear_margins
 
 from roseinfer import cli_generate
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import generate
+from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.hf import load_hf_gpt2
@@ -33,6 +34,7 @@ JSON_FIELDS = {
     "token_ids",
     "text",
     "finish_reason",
+    "stop_reason",
     "time_to_first_token_ms",
     "tokens_per_s",
     "total_time_ms",
@@ -139,7 +141,7 @@ def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
     assert done.returncode == 0, done.stderr
     [result] = json_lines(done.stdout)
     model = load_hf_gpt2(str(hf_gpt2_dir)).eval()
-    config = GenerationConfig(max_new_tokens=12, stop_at_eot=False)
+    config = SamplingParams(max_tokens=12, ignore_eos=True)
     prompt_ids = Tokenizer("gpt2").encode(prompt)
     expected = generate(model, prompt_ids, config, use_cache=False, keep_logits=True)
     assert_clear_margins(expected.step_logits)
@@ -193,8 +195,8 @@ BAD_INPUTS = {
     "top_p zero": (["--top-p", "0"], r"top_p must be in \(0, 1\], got 0.0"),
     "top_p over one": (["--top-p", "1.5"], "top_p must be in"),
     "negative top_k": (["--top-k", "-1"], "top_k must be an integer >= 0"),
-    "negative temperature": (["--temperature", "-0.5"], "temperature must be >= 0"),
-    "negative max_new_tokens": (["--max-new-tokens", "-1"], "max_new_tokens must be >= 0"),
+    "negative temperature": (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
+    "negative max_new_tokens": (["--max-new-tokens", "-1"], "max_tokens must be an integer >= 1"),
     "zero batch size": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     "float16 on CPU": (
         ["--device", "cpu", "--dtype", "float16"],
@@ -205,7 +207,7 @@ BAD_INPUTS = {
         r"prompt 1 has \d+ tokens but the model's context \(block_size\) is 64",
     ),
     "missing prompt file": (["--prompt-file", "{tmp}/prompts.txt"], "prompt file not found"),
-    "empty stop string": (["--stop", ""], "stop strings must not be empty"),
+    "empty stop string": (["--stop", ""], "stop strings must be non-empty"),
     "compile without the static cache": (
         ["--compile", "--cache", "concat"],
         "--compile compiles the static cache's decode step",
@@ -304,7 +306,7 @@ def test_a_ragged_batch_equals_each_prompt_alone(
     assert all(len(r["token_ids"]) > 0 for r in together)
     if decoding == "greedy":
         model = load_hf_gpt2(str(hf_gpt2_dir)).eval()
-        config = GenerationConfig(max_new_tokens=12)
+        config = SamplingParams(max_tokens=12)
         for result in together:
             expected = generate(
                 model, result["prompt_token_ids"], config, use_cache=False, keep_logits=True
@@ -369,7 +371,7 @@ def test_stop_string(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
     [full] = run_json(capsys, *common, "--prompt", "Once")
     stop = full["text"][10:13]  # three characters from the middle of the text
     [stopped] = run_json(capsys, *common, "--prompt", "Once", "--stop", stop)
-    assert stopped["finish_reason"] == "stop_string"
+    assert stopped["finish_reason"] == "stop"
     assert stop in stopped["text"]
     assert full["text"].startswith(stopped["text"])
     assert len(stopped["token_ids"]) < len(full["token_ids"])

@@ -17,8 +17,9 @@ from models import (
 )
 
 import roseinfer.generate
-from roseinfer.generate import GenerationConfig, GenerationResult, generate, window_start
-from roseinfer.kv_cache import COMPILE_MODES, ConcatKVCache, StaticKVCache
+from roseinfer.generate import COMPILE_MODES, GenerationResult, generate, window_start
+from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,8 +45,8 @@ def prompt_for(shape: str, length: str) -> list[int]:
     return torch.randint(0, 512, (n[length],), generator=generator).tolist()
 
 
-def greedy(max_new_tokens: int, **overrides) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eot=False, **overrides)
+def greedy(max_tokens: int, **overrides) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **overrides)
 
 
 def make_cache(kind: str, model):
@@ -57,8 +58,14 @@ def oracle(shape: str, length: str, window_keep: int | None = None) -> Generatio
     """The uncached greedy run, two context windows long, checked to be a strong oracle."""
     model = model_for(shape)
     n = 2 * SHAPES[shape]["block_size"]
-    config = greedy(n, window_keep=window_keep)
-    result = generate(model, prompt_for(shape, length), config, use_cache=False, keep_logits=True)
+    result = generate(
+        model,
+        prompt_for(shape, length),
+        greedy(n),
+        use_cache=False,
+        keep_logits=True,
+        window_keep=window_keep,
+    )
     assert_clear_margins(result.step_logits)
     return result
 
@@ -88,9 +95,11 @@ def test_compiled_static_decode_equals_oracle(mode: str) -> None:
     shape, length = "2L-3H-48d-ctx32", "half"
     model = model_for(shape)
     expected = oracle(shape, length)
-    cache = StaticKVCache(model, compile_decode=mode)
+    cache = StaticKVCache(model)
     config = greedy(len(expected.token_ids))
-    result = generate(model, prompt_for(shape, length), config, cache=cache, keep_logits=True)
+    result = generate(
+        model, prompt_for(shape, length), config, cache=cache, keep_logits=True, compile=mode
+    )
     assert_matches_oracle(result, expected)
 
 
@@ -103,8 +112,10 @@ def test_frozen_decode_step_is_not_reused_for_other_weights() -> None:
     for model in (first, second):
         config = greedy(SHAPES[shape]["block_size"])
         expected = generate(model, prompt, config, use_cache=False, keep_logits=True)
-        cache = StaticKVCache(model, compile_decode="max-autotune")
-        result = generate(model, prompt, config, cache=cache, keep_logits=True)
+        cache = StaticKVCache(model)
+        result = generate(
+            model, prompt, config, cache=cache, keep_logits=True, compile="max-autotune"
+        )
         assert_matches_oracle(result, expected)
     assert first_tokens_differ(first, second, prompt)
 
@@ -135,13 +146,14 @@ def test_window_keep_extremes_equal_oracle(window_keep: int, cache_kind: str) ->
     shape = "1L-2H-32d-ctx16"
     model = model_for(shape)
     expected = oracle(shape, "half", window_keep)
-    config = greedy(len(expected.token_ids), window_keep=window_keep)
+    config = greedy(len(expected.token_ids))
     result = generate(
         model,
         prompt_for(shape, "half"),
         config,
         cache=make_cache(cache_kind, model),
         keep_logits=True,
+        window_keep=window_keep,
     )
     assert_matches_oracle(result, expected)
 
@@ -174,15 +186,10 @@ def test_empty_prompt_and_prompt_over_context_are_errors() -> None:
         generate(model, [], greedy(4))
     with pytest.raises(RoseError, match="17 tokens.*16"):
         generate(model, list(range(17)), greedy(4))
-    with pytest.raises(RoseError, match="max_new_tokens"):
+    with pytest.raises(RoseError, match="max_tokens"):
         greedy(-1)
-
-
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_zero_new_tokens(use_cache: bool) -> None:
-    result = generate(model_for("1L-2H-32d-ctx16"), [1, 2, 3], greedy(0), use_cache=use_cache)
-    assert result.token_ids == []
-    assert result.finish_reason == "length"
+    with pytest.raises(RoseError, match="max_tokens must be an integer >= 1"):
+        greedy(0)  # a request asks for at least one token (as the serving engine requires)
 
 
 def first_new_token_index(tokens: list[int], start: int) -> int:
@@ -201,12 +208,12 @@ def test_stops_at_end_of_text(use_cache: bool) -> None:
     result = generate(
         model_for(shape),
         prompt_for(shape, "half"),
-        GenerationConfig(max_new_tokens=len(expected)),
+        SamplingParams(max_tokens=len(expected)),
         use_cache=use_cache,
         eot_id=eot_id,
-        on_token=streamed.append,
+        on_token=lambda _row, token: streamed.append(token),
     )
-    assert result.finish_reason == "eot"
+    assert (result.finish_reason, result.stop_reason) == ("stop", eot_id)
     assert result.token_ids == expected[:k]  # the end-of-text token itself is not kept
     assert streamed == result.token_ids
 
@@ -240,11 +247,11 @@ def test_stop_strings(use_cache: bool) -> None:
     result = generate(
         model_for(shape),
         prompt_for(shape, "half"),
-        greedy(len(expected), stop_strings=("never-made", stop)),
+        greedy(len(expected), stop=("never-made", stop)),
         use_cache=use_cache,
         decode=two_letters,
     )
-    assert result.finish_reason == "stop_string"
+    assert (result.finish_reason, result.stop_reason) == ("stop", stop)
     assert result.token_ids == expected[:stop_after]
     assert stop in two_letters(result.token_ids)
     assert stop not in two_letters(result.token_ids[:-1])
@@ -252,6 +259,6 @@ def test_stop_strings(use_cache: bool) -> None:
 
 def test_stop_strings_need_a_decode_function() -> None:
     with pytest.raises(RoseError, match="decode"):
-        generate(model_for("1L-2H-32d-ctx16"), [1], greedy(3, stop_strings=("x",)))
-    with pytest.raises(RoseError, match="empty"):
-        greedy(3, stop_strings=("",))
+        generate(model_for("1L-2H-32d-ctx16"), [1], greedy(3, stop=("x",)))
+    with pytest.raises(RoseError, match="non-empty"):
+        greedy(3, stop=("",))

@@ -13,8 +13,9 @@ import pytest
 import torch
 from models import assert_clear_margins, assert_varied
 
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import generate
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.sampling import SamplingParams
 from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ def test_rose_greedy_equals_transformers_generate(hf_model, rose_model, text: st
     assert len(expected) == NEW_TOKENS
     assert_varied(expected)
 
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, stop_at_eot=False)
+    config = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     oracle = generate(rose_model, prompt, config, use_cache=False, keep_logits=True)
     assert_clear_margins(oracle.step_logits)
     assert oracle.token_ids == expected

@@ -7,6 +7,7 @@ causal mask, positions from 0) is untouched by all three, the cached path is not
 
 from __future__ import annotations
 
+import inspect
 from unittest import mock
 
 import pytest
@@ -15,17 +16,18 @@ import torch.nn.functional as F
 from models import assert_clear_margins, make_test_model
 
 import rosetrainer.model
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import generate
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
+from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import RoseError
-from rosetrainer.model import causal_mask, one_query_attention, position_ids
+from rosetrainer.model import KVCache, causal_mask, one_query_attention, position_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = [11, 250, 37, 402, 8, 199, 61, 340]
 NEW_TOKENS = 12
-CONFIG = GenerationConfig(max_new_tokens=NEW_TOKENS, stop_at_eot=False)
+CONFIG = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +109,10 @@ def test_one_query_attention_is_sdpa(dtype: torch.dtype) -> None:
 
 
 def test_past_plus_new_over_block_size(model) -> None:
-    out = model(torch.zeros(1, 30, dtype=torch.long), use_cache=True)
-    with pytest.raises(RoseError, match=r"past \(30\) \+ new \(3\) = 33 .* block_size 32"):
-        model(torch.zeros(1, 3, dtype=torch.long), past_kv=out.past_kv, use_cache=True)
+    cache = ConcatKVCache()
+    model(torch.zeros(1, 30, dtype=torch.long), cache=cache)
+    with pytest.raises(RoseError, match=r"position 32, but .* stop at block_size - 1 = 31"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
 
 
 @pytest.mark.parametrize("bad_id", [-1, 512])
@@ -118,31 +121,30 @@ def test_ids_outside_the_vocabulary(model, bad_id: int) -> None:
         model(torch.tensor([[1, bad_id, 2]]))
 
 
+def test_caches_satisfy_the_protocol(model) -> None:
+    """The model asks every cache the same two questions (prepare, update): both caches
+    answer them, and `GPT.forward` never asks which kind of cache it was given."""
+    for cache in (ConcatKVCache(), StaticKVCache(model)):
+        assert isinstance(cache, KVCache)
+    gpt = rosetrainer.model
+    forwards = (gpt.GPT.forward, gpt.Block.forward, gpt.CausalSelfAttention.forward)
+    assert not any("isinstance" in inspect.getsource(f) for f in forwards)
+    assert len(inspect.getsource(gpt.GPT.forward).splitlines()) <= 40
+
+
 def test_mismatched_cache_shapes(model) -> None:
-    past = model(torch.zeros(2, 4, dtype=torch.long), use_cache=True).past_kv
-    with pytest.raises(
-        RoseError, match=r"layer 0 k has shape \(2, 2, 4, 16\), expected \(1, 2, 4, 16\)"
-    ):
-        model(torch.zeros(1, 1, dtype=torch.long), past_kv=past)
-    with pytest.raises(RoseError, match="past_kv has 1 layers, the model has 2"):
-        model(torch.zeros(2, 1, dtype=torch.long), past_kv=past[:1])
-    bad_v = [past[0], (past[1][0], past[1][1][:, :, :3])]
-    with pytest.raises(RoseError, match=r"layer 1 v has shape \(2, 2, 3, 16\)"):
-        model(torch.zeros(2, 1, dtype=torch.long), past_kv=bad_v)
-
-
-def test_attention_mask_length_mismatch(model) -> None:
-    past = model(torch.zeros(1, 4, dtype=torch.long), use_cache=True).past_kv
-    with pytest.raises(RoseError, match=r"shape \(1, 4\).*past \(4\) \+ new \(1\) = 5"):
-        model(torch.zeros(1, 1, dtype=torch.long), past_kv=past, attention_mask=torch.ones(1, 4))
+    cache = ConcatKVCache()
+    model(torch.zeros(2, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(RoseError, match=r"the cache holds 2 row\(s\), but 1 row\(s\)"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    assert cache.seq_len == 4  # a refused call leaves the cache as it was
 
 
 def test_static_cache_errors(model) -> None:
     cache = StaticKVCache(model, max_len=8)
-    cache.forward(model, torch.zeros(1, 6, dtype=torch.long))
+    model(torch.zeros(1, 6, dtype=torch.long), cache=cache)
     with pytest.raises(RoseError, match=r"8 positions: .*past \(6\) \+ new \(3\) = 9 do not fit"):
-        cache.forward(model, torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(RoseError, match="input_pos"):
-        model(torch.zeros(1, 1, dtype=torch.long), past_kv=cache)
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    assert cache.seq_len == 6
     with pytest.raises(RoseError, match="1..block_size"):
         StaticKVCache(model, max_len=33)

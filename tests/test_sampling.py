@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from models import make_test_model
 
-from roseinfer.generate import GenerationConfig, generate
+from roseinfer.generate import generate
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
 from rosetrainer.errors import RoseError
@@ -25,9 +26,7 @@ def model():
 
 
 def run(model, sampling: SamplingParams, seed: int | None, cache: str | None) -> list[int]:
-    config = GenerationConfig(
-        max_new_tokens=NEW_TOKENS, sampling=sampling, seed=seed, stop_at_eot=False
-    )
+    config = dataclasses.replace(sampling, max_tokens=NEW_TOKENS, seed=seed, ignore_eos=True)
     caches = {"concat": ConcatKVCache, "static": lambda: StaticKVCache(model)}
     if cache is None:
         return generate(model, PROMPT, config, use_cache=False).token_ids
@@ -114,8 +113,16 @@ def test_sampling_follows_the_distribution() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.1, "temperature must be >= 0"),
+        ("temperature", -0.1, "temperature must be a finite number >= 0"),
         ("temperature", math.nan, "temperature"),
+        ("temperature", math.inf, "temperature must be a finite number"),
+        ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+        ("max_tokens", 2.0, "max_tokens"),
+        ("seed", -1, r"seed must be an integer in \[0, 2\*\*64 - 1\]"),
+        ("seed", 2**64, "seed"),
+        ("stop", ["ok", ""], "stop strings must be non-empty"),
+        ("stop_token_ids", [-3], "stop_token_ids"),
+        ("logprobs", -1, "logprobs must be an integer >= 0"),
         ("top_k", -1, "top_k must be an integer >= 0"),
         ("top_k", 2.5, "top_k"),
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
@@ -123,6 +130,11 @@ def test_sampling_follows_the_distribution() -> None:
         ("top_p", math.nan, "top_p"),
     ],
 )
-def test_bad_parameters_are_errors(field: str, value: float, message: str) -> None:
+def test_bad_parameters_are_errors(field: str, value: object, message: str) -> None:
     with pytest.raises(RoseError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_one_stop_string_or_a_list() -> None:
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
