@@ -39,6 +39,8 @@ from rosetrainer.tokenizer import Tokenizer
 RANDOM_MODEL_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=4, n_embd=64)
 PROMPT = "ROMEO:\nWhat light is that"
 NEW_TOKENS = 32
+# The chapters' tolerances, for the chapter model (tests/models.py holds the tighter ones of
+# the small test models: TEST_LOGIT_ATOL, TEST_MIN_MARGIN).
 # float32 on a CPU: the same sums added in another order (one long sequence or many short
 # steps, with or without a cache) give logits that differ by about 1e-6 to 1e-5.
 LOGIT_ATOL = 1e-4
@@ -125,7 +127,9 @@ def oracle_weakness(model: GPT, tokenizer: Tokenizer) -> str | None:
 
 def top2_margins(step_logits: list[torch.Tensor]) -> list[float]:
     """How far the best logit is ahead of the second best, at each step."""
-    return [float(top2[0] - top2[1]) for top2 in (torch.topk(s, 2).values for s in step_logits)]
+    return [
+        float(top2[0] - top2[1]) for top2 in (torch.topk(s.float(), 2).values for s in step_logits)
+    ]
 
 
 # ---------------------------------------------------------------------------

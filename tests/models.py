@@ -13,7 +13,7 @@ position without the output showing it. These models are re-initialised wider:
 
 Each oracle test asserts, on the oracle's logits, that the top-1 / top-2 margin
 is clear at every step (`assert_clear_margins`). The cached logits are held within
-1e-5 of the oracle's, so an argmax can flip only on a margin under 2e-5; MIN_MARGIN
+1e-5 of the oracle's, so an argmax can flip only on a margin under 2e-5; TEST_MIN_MARGIN
 is five times that. A seed or shape that breaks it fails loudly there instead of
 flaking somewhere else.
 """
@@ -26,16 +26,16 @@ from unittest import mock
 import torch
 
 import rosetrainer.model
-from roseinfer.demo import wide_random_init
+from roseinfer.demo import top2_margins, wide_random_init
 from roseinfer.generate import GenerationResult
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
 
-MIN_MARGIN = 1e-4
+TEST_MIN_MARGIN = 1e-4
 # fp32 on CPU: the cached paths do the same sums in another order (a masked softmax over
 # the whole static buffer, a decode query alone, a padded batch), so logits agree to
 # rounding only.
-LOGIT_ATOL = 1e-5
+TEST_LOGIT_ATOL = 1e-5
 
 
 def make_test_model(
@@ -59,17 +59,8 @@ def make_test_model(
     return wide_random_init(GPT(config), seed)
 
 
-def top2_margins(step_logits: Sequence[torch.Tensor]) -> list[float]:
-    """Top-1 minus top-2 logit at each step."""
-    margins = []
-    for logits in step_logits:
-        top2 = torch.topk(logits.float(), 2).values
-        margins.append(float(top2[0] - top2[1]))
-    return margins
-
-
 def assert_clear_margins(
-    step_logits: Sequence[torch.Tensor], min_margin: float = MIN_MARGIN
+    step_logits: Sequence[torch.Tensor], min_margin: float = TEST_MIN_MARGIN
 ) -> float:
     """Fail unless every step's argmax wins by at least `min_margin`; return the smallest margin."""
     margins = top2_margins(step_logits)
@@ -112,12 +103,12 @@ def position_sensitivity(model: GPT, tokens: Sequence[int], shift: int = 1) -> f
 
 
 def assert_matches_oracle(result: GenerationResult, expected: GenerationResult) -> float:
-    """Tokens identical, logits within LOGIT_ATOL at every step; return the max difference."""
+    """Tokens identical, logits within TEST_LOGIT_ATOL at every step; return the max difference."""
     assert result.token_ids == expected.token_ids
     assert len(result.step_logits) == len(expected.step_logits)
     max_diff = 0.0
     for step, (got, want) in enumerate(zip(result.step_logits, expected.step_logits, strict=True)):
         diff = float((got - want).abs().max())
-        assert diff <= LOGIT_ATOL, f"step {step}: logits differ by {diff:.2e}"
+        assert diff <= TEST_LOGIT_ATOL, f"step {step}: logits differ by {diff:.2e}"
         max_diff = max(max_diff, diff)
     return max_diff
