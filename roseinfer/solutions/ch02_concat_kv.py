@@ -1,0 +1,15 @@
+"""Chapter 02: keep the past keys/values and append the new ones."""
+
+from __future__ import annotations
+
+import torch
+
+
+def concat_kv(
+    layer_past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer_past is None:  # the prefill: nothing cached yet
+        return k, v
+    past_k, past_v = layer_past
+    # (batch, heads, time, head_dim): the past first, then the new tokens, along time.
+    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)

@@ -1,0 +1,113 @@
+"""The chapters' exercise checks: a right answer passes, each known wrong answer is caught
+at its first divergent step with its own explanation, an unknown one with the fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roseinfer import exercises
+from roseinfer.solutions import (
+    ch02_concat_kv,
+    ch03_causal_mask,
+    ch04_position_ids,
+    ch05_top_p_filter,
+    ch06_static_update,
+    ch07_padded_position_ids,
+    ch08_mask_slice,
+    ch09_window_start,
+)
+
+SOLUTIONS = [
+    (exercises.check_concat_kv, ch02_concat_kv.concat_kv),
+    (exercises.check_causal_mask, ch03_causal_mask.causal_mask),
+    (exercises.check_position_ids, ch04_position_ids.position_ids),
+    (exercises.check_top_p_filter, ch05_top_p_filter.top_p_filter),
+    (exercises.check_static_update, ch06_static_update.static_update),
+    (exercises.check_padded_position_ids, ch07_padded_position_ids.padded_position_ids),
+    (exercises.check_mask_slice, ch08_mask_slice.mask_slice),
+    (exercises.check_window_start, ch09_window_start.window_start),
+]
+
+# The first step each known wrong answer parts from the reference on the oracle model
+# (None: every step matches, and only the small inputs give it away).
+FIRST_DIVERGENT_STEP = {
+    "lose_past_kv": 1,  # the prefill has no past to lose; the first decode step does
+    "new_only": 1,
+    "new_first": None,  # decode attention is order-free; the chunks' tokens happen to hold
+    "along_heads": 1,
+    "top_left": 1,  # the first decode query sees key 0 only
+    "square": 0,  # passes one-token steps; the second prefill chunk has a past
+    "open": None,  # a decode query may see every key anyway
+    "strict": 8,
+    "from_zero": 1,
+    "one_too_far": 0,
+    "all_at_past_len": 0,
+    "drops_crossing": 12,  # the first step whose top token alone holds more than p
+    "sorted_not_scattered": 0,
+    "mass_of_logits": 0,
+    "at_slot_zero": 2,
+    "into_a_copy": 1,  # the prefill sees its own keys; the next call finds the slots empty
+    "never_written": 1,
+    "counting_padding": 0,
+    "from_one": 0,
+    "unclamped": 0,
+    "nanogpt": 0,
+    "top_rows": 1,
+    "every_column": 1,
+    # 8 prompt tokens in a 64-token window: the first cut is due at step 57
+    "slides": 57,
+    "a_step_early": 56,
+    "measures_the_sequence": 58,
+    "never_cuts": 57,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """Tiny models: one intra-op thread (see conftest)."""
+
+
+@pytest.mark.parametrize(("check", "solution"), SOLUTIONS, ids=lambda x: x.__name__)
+def test_reference_solution_passes(check, solution) -> None:
+    result = check(solution)
+    assert result.passed, str(result)
+    assert result.step is None
+
+
+WRONG = list(exercises.known_wrong_answers())
+
+
+def test_every_known_wrong_answer_has_an_expected_step() -> None:
+    assert sorted(wrong.name for _, wrong in WRONG) == sorted(FIRST_DIVERGENT_STEP)
+
+
+@pytest.mark.parametrize(("check", "wrong"), WRONG, ids=[w.name for _, w in WRONG])
+def test_known_wrong_answer_is_caught_with_its_step_and_explanation(check, wrong) -> None:
+    result = check(wrong.fn)
+    assert not result.passed
+    assert result.step == FIRST_DIVERGENT_STEP[wrong.name], str(result)
+    assert wrong.explanation in result.explanation, str(result)
+    if result.step is None:  # caught by the small inputs: it says which and what is right
+        assert "small input" in result.explanation and "is right" in result.explanation
+
+
+def test_a_stub_fails_where_it_is_first_called_and_says_so() -> None:
+    def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
+        raise NotImplementedError("write the mask")
+
+    result = exercises.check_causal_mask(causal_mask)
+    # A prefill without a past never asks for the mask; the first decode step does.
+    assert not result.passed and result.step == 1
+    assert result.explanation.startswith("not written yet")
+    assert "raised NotImplementedError: write the mask" in result.explanation
+
+
+def test_an_unknown_wrong_answer_gets_the_exercise_own_explanation() -> None:
+    def off_by_two(past_len: int, q_len: int, device=None) -> torch.Tensor:
+        return torch.arange(past_len + 2, past_len + q_len + 2, device=device)
+
+    result = exercises.check_position_ids(off_by_two)
+    assert not result.passed and result.step == 0
+    assert result.explanation.startswith(exercises.POSITION_IDS.fallback)
+    assert str(result).startswith("position_ids: FAILED at step 0 (the prefill's token): ")
