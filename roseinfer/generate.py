@@ -29,13 +29,12 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams, sample_next_token
-from roseinfer.sequence import Sequence
+from roseinfer.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
@@ -173,23 +172,6 @@ def prefill(
     return out.logits[:, -1, :]
 
 
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int]  # the new tokens (a final <|endoftext|> is not included)
-    finish_reason: str  # "stop" (end-of-text, a stop token or string) or "length"
-    stop_reason: int | str | None  # the token id or stop string that stopped it
-    step_logits: list[torch.Tensor] | None  # (vocab,) float32 per step, when asked for
-    time_to_first_token_s: float
-    total_time_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode_time = self.total_time_s - self.time_to_first_token_s
-        n = len(self.token_ids) - 1
-        return n / decode_time if n > 0 and decode_time > 0 else float("nan")
-
-
 TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
 
 
@@ -323,15 +305,7 @@ def _run(
                 break
     steps.close()
     return [
-        GenerationResult(
-            prompt_ids=list(seq.prompt_ids),
-            token_ids=list(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            step_logits=step_logits[row] if keep_logits else None,
-            time_to_first_token_s=seq.token_times[0] - started,
-            total_time_s=seq.finish_time - started,
-        )
+        seq.result(started, step_logits[row] if keep_logits else None)
         for row, seq in enumerate(seqs)
     ]
 

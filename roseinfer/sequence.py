@@ -3,8 +3,10 @@
 Every generation path keeps one `Sequence` per request instead of parallel lists:
 the prompt and the tokens made so far, what the request asked for (`SamplingParams`),
 its own random stream, its status, why it finished, and when each thing happened.
-The stopping rules live here, in `append_token`, so the batch loop and the serving
-engine stop a request for the same reasons at the same token.
+The stopping rules live here, in `append_token`, so the batch loop, the serving
+engine and the onnxruntime loop stop a request for the same reasons at the same token.
+This module needs no torch: the random stream is made by `new_generator`, a torch one
+here, a numpy one in the onnxruntime loop (roseinfer/onnx_generate.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from roseinfer.sampling import SamplingParams, make_generator
+from roseinfer.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -54,14 +58,23 @@ class Sequence:
     text: str = field(default="", init=False)  # decode(output_ids), when a decode was given
     token_times: list[float] = field(default_factory=list, init=False)  # one per sampled token
     finish_time: float | None = field(default=None, init=False)
-    generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    # torch.Generator here, numpy's in the onnxruntime loop; None when greedy
+    generator: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"seq-{next(_request_ids)}"
         if self.params.stop and self.decode is None:
             raise RoseError("stop strings need a decode function (ids -> text)")
-        self.generator = make_generator(self.params, torch.device(self.device))
+        self.generator = self.new_generator()
+
+    def new_generator(self) -> Any:
+        """The request's own random stream, seeded from its params (None when greedy)."""
+        import torch  # here, not at the top: the onnxruntime loop's subclass needs no torch
+
+        from roseinfer.sampling import make_generator
+
+        return make_generator(self.params, torch.device(self.device))
 
     # -- what the loops read --
 
@@ -112,6 +125,18 @@ class Sequence:
         self.stop_reason = stop_reason
         self.finish_time = time.perf_counter()
 
+    def result(self, started: float, step_logits: list[Any] | None = None) -> GenerationResult:
+        """What the finished request made, its times counted from `started` (its loop's start)."""
+        return GenerationResult(
+            prompt_ids=list(self.prompt_ids),
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            step_logits=step_logits,
+            time_to_first_token_s=self.token_times[0] - started,
+            total_time_s=self.finish_time - started,
+        )
+
     def _update_text(self) -> str | None:
         """Decode the output; return the stop string this token completed, if any.
 
@@ -131,3 +156,22 @@ class Sequence:
             if stop in new[max(0, changed_at - len(stop) + 1) :]:
                 return stop
         return None
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # the new tokens (a final <|endoftext|> is not included)
+    finish_reason: str  # "stop" (end-of-text, a stop token or string) or "length"
+    stop_reason: int | str | None  # the token id or stop string that stopped it
+    # (vocab,) float32 per step, when asked for: torch tensors, or numpy arrays from the
+    # onnxruntime loop
+    step_logits: list[Any] | None
+    time_to_first_token_s: float
+    total_time_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_time = self.total_time_s - self.time_to_first_token_s
+        n = len(self.token_ids) - 1
+        return n / decode_time if n > 0 and decode_time > 0 else float("nan")

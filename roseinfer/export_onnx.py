@@ -1,0 +1,299 @@
+"""python -m roseinfer.export_onnx: one ONNX graph with past key/values, for every step.
+
+    python -m roseinfer.export_onnx --checkpoint-path checkpoints/tiny --out onnx/tiny
+    python -m roseinfer.export_onnx --hf-model path/to/gpt2 --out onnx/gpt2
+
+The graph serves the first step (an empty past) and every later one, at any batch size,
+prompt length and past length. Its inputs and outputs carry the names Hugging Face's
+exporters use, so code written for those runs it unchanged:
+
+    input_ids (B, T), attention_mask (B, P + T), position_ids (B, T),
+    past_key_values.{i}.key / .value (B, heads, P, head_dim)
+        -> logits (B, T, vocab), present.{i}.key / .value (B, heads, P + T, head_dim)
+
+What makes one graph fit every step: nothing in it may be a number read off the example
+inputs. The model is rose's one GPT (rosetrainer/model.py), called with `ExportCache`, a
+KVCache built from the graph's inputs: `update` concatenates each layer's past and new
+keys/values (`concat_kv`), `prepare` cuts the causal mask's bottom rows for the new
+tokens from the shapes (`causal_mask(T, P + T)`), adds the padding columns of
+`attention_mask` (`padding_mask`), and hands the model the `position_ids` it was given.
+The tracer sees sizes, not numbers, so each of these stays symbolic in the graph.
+
+The exporter is torch.onnx.export(dynamo=True): torch.export traces the model into a
+graph whose sizes are symbols (batch_size, sequence_length, past_sequence_length) and
+fails loudly if the code pins one to its example value; onnxscript translates it. The
+older TorchScript exporter (dynamo=False, dynamic_axes) records whatever Python branch the
+example took and trusts the declared axes blindly; torch 2.9+ deprecates it. torch.export
+treats sizes 0 and 1 as special (it pins a dimension whose example is 0 or 1), so the
+example has 2 rows, 3 past positions and 4 new tokens, and the export is then checked in
+onnxruntime against PyTorch on other shapes: an empty past, one new token, other batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
+import torch
+from torch import nn
+
+from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.onnx_generate import META_FILE, MODEL_FILE, OnnxModel, input_names, output_names
+from rosetrainer import model as gpt
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.model import GPT, LayerPast
+
+PROG = "roseinfer.export_onnx"
+DEFAULT_OPSET = 18  # the lowest the dynamo exporter writes natively
+# The example the graph is traced with: no size 0 or 1 (torch.export would pin it).
+EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW = 2, 3, 4
+# fp32 on CPU: onnxruntime adds the same products in another order than PyTorch.
+CHECK_ATOL = 1e-4
+
+
+class ExportCache:
+    """A KVCache (rosetrainer.model) made of the graph's inputs, for one model call.
+
+    past: one (k, v) per layer, (B, n_head, P, head_dim), P may be 0;
+    attention_mask: (B, P + T), 1 for real tokens, 0 for left padding;
+    position_ids: (B, T), the new tokens' positions (counting real tokens only).
+    `present` collects each layer's past + new keys/values, the graph's outputs.
+    """
+
+    def __init__(
+        self, past: list[LayerPast], attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> None:
+        self.past = past
+        self.attention_mask = attention_mask
+        self.position_ids = position_ids
+        self.present: list[LayerPast] = []
+
+    def prepare(
+        self, batch: int, q_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # kv_len is a size of an input, so the mask's shape stays a symbol in the graph.
+        kv_len = self.attention_mask.size(1)
+        mask = gpt.padding_mask(gpt.causal_mask(q_len, kv_len, device), self.attention_mask)
+        return self.position_ids, mask
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
+        present = gpt.concat_kv(self.past[layer], k, v)
+        self.present.append(present)
+        return present
+
+
+class DecoderWithPast(nn.Module):
+    """rose's GPT as one step of a decoder: the graph's inputs in, logits and present out."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_key_values: tuple[LayerPast, ...],
+    ) -> tuple[torch.Tensor, tuple[LayerPast, ...]]:
+        cache = ExportCache(list(past_key_values), attention_mask, position_ids)
+        # validate=False: the checks read values (int(ids.max())), which a graph cannot.
+        logits = self.model(input_ids, cache=cache, validate=False).logits
+        return logits, tuple(cache.present)
+
+
+def example_inputs(
+    config: GPTConfig, batch: int, past: int, new: int, pads: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[LayerPast, ...]]:
+    """Random inputs of one step's shapes; `pads` left-pads rows (positions count real tokens)."""
+    generator = torch.Generator().manual_seed(batch * 1000 + past * 10 + new)
+    ids = torch.randint(0, config.vocab_size, (batch, new), generator=generator)
+    pads = pads or [0] * batch
+    slots = torch.arange(past + new)[None, :]
+    attention_mask = (slots >= torch.tensor(pads)[:, None]).long()
+    position_ids = gpt.padded_position_ids(attention_mask)[:, past:]
+    shape = (batch, config.n_head, past, config.head_dim)
+    past_kv = tuple(
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(config.n_layer)
+    )
+    return ids, attention_mask, position_ids, past_kv
+
+
+def dynamic_shapes(n_layer: int) -> dict[str, object]:
+    """Which axes are symbols, named as Hugging Face's exporters name them."""
+    batch, new, past = "batch_size", "sequence_length", "past_sequence_length"
+    per_layer = ({0: batch, 2: past}, {0: batch, 2: past})
+    return {
+        "input_ids": {0: batch, 1: new},
+        "attention_mask": {0: batch, 1: f"{past} + {new}"},
+        "position_ids": {0: batch, 1: new},
+        "past_key_values": tuple(per_layer for _ in range(n_layer)),
+    }
+
+
+def export(model: GPT, path: Path, opset: int = DEFAULT_OPSET) -> None:
+    """Write the graph of `model` (float32) to `path`."""
+    config = model.config
+    decoder = DecoderWithPast(model.eval())
+    example = example_inputs(config, EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW)
+    with warnings.catch_warnings():
+        # The exporter warns about missing torchvision ops and deprecated pytree names.
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            decoder,
+            example,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes(config.n_layer),
+            input_names=input_names(config.n_layer),
+            output_names=output_names(config.n_layer),
+            opset_version=opset,
+            verbose=False,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program.save(str(path))
+
+
+# Shapes the check runs, none of them the example's: (batch, left pads per row, prompt length).
+CHECK_CASES = [(1, [0], 5), (3, [0, 2, 1], 4)]
+
+
+def check_against_torch(model: GPT, onnx_model: OnnxModel, decode_steps: int = 2) -> float:
+    """Run the graph and PyTorch side by side: a prefill on an empty past, then one-token
+    steps on the graph's own `present`; return the largest logit difference."""
+    decoder = DecoderWithPast(model.eval())
+    largest = 0.0
+    for batch, pads, length in CHECK_CASES:
+        inputs = list(example_inputs(model.config, batch, 0, length, pads))
+        for _ in range(1 + decode_steps):
+            ids, attention_mask, position_ids, past = inputs
+            with torch.no_grad():
+                want, _ = decoder(ids, attention_mask, position_ids, past)
+            flat_past = [t.numpy() for kv in past for t in kv]
+            got, present = onnx_model(
+                ids.numpy(), attention_mask.numpy(), position_ids.numpy(), flat_past
+            )
+            largest = max(largest, float(np.abs(got - want.numpy()).max()))
+            # The next step: the argmax of each row on top of the graph's own present.
+            present_t = [torch.from_numpy(t) for t in present]
+            inputs = [
+                torch.from_numpy(got[:, -1].argmax(-1))[:, None],
+                torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1),
+                position_ids[:, -1:] + 1,
+                tuple(zip(present_t[0::2], present_t[1::2], strict=True)),
+            ]
+    return largest
+
+
+def write_meta(
+    model: GPT, directory: Path, eot_id: int, tokenizer_name: str, opset: int, source: str
+) -> None:
+    config = model.config
+    meta = {
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "head_dim": config.head_dim,
+        "n_embd": config.n_embd,
+        "block_size": config.block_size,
+        "vocab_size": config.vocab_size,
+        "eot_id": eot_id,
+        "tokenizer_name": tokenizer_name,
+        "opset": opset,
+        "source": source,
+        "dtype": "float32",
+        "inputs": input_names(config.n_layer),
+        "outputs": output_names(config.n_layer),
+        "dynamic_axes": {
+            "batch_size": "rows of the batch",
+            "sequence_length": "new tokens this step",
+            "past_sequence_length": "positions already in past_key_values (0 on the first step)",
+        },
+    }
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise RoseError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog=f"python -m {PROG}",
+        description="Export a rose checkpoint or a Hugging Face GPT-2 to one ONNX graph with "
+        "past key/values (every step, any batch and length), check it in onnxruntime "
+        "against PyTorch, and write it with a small JSON beside it.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint-path",
+        help="a rose .pt file or run directory (default: the newest under checkpoints/)",
+    )
+    source.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
+    p.add_argument("--out", required=True, help="directory to write model.onnx and rose_onnx.json")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"default: {DEFAULT_OPSET}")
+    p.add_argument(
+        "--tokenizer-name", help="tiktoken encoding (default: the checkpoint's, else gpt2)"
+    )
+    return p
+
+
+def checked_opset(opset: int) -> int:
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if not DEFAULT_OPSET <= opset <= newest:
+        raise RoseError(
+            f"--opset {opset} is not supported: the exporter writes opsets "
+            f"{DEFAULT_OPSET}..{newest} (onnx {onnx.__version__})"
+        )
+    return opset
+
+
+def status(what: str, value: object) -> None:
+    print(f"[{PROG}] {what}: {value}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    opset = checked_opset(args.opset)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RoseError(f"--out {out} is a file: give a directory")
+    model, tokenizer, source = load_model_and_tokenizer(
+        args.checkpoint_path, args.hf_model, args.tokenizer_name
+    )
+    status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
+    started = time.perf_counter()
+    export(model, out / MODEL_FILE, opset)
+    write_meta(model, out, tokenizer.eot_id, tokenizer.name, opset, source)
+    status("exported", f"{out / MODEL_FILE} (opset {opset}, {time.perf_counter() - started:.1f} s)")
+    largest = check_against_torch(model, OnnxModel(out))
+    cases = ", ".join(f"batch {b} prompt {n}" for b, _, n in CHECK_CASES)
+    status(
+        "check", f"onnxruntime vs PyTorch ({cases}, then decode): max |logit diff| {largest:.2e}"
+    )
+    if largest > CHECK_ATOL:
+        raise RoseError(
+            f"the exported graph's logits differ from PyTorch's by {largest:.2e} "
+            f"(> {CHECK_ATOL:.0e}): the export is wrong, do not use {out / MODEL_FILE}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+
+
+if __name__ == "__main__":
+    main()
