@@ -1,6 +1,7 @@
 """python -m roseinfer.cli_generate: generate text with a rose checkpoint or a Hugging Face GPT-2.
 
     python -m roseinfer.cli_generate --prompt "ROMEO:" --max-new-tokens 100
+    python -m roseinfer.cli_generate --onnx onnx/tiny --prompt "ROMEO:"   # onnxruntime
 
 Reading order: parse the flags (bad values fail before anything loads), pick the
 device and dtype, load the model and its tokenizer, encode the prompts, then generate
@@ -28,9 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from roseinfer import onnx_generate
 from roseinfer.generate import COMPILE_MODES, GenerationResult, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
+from roseinfer.onnx_generate import OnnxModel
 from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import RoseError, run_cli
 from rosetrainer.model import GPT
@@ -66,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--hf-model",
         help="a local Hugging Face GPT-2 directory (config.json + weights), or a Hub id online",
+    )
+    source.add_argument(
+        "--onnx",
+        metavar="DIR",
+        help="a directory written by `python -m roseinfer.export_onnx`: generate with that "
+        "graph in onnxruntime (float32, CPU) instead of PyTorch",
     )
     p.add_argument(
         "--prompt",
@@ -172,6 +181,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
             "--compile compiles the static cache's decode step: drop --no-kv-cache "
             "and --cache concat, or drop --compile"
         )
+    if args.onnx and (args.no_kv_cache or args.cache != "static" or args.compile):
+        raise RoseError(
+            "--onnx runs the exported graph with its own past key/values: drop "
+            "--no-kv-cache, --cache and --compile"
+        )
+    if args.onnx and (args.device == "cuda" or args.dtype != "float32"):
+        raise RoseError("--onnx runs the float32 graph on the CPU: drop --device and --dtype")
     # torch's default generator starts from the same seed in every process, so an unseeded
     # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
     seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
@@ -297,23 +313,33 @@ def run_batch(
     prompt_ids: list[list[int]],
     args: argparse.Namespace,
     params: SamplingParams,
-    model: GPT,
+    model: GPT | OnnxModel,
     tokenizer: Tokenizer,
 ) -> None:
     """Generate for one batch of prompts, print their outputs in order, and report."""
-    cache = make_cache(args, model, prompt_ids)
     status("batch size", len(prompts))
-    generate_now = functools.partial(
-        generate_batch,
-        model,
-        prompt_ids,
-        params,
-        use_cache=cache is not None,
-        cache=cache,
-        eot_id=tokenizer.eot_id,
-        decode=tokenizer.decode,
-        compile=args.compile,
-    )
+    if isinstance(model, OnnxModel):
+        generate_now = functools.partial(
+            onnx_generate.generate_batch,
+            model,
+            prompt_ids,
+            params,
+            eot_id=tokenizer.eot_id,
+            decode=tokenizer.decode,
+        )
+    else:
+        cache = make_cache(args, model, prompt_ids)
+        generate_now = functools.partial(
+            generate_batch,
+            model,
+            prompt_ids,
+            params,
+            use_cache=cache is not None,
+            cache=cache,
+            eot_id=tokenizer.eot_id,
+            decode=tokenizer.decode,
+            compile=args.compile,
+        )
     started = time.perf_counter()
     if args.json:
         results = generate_now()
@@ -333,23 +359,43 @@ def run_batch(
         status("batched tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
 
 
+def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
+    """The exported graph in an onnxruntime session, and the tokenizer it was exported with."""
+    model = OnnxModel(args.onnx)
+    tokenizer = Tokenizer(args.tokenizer_name or model.meta.tokenizer_name)
+    if tokenizer.n_vocab > model.meta.vocab_size:
+        raise RoseError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} tokens but the model's "
+            f"vocabulary has {model.meta.vocab_size}: use the tokenizer the model was exported with"
+        )
+    return model, tokenizer
+
+
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.batch_size < 1:
         raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts, blank_lines = read_prompts(args)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    model, tokenizer, source = load_model_and_tokenizer(
-        args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
-    )
-    prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
-
-    status("device", device)
-    status("dtype", args.dtype)
-    status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
-    status("tokenizer", tokenizer.name)
-    status("kv cache", "off (uncached reference)" if args.no_kv_cache else args.cache)
+    if args.onnx:
+        model, tokenizer = load_onnx(args)
+        prompt_ids = encode_prompts(prompts, tokenizer, model.meta.block_size)
+        status("device", "cpu (onnxruntime)")
+        status("dtype", args.dtype)
+        status("model", f"{args.onnx} (ONNX, exported from {model.meta.source})")
+        status("tokenizer", tokenizer.name)
+        status("kv cache", "past_key_values in and present out of the graph")
+    else:
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+        model, tokenizer, source = load_model_and_tokenizer(
+            args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
+        )
+        prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        status("device", device)
+        status("dtype", args.dtype)
+        status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
+        status("tokenizer", tokenizer.name)
+        status("kv cache", "off (uncached reference)" if args.no_kv_cache else args.cache)
     if args.compile:
         # Compiling happens inside the first decode step, so tokens/s below includes it.
         how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -143,8 +144,10 @@ def export(model: GPT, path: Path, opset: int = DEFAULT_OPSET) -> None:
     config = model.config
     decoder = DecoderWithPast(model.eval())
     example = example_inputs(config, EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW)
+    # The exporter warns about torchvision ops it cannot register (rose has none) and about
+    # deprecated names inside torch: nothing a user can act on.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings():
-        # The exporter warns about missing torchvision ops and deprecated pytree names.
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             decoder,

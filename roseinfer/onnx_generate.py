@@ -73,7 +73,10 @@ class OnnxModel:
     """An exported decoder in an onnxruntime session: one call per generation step."""
 
     def __init__(self, directory: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort  # the [onnx] extra; imported here to fail with a clear error
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise RoseError("onnxruntime is not installed: pip install -e '.[onnx]'") from None
 
         directory = Path(directory)
         self.directory = directory
@@ -83,13 +86,25 @@ class OnnxModel:
                     f"{directory / name} not found: export a model there first with "
                     f"`python -m roseinfer.export_onnx --out {directory}`"
                 )
-        self.meta = OnnxMeta.read(directory / META_FILE)
+        try:
+            self.meta = OnnxMeta.read(directory / META_FILE)
+        except (ValueError, KeyError, TypeError) as err:
+            raise RoseError(
+                f"{directory / META_FILE} is not the exporter's JSON ({type(err).__name__}: "
+                f"{err}): export the model again"
+            ) from None
         options = ort.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(
-            str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
-        )
+        try:
+            self.session = ort.InferenceSession(
+                str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as err:  # onnxruntime raises its own exception types
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise RoseError(
+                f"onnxruntime cannot load {directory / MODEL_FILE} ({first_line}): export it again"
+            ) from None
         self.input_names = input_names(self.meta.n_layer)
         self.output_names = output_names(self.meta.n_layer)
 
