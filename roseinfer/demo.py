@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from roseinfer.generate import GenerationResult, generate
+from roseinfer.kv_cache import ConcatKVCache
 from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import find_latest_checkpoint, load_model
 from rosetrainer.config import GPTConfig
@@ -156,3 +157,22 @@ def side_by_side(tokenizer: Tokenizer, runs: dict[str, list[int]], step: int = 0
     width = max(len(label) for label in runs)
     lines = [f"{label:>{width}} | {tokenizer.decode(ids[step:])!r}" for label, ids in runs.items()]
     return "\n".join(lines)
+
+
+def decode_attention(model: GPT, prompt_ids: list[int], mask_row: torch.Tensor) -> torch.Tensor:
+    """Layer 0's attention weights (n_head, kv_len) of the first decode query under `mask_row`.
+
+    The prompt is prefilled into a cache, its greedy next token is the decode query (at its
+    true position), and `mask_row` ((1, kv_len) bool) says which keys that query may see.
+    """
+    cache = ConcatKVCache()
+    block, head_dim = model.transformer.h[0], model.config.head_dim
+    with torch.inference_mode():
+        token = model(torch.tensor([prompt_ids]), cache=cache).logits[:, -1:].argmax(-1)
+        position = torch.tensor([len(prompt_ids)])
+        x = block.ln_1(model.transformer.wte(token) + model.transformer.wpe(position))
+        q, k, _ = block.attn.c_attn(x).split(model.config.n_embd, dim=2)
+        q, k = (t.view(1, 1, -1, head_dim).transpose(1, 2) for t in (q, k))
+        keys = torch.cat([cache.past_kv[0][0], k], dim=2)
+        scores = (q @ keys.transpose(-2, -1)) / math.sqrt(head_dim)
+        return torch.softmax(scores.masked_fill(~mask_row, float("-inf")), dim=-1)[0, :, 0]
