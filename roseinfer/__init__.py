@@ -1,1 +1,21 @@
-"""roseinfer: generation with a KV cache, grown step by step and checked against the oracle."""
+"""roseinfer: generation with a KV cache, grown step by step and checked against the oracle.
+
+`roseinfer.LLM` and `roseinfer.SamplingParams` are the offline engine's front door
+(imported on first use, so the other modules start without the engine).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":
+        from roseinfer.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from roseinfer.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'roseinfer' has no attribute {name!r}")

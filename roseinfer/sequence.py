@@ -61,6 +61,16 @@ class Sequence:
     # torch.Generator here, numpy's in the onnxruntime loop; None when greedy
     generator: Any = field(default=None, init=False, repr=False)
 
+    # The serving engine's bookkeeping (roseinfer/engine): where the request's keys and
+    # values live in the block pool, and how much of it has been computed.
+    block_table: list[int] = field(default_factory=list, init=False, repr=False)
+    block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
+    num_computed_tokens: int = field(default=0, init=False)  # tokens whose KV the pool holds
+    num_cached_tokens: int = field(default=0, init=False)  # prompt tokens the prefix cache served
+    logprobs: list = field(default_factory=list, init=False, repr=False)  # TokenLogprob per token
+    sent_text: str = field(default="", init=False, repr=False)  # text reported so far
+    num_sent_tokens: int = field(default=0, init=False, repr=False)  # output ids reported so far
+
     def __post_init__(self) -> None:
         if not self.request_id:
             self.request_id = f"seq-{next(_request_ids)}"

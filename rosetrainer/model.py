@@ -251,6 +251,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         *,
         last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
         validate: bool = True,
     ) -> GPTOutput:
         """Run the model on token ids `idx` (B, T).
@@ -258,6 +259,8 @@ class GPT(nn.Module):
         targets: (B, T) next-token ids (-100 is ignored) -> mean cross-entropy `loss`.
         cache: keys/values of earlier tokens; the new ones are added to it (see KVCache).
         last_only: compute logits for the last position only (generation needs no more).
+        logits_at: compute logits only at these time indices (the serving engine's flat
+            batch holds many sequences in one row, and needs each one's last token).
         validate: check ids and positions; a decode loop feeding back its own argmax may skip it.
         """
         B, T = idx.shape
@@ -282,6 +285,8 @@ class GPT(nn.Module):
             # block's activations at GPT-2's vocabulary: recompute them too, a slice of
             # the sequence at a time, and never hold them whole (logits are not returned).
             return GPTOutput(None, self._recomputed_loss(x, targets))
+        if logits_at is not None:
+            x = x[:, logits_at, :]
         return self._head(x, targets, last_only)
 
     def _head(self, x: torch.Tensor, targets: torch.Tensor | None, last_only: bool) -> GPTOutput:

@@ -1,0 +1,13 @@
+"""The serving engine: a paged KV cache, continuous batching, prefix caching.
+
+Read it in this order: block_manager.py, paged_cache.py, scheduler.py,
+model_runner.py, llm_engine.py, llm.py (config.py and outputs.py hold settings and
+results).
+"""
+
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm import LLM
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+
+__all__ = ["LLM", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "TokenLogprob"]

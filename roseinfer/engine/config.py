@@ -1,0 +1,89 @@
+"""The engine's own settings (`EngineConfig`), apart from what each request asks for.
+
+A request's settings live in `SamplingParams`; these are the server's: how the KV
+memory is cut into blocks, how large the pool is, and how much work one step may take.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError
+
+# Without a size from the user: room for every running sequence at a full context,
+# but never more than this many bytes (a GPT-2 124M context of 1024 tokens takes 36 MiB).
+DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
+_UNITS["gb"] = 1000**3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # pool size in blocks, or
+    kv_cache_memory: int | str | None = None  # pool size in bytes: 2147483648 or "2GiB"
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    # Tests: hand out free blocks in a random order drawn from this seed, so a logical
+    # block number used where a physical one belongs cannot pass by luck. None: in order.
+    shuffle_blocks_seed: int | None = None
+    # "fast": decode sequences attend in one padded batch (one query per row), prefill
+    # chunks in one flat row; "reference": every token of the step in one flat row.
+    attention: str = "fast"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise RoseError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise RoseError("give the pool size as num_kv_blocks or kv_cache_memory, not both")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise RoseError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_dtype != "auto":
+            raise RoseError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
+        if self.attention not in ("fast", "reference"):
+            raise RoseError(f"attention must be 'fast' or 'reference', got {self.attention!r}")
+
+    def bytes_per_block(self, model: GPTConfig, element_size: int) -> int:
+        """Keys and values of block_size tokens in every layer."""
+        return 2 * model.n_layer * model.n_embd * self.block_size * element_size
+
+    def pool_blocks(self, model: GPTConfig, element_size: int) -> int:
+        """How many blocks the pool holds, from the user's size or the default."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        per_block = self.bytes_per_block(model, element_size)
+        if self.kv_cache_memory is not None:
+            budget = parse_bytes(self.kv_cache_memory)
+            if budget < per_block:
+                raise RoseError(
+                    f"kv_cache_memory {self.kv_cache_memory!r} holds no block: one block of "
+                    f"{self.block_size} tokens takes {per_block} bytes"
+                )
+            return budget // per_block
+        full_context = -(-model.block_size // self.block_size)
+        return max(1, min(self.max_num_seqs * full_context, DEFAULT_POOL_CAP_BYTES // per_block))
+
+
+def parse_bytes(size: int | str) -> int:
+    """2147483648, "2GiB", "512MiB", "1.5GB" -> bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise RoseError(f"kv_cache_memory must be > 0 bytes, got {size}")
+        return size
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise RoseError(
+            f"kv_cache_memory must be a byte count or a size like '2GiB' / '512MiB', got {size!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])

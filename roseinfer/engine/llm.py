@@ -1,0 +1,86 @@
+"""`LLM`: offline generation for many prompts through the engine, in one call.
+
+from roseinfer import LLM, SamplingParams
+llm = LLM("checkpoints/run")                      # a .pt, a run directory, or an HF directory
+outputs = llm.generate(["ROMEO:", "JULIET:"], SamplingParams(max_tokens=32))
+print(outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.outputs import RequestOutput
+from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
+from roseinfer.sampling import SamplingParams
+from rosetrainer.errors import RoseError
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        hf: bool | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        tokenizer: str | None = None,
+        **engine_config: object,
+    ) -> None:
+        """model: a rose .pt, a run directory, or a Hugging Face GPT-2 directory (hf=None
+        tells them apart by its config.json); None takes the newest checkpoint.
+        engine_config: EngineConfig's fields (block_size, num_kv_blocks, kv_cache_memory,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...)."""
+        if hf is None:
+            hf = model is not None and (Path(model) / "config.json").is_file()
+        torch_device = pick_device(device)
+        gpt, tok, self.source = load_model_and_tokenizer(
+            None if hf else model,
+            model if hf else None,
+            tokenizer,
+            torch_device,
+            pick_dtype(dtype, torch_device),
+        )
+        self.engine = LLMEngine(gpt, tok, EngineConfig(**engine_config))
+
+    @classmethod
+    def from_model(cls, model: GPT, tokenizer: Tokenizer, **engine_config: object) -> LLM:
+        """An LLM around a model already in memory (tests, chapters)."""
+        llm = cls.__new__(cls)
+        llm.source = "in memory"
+        llm.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config))
+        return llm
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RoseError(
+                f"{len(params)} SamplingParams for {len(prompts)} prompt(s): "
+                f"give one, or one per prompt"
+            )
+        engine = self.engine
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in ids]

@@ -1,0 +1,97 @@
+"""One engine step through the model: scheduled sequences in, next-token logits out.
+
+The runner never holds a model of its own: it builds a `PagedKVCache` over the
+pool for the scheduled sequences and calls `GPT.forward` with it, as every other
+generation path calls the model with its cache.
+
+With attention="reference" every scheduled token goes in one flat row. With "fast"
+(the default) the sequences that feed one token (decoding) go in one padded batch,
+one row each, so each query's attention costs only its own context; the others
+(prompts being read) go in one flat row. Both give the same tokens (tests check it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from roseinfer.engine.paged_cache import KVPool, PagedKVCache
+from roseinfer.sequence import Sequence
+from rosetrainer.model import GPT
+
+
+class ModelRunner:
+    def __init__(self, model: GPT, pool: KVPool, attention: str = "fast") -> None:
+        self.model = model
+        self.pool = pool
+        self.attention = attention
+        self.written_slots: list[int] = []  # pool slots the last step wrote (for checks)
+        self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[Sequence], torch.Tensor]:
+        """Feed each sequence its next num_new tokens; return the sequences that reached
+        their last token (they sample next) and their logits, (len(those), vocab)."""
+        written: list[torch.Tensor] = []
+        if self.attention == "fast":
+            decode = [i for i, n in enumerate(num_new) if n == 1]
+            prefill = [i for i, n in enumerate(num_new) if n != 1]
+            groups = [(decode, "padded"), (prefill, "flat")]
+        else:
+            groups = [(list(range(len(seqs))), "flat")]
+        sampled: list[Sequence] = []
+        logits: list[torch.Tensor] = []
+        self.seconds = {}
+        for rows, layout in groups:
+            if not rows:
+                continue
+            started = time.perf_counter()
+            group_seqs = [seqs[i] for i in rows]
+            group_new = [num_new[i] for i in rows]
+            done, group_logits, slots = self._forward(group_seqs, group_new, layout)
+            sampled += done
+            logits.append(group_logits)
+            written.append(slots)
+            # fast: the padded group decodes, the flat one reads prompts; reference: one call
+            phase = (
+                "model"
+                if self.attention == "reference"
+                else {"padded": "decode"}.get(layout, "prefill")
+            )
+            self.seconds[phase] = time.perf_counter() - started
+        self.written_slots = torch.cat(written).tolist()
+        return sampled, torch.cat(logits)
+
+    def _forward(
+        self, seqs: list[Sequence], num_new: list[int], layout: str
+    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:
+        device = self.pool.device
+        cache = PagedKVCache(
+            self.pool,
+            [seq.block_table for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            num_new,
+            layout,
+        )
+        ids = [
+            seq.all_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
+            for seq, n in zip(seqs, num_new, strict=True)
+        ]
+        # A sequence samples after this step if the step feeds its last known token.
+        done = [
+            i
+            for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True))
+            if seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        if layout == "padded":
+            idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
+            out = self.model(idx, cache=cache, last_only=True, validate=False)
+            logits = out.logits[done, -1, :]
+        else:
+            idx = torch.tensor([sum(ids, [])], device=device)  # (1, total new tokens)
+            ends = torch.cumsum(torch.tensor(num_new), 0) - 1  # each sequence's last new token
+            at = ends[done].to(device)
+            out = self.model(idx, cache=cache, logits_at=at, validate=False)
+            logits = out.logits[0]
+        return [seqs[i] for i in done], logits, cache.write_slots.cpu()

@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Two queues. `waiting` holds admitted sequences without a cache (new ones, and
+preempted ones that will recompute theirs), first come first served. `running` holds
+the sequences with blocks in the pool, oldest first.
+
+Each step packs one flat batch under two limits, `max_num_batched_tokens` tokens and
+`max_num_seqs` sequences:
+
+1. every running sequence, oldest first, gets its next tokens: one to decode, or the
+   next chunk of a prompt it is still reading. When the pool has no block left for
+   one, the newest running sequence is preempted: its blocks go back to the pool and
+   it returns to the front of `waiting`, to recompute its tokens later (its blocks
+   may still be in the prefix cache then). No sequence ever waits on another's
+   blocks, so the engine cannot deadlock.
+2. then, if nothing was preempted, waiting sequences join in arrival order while the
+   budget, the sequence limit and the pool allow, each starting after the part of its
+   tokens the prefix cache already holds. A long prompt takes what is left of the
+   budget and reads the rest in later steps (chunked prefill).
+
+A sequence leaves `running` the moment it finishes or is aborted, and its blocks go
+back at once, so the next step already fills its place.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.config import EngineConfig
+from roseinfer.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each feeds this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.arrival_order: dict[Sequence, int] = {}
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.arrival_order[seq] = next(self._counter)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        manager = self.block_manager
+
+        # 1. Running sequences, oldest first.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                manager.grow(seq, seq.num_computed_tokens + num_new)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting sequences, in arrival order, while there is room.
+        while (
+            not batch.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached = manager.cached_prefix(seq.all_ids)
+            num_cached = len(cached) * manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not manager.can_start(cached, num_cached + num_new):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            manager.start(seq, cached, num_cached + num_new)
+            if not seq.output_ids:  # a first start, not a recompute after preemption
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        self.running.sort(key=self.arrival_order.__getitem__)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back all of seq's blocks; it recomputes them when it runs again."""
+        self.block_manager.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        # Back into the waiting queue at its place by arrival: ahead of every newer request.
+        position = 0
+        while (
+            position < len(self.waiting)
+            and self.arrival_order[self.waiting[position]] < self.arrival_order[seq]
+        ):
+            position += 1
+        self.waiting.insert(position, seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """seq finished or was aborted: out of the queues, its blocks back at once."""
+        assert seq.status is SequenceStatus.FINISHED, f"{seq.request_id} is not finished"
+        self.arrival_order.pop(seq, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq)
