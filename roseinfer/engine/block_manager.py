@@ -199,13 +199,19 @@ class BlockManager:
         return block_id
 
 
-def check_pool(manager: BlockManager, live: list[Sequence], written: list[int]) -> None:
+def check_pool(
+    manager: BlockManager,
+    live: list[Sequence],
+    written_slots: list[int] = (),
+    writer_tables: list[list[int]] = (),
+) -> None:
     """The pool's invariants; tests and chapters call it after every step.
 
     * each block's ref_count equals the number of live block tables that hold it;
     * free + used + cached-unused = total, and no block is in two of those states;
-    * every slot written this step (`written`) lies in a block exactly one live
-      sequence holds: no block is ever written while shared.
+    * no block is written by two live sequences: each slot written in the step lies in
+      exactly one of the writers' block tables (as they were when it was written), and
+      in at most one live table now.
     """
     holders = [0] * manager.num_blocks
     for seq in live:
@@ -218,12 +224,14 @@ def check_pool(manager: BlockManager, live: list[Sequence], written: list[int]) 
         )
     free, cached = set(manager.free_ids), set(manager.evictable)
     used = {b.block_id for b in manager.blocks if b.ref_count > 0}
-    assert len(free) == manager.num_free and not (free & cached) and not (used & (free | cached))
-    assert len(free) + len(cached) + len(used) == manager.num_blocks
+    assert len(free) == manager.num_free, "a block is on the free list twice"
+    assert not (free & cached) and not (used & (free | cached)), "a block is in two states"
+    assert len(free) + len(cached) + len(used) == manager.num_blocks, "a block went missing"
     for block_id in cached:
         assert manager.cached.get(manager.blocks[block_id].hash) == block_id
-    for slot in written:
-        block_id = slot // manager.block_size
-        assert holders[block_id] == 1, (
-            f"slot {slot} written in block {block_id}, held by {holders[block_id]} sequence(s)"
+    for block_id in {slot // manager.block_size for slot in written_slots}:
+        writers = sum(block_id in table for table in writer_tables)
+        assert writers == 1 and holders[block_id] <= 1, (
+            f"block {block_id} was written while {writers} writer table(s) and "
+            f"{holders[block_id]} live table(s) held it"
         )

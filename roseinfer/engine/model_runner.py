@@ -26,7 +26,10 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.attention = attention
-        self.written_slots: list[int] = []  # pool slots the last step wrote (for checks)
+        # For checks: the pool slots the last step wrote, and the block tables of the
+        # sequences that wrote them, as they were then.
+        self.written_slots: list[int] = []
+        self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
 
     @torch.inference_mode()
@@ -34,6 +37,7 @@ class ModelRunner:
         """Feed each sequence its next num_new tokens; return the sequences that reached
         their last token (they sample next) and their logits, (len(those), vocab)."""
         written: list[torch.Tensor] = []
+        self.writer_tables = [list(seq.block_table) for seq in seqs]
         if self.attention == "fast":
             decode = [i for i, n in enumerate(num_new) if n == 1]
             prefill = [i for i, n in enumerate(num_new) if n != 1]

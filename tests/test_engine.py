@@ -1,0 +1,392 @@
+"""The serving engine keeps the oracle's promise on every schedule.
+
+The core test drives the engine with seeded random workloads (arrivals between steps,
+chunked prefill under tiny token budgets, a pool small enough to preempt, shared
+prefixes and fully cached prompts, aborts, greedy and seeded sampled requests) and
+checks, after every step, the pool's invariants, and at the end that each finished
+request's tokens equal its solo uncached run. The pool hands out blocks in a shuffled
+order, so a logical block number used as a physical one cannot pass by luck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from unittest import mock
+
+import pytest
+import torch
+from models import assert_clear_margins, make_test_model
+
+from roseinfer.engine import EngineConfig, LLMEngine, paged_cache
+from roseinfer.engine.block_manager import check_pool
+from roseinfer.engine.outputs import request_output
+from roseinfer.generate import generate
+from roseinfer.sampling import SamplingParams
+from roseinfer.sequence import Sequence
+from rosetrainer.errors import RoseError
+from rosetrainer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONTEXT = 64  # the model's block_size
+KV_BLOCK = 4  # tokens per KV block: small, so a small pool has many blocks
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    # A 512-token vocabulary keeps the oracle fast; GPT-2's tokenizer decodes those ids,
+    # and its end-of-text (50256) is never sampled, so requests stop on length or stop ids.
+    return make_test_model(0, block_size=CONTEXT)
+
+
+def engine_for(model, tokenizer, **config) -> LLMEngine:
+    config = {"block_size": KV_BLOCK, "shuffle_blocks_seed": 0, **config}
+    return LLMEngine(model, tokenizer, EngineConfig(**config))
+
+
+def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The oracle: the request alone, uncached, cut where the engine stops at the window."""
+    room = CONTEXT - len(prompt) + 1  # the last token is sampled from position CONTEXT - 1
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    result = generate(model, prompt, params, use_cache=False, eot_id=tokenizer.eot_id)
+    return result.token_ids
+
+
+def run_to_end(engine: LLMEngine, check: bool = True) -> dict[str, object]:
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if check:
+            live = list(engine.requests.values())
+            check_pool(
+                engine.block_manager, live, engine.runner.written_slots, engine.runner.writer_tables
+            )
+    return finished
+
+
+# ---------------------------------------------------------------------------
+# Random schedules
+# ---------------------------------------------------------------------------
+
+
+def random_workload(
+    rng: random.Random, num_requests: int
+) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 1..CONTEXT-1 tokens, some sharing 1-3 full blocks with a common prefix,
+    some repeating an earlier prompt exactly (fully cached); greedy and seeded sampled."""
+    shared = [rng.randrange(512) for _ in range(3 * KV_BLOCK)]
+    workload = []
+    for _ in range(num_requests):
+        if workload and rng.random() < 0.15:
+            prompt = list(rng.choice(workload)[0])  # the same prompt again
+        else:
+            prefix = shared[: KV_BLOCK * rng.randrange(4)]
+            length = rng.randrange(max(1, len(prefix)), CONTEXT)
+            prompt = prefix + [rng.randrange(512) for _ in range(length - len(prefix))]
+        if rng.random() < 0.3:
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 25),
+                temperature=rng.choice([0.7, 1.0]),
+                top_k=rng.choice([0, 20]),
+                top_p=rng.choice([1.0, 0.9]),
+                seed=rng.randrange(2**32),
+            )
+        else:
+            params = SamplingParams(max_tokens=rng.randrange(1, 25))
+        workload.append((prompt, params))
+    return workload
+
+
+CASES = range(12)
+
+
+def run_case(model, tokenizer, case: int) -> dict[str, object]:
+    """One random schedule, the pool checked after every step; what happened, for the tests."""
+    rng = random.Random(case)
+    engine = engine_for(
+        model,
+        tokenizer,
+        num_kv_blocks=rng.randrange(CONTEXT // KV_BLOCK, 40),  # room for one full context
+        max_num_batched_tokens=[1, 3, 16][case % 3],
+        max_num_seqs=rng.randrange(1, 8),
+        attention=["fast", "reference"][case % 2],
+        shuffle_blocks_seed=case,
+    )
+    pending = random_workload(rng, 12)
+    requests, aborted, finished = {}, set(), {}
+    chunked_steps = 0
+    while pending or engine.has_unfinished():
+        while pending and rng.random() < 0.5:  # arrivals between steps
+            prompt, params = pending.pop(0)
+            requests[engine.add_request(prompt, params)] = (prompt, params)
+        if engine.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort(victim)
+            aborted.add(victim)
+        outputs = engine.step()
+        for output in outputs:
+            if output.finished:
+                finished[output.request_id] = output
+        live = list(engine.requests.values())
+        runner = engine.runner
+        check_pool(engine.block_manager, live, runner.written_slots, runner.writer_tables)
+        # A scheduled sequence that made no token read only part of its prompt.
+        sampled = {output.request_id for output in outputs}
+        chunked_steps += any(seq.request_id not in sampled for seq in engine.last_batch.seqs)
+        assert len(finished) + len(engine.requests) + len(pending) == 12
+    return dict(
+        engine=engine,
+        requests=requests,
+        aborted=aborted,
+        finished=finished,
+        chunked_steps=chunked_steps,
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_random_schedules_equal_solo_runs(model, tokenizer, case: int) -> None:
+    run = run_case(model, tokenizer, case)
+    engine, finished = run["engine"], run["finished"]
+    assert set(finished) == set(run["requests"])
+    # Every block is free or cached-unreferenced once all requests are done.
+    assert engine.stats().num_kv_blocks_used == 0
+    assert engine.block_manager.num_available == engine.block_manager.num_blocks
+    for request_id, (prompt, params) in run["requests"].items():
+        output = finished[request_id]
+        if request_id in run["aborted"]:
+            assert output.finish_reason == "abort"
+            continue
+        assert output.token_ids == solo(model, tokenizer, prompt, params), request_id
+        window_full = len(prompt) + len(output.token_ids) > CONTEXT
+        assert output.finish_reason == "length"
+        assert window_full or len(output.token_ids) == params.max_tokens
+
+
+def test_the_random_schedules_exercise_every_path(model, tokenizer) -> None:
+    """Across the cases above: preemption, prefix-cache hits, chunked prefill and aborts."""
+    runs = [run_case(model, tokenizer, case) for case in CASES]
+    stats = [run["engine"].stats() for run in runs]
+    assert sum(s.num_preemptions for s in stats) > 0
+    assert sum(s.prefix_cache_hits for s in stats) > 0
+    assert sum(run["chunked_steps"] for run in runs) > 0
+    assert sum(len(run["aborted"]) for run in runs) > 0
+
+
+def test_a_small_pool_preempts_and_still_equals_the_oracle(model, tokenizer) -> None:
+    engine = engine_for(model, tokenizer, num_kv_blocks=17, max_num_batched_tokens=64)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(30)] for _ in range(4)]
+    params = SamplingParams(max_tokens=30)
+    ids = [engine.add_request(p, params) for p in prompts]
+    finished = run_to_end(engine)
+    assert engine.stats().num_preemptions > 0
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)
+
+
+def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tokenizer) -> None:
+    """The check has teeth: write each token at its logical slot (position alone, no
+    block table) and, with a shuffled pool and two sequences, outputs go wrong."""
+
+    def logical_slots(block_tables, seq_of_token, positions, block_size):
+        return positions + seq_of_token * 0
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(2)]
+    params = SamplingParams(max_tokens=10)
+    engine = engine_for(model, tokenizer, num_kv_blocks=40, attention="reference")
+    ids = [engine.add_request(p, params) for p in prompts]
+    with mock.patch.object(paged_cache, "slot_mapping", logical_slots):
+        finished = run_to_end(engine, check=False)
+    got = [finished[i].token_ids for i in ids]
+    assert got != [solo(model, tokenizer, p, params) for p in prompts]
+
+
+def test_fast_and_reference_attention_give_the_same_logits(model, tokenizer) -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
+    params = SamplingParams(max_tokens=12, logprobs=1)
+    runs = {}
+    for attention in ("fast", "reference"):
+        engine = engine_for(model, tokenizer, num_kv_blocks=80, attention=attention)
+        ids = [engine.add_request(p, params) for p in prompts]
+        finished = run_to_end(engine)
+        runs[attention] = [finished[i] for i in ids]
+    for fast, reference in zip(runs["fast"], runs["reference"], strict=True):
+        assert fast.token_ids == reference.token_ids
+        for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching
+# ---------------------------------------------------------------------------
+
+
+def test_a_prefix_hit_equals_a_miss_and_a_fully_cached_prompt_recomputes_its_last_token(
+    model, tokenizer
+) -> None:
+    prompt = list(range(100, 100 + 3 * KV_BLOCK))  # exactly three full blocks
+    params = SamplingParams(max_tokens=8)
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
+    first = engine.add_request(prompt, params)
+    miss = run_to_end(engine)[first]
+    assert miss.num_cached_tokens == 0
+    second = engine.add_request(prompt, params)
+    hit = run_to_end(engine)[second]
+    # Two blocks come from the cache; the third holds the last token, which is recomputed
+    # for its logits.
+    assert hit.num_cached_tokens == 2 * KV_BLOCK
+    assert hit.token_ids == miss.token_ids == solo(model, tokenizer, prompt, params)
+    stats = engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (4, 2)
+
+
+def test_a_block_is_found_only_after_the_same_tokens_before_it(model, tokenizer) -> None:
+    """Same tokens in a block, different tokens before it: no hit (the keys differ)."""
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
+    block = [7, 8, 9, 10]
+    a = [1, 2, 3, 4] + block + [11]
+    b = [5, 6, 3, 4] + block + [11]
+    for prompt in (a, b):
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+        run_to_end(engine)
+    assert engine.stats().prefix_cache_hits == 0
+
+
+def test_unused_cached_blocks_are_evicted_least_recently_used_first(model, tokenizer) -> None:
+    engine = engine_for(model, tokenizer, num_kv_blocks=16)
+    old, new = [1] * 9, [2] * 9
+    for prompt in (old, new):
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+        run_to_end(engine)
+    manager = engine.block_manager
+    assert manager.num_cached_unused == 4 and manager.num_free == 12
+    engine.add_request([3] * 53, SamplingParams(max_tokens=1))  # 14 blocks: evicts two
+    run_to_end(engine)
+    assert len(manager.cached_prefix(new)) == 2 and not manager.cached_prefix(old)
+
+
+# ---------------------------------------------------------------------------
+# Per request: sampling, stops, logprobs, text, abort
+# ---------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model, tokenizer) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    params = [
+        SamplingParams(max_tokens=15, temperature=1.0, top_k=50, seed=seed) for seed in range(6)
+    ]
+    engine = engine_for(model, tokenizer, num_kv_blocks=60, max_num_batched_tokens=16)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    finished = run_to_end(engine)
+    for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+        assert finished[request_id].token_ids == solo(model, tokenizer, prompt, p)
+    # Same seed, same tokens; another seed, other tokens (the sampler is the request's).
+    assert finished[ids[0]].token_ids != solo(
+        model, tokenizer, prompts[0], dataclasses.replace(params[0], seed=99)
+    )
+
+
+def test_stop_token_ids_logprobs_and_the_window(model, tokenizer) -> None:
+    prompt = list(range(50, 60))
+    oracle = generate(
+        model, prompt, SamplingParams(max_tokens=20), use_cache=False, keep_logits=True
+    )
+    assert_clear_margins(oracle.step_logits)
+    stop_id = oracle.token_ids[5]
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
+    stopped = engine.add_request(prompt, SamplingParams(max_tokens=20, stop_token_ids=(stop_id,)))
+    scored = engine.add_request(prompt, SamplingParams(max_tokens=20, logprobs=3))
+    long = engine.add_request([5] * (CONTEXT - 2), SamplingParams(max_tokens=50))
+    finished = run_to_end(engine)
+    first_stop = oracle.token_ids.index(stop_id)
+    assert finished[stopped].token_ids == oracle.token_ids[: first_stop + 1]
+    assert (finished[stopped].finish_reason, finished[stopped].stop_reason) == ("stop", stop_id)
+    logprobs = finished[scored].logprobs
+    assert [lp.token_id for lp in logprobs] == finished[scored].token_ids
+    for lp, logits in zip(logprobs, oracle.step_logits, strict=True):
+        want = torch.log_softmax(logits.float(), -1)
+        assert abs(lp.logprob - float(want[lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == torch.topk(want, 3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy picks the best
+    # At the window: the token sampled from the last position is kept, then "length".
+    assert len(finished[long].token_ids) == 3 and finished[long].finish_reason == "length"
+
+
+def test_text_is_utf8_safe_and_held_back_while_it_could_become_a_stop_string(tokenizer) -> None:
+    ids = tokenizer.encode("a😀b STOP! c")
+    seq = Sequence([1], SamplingParams(max_tokens=50, stop=("STOP",)), decode=tokenizer.decode)
+    pieces, texts = [], []
+    for token in ids:
+        seq.append_token(token)
+        output = request_output(seq, tokenizer)
+        pieces.append(output.new_text)
+        texts.append(output.text)
+        assert "\ufffd" not in output.text
+        assert not output.text.endswith(("S", "ST", "STO"))
+        if output.finished:
+            break
+    assert "".join(pieces) == texts[-1] == "a😀b "
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", "STOP")
+
+
+def test_abort_frees_blocks_at_once_and_is_reported_by_the_next_step(model, tokenizer) -> None:
+    engine = engine_for(model, tokenizer, num_kv_blocks=40, max_num_seqs=1)
+    running = engine.add_request(list(range(20)), SamplingParams(max_tokens=10))
+    waiting = engine.add_request(list(range(30)), SamplingParams(max_tokens=10))
+    engine.step()
+    assert engine.stats().num_kv_blocks_used > 0
+    engine.abort(running)
+    engine.abort(waiting)
+    engine.abort("no-such-request")  # ignored
+    assert engine.stats().num_kv_blocks_used == 0
+    outputs = engine.step()
+    assert {(o.request_id, o.finish_reason, o.finished) for o in outputs} == {
+        (running, "abort", True),
+        (waiting, "abort", True),
+    }
+    assert not engine.has_unfinished()
+
+
+def test_bad_input_is_one_clear_error_and_the_engine_serves_the_others(model, tokenizer) -> None:
+    engine = engine_for(model, tokenizer, num_kv_blocks=10)
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), request_id="good")
+    engine.step()
+    bad_requests = [
+        (lambda: engine.add_request([1] * (CONTEXT + 1), SamplingParams()), "context"),
+        (lambda: engine.add_request([1, 2], SamplingParams(max_tokens=60)), "pool holds 10"),
+        (lambda: engine.add_request([1, 512], SamplingParams()), "vocabulary"),
+        (lambda: engine.add_request([1], SamplingParams(), request_id="good"), "already"),
+        (lambda: engine.add_request([1], SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda: engine.add_request([1], SamplingParams(temperature=-1)), "temperature"),
+        (lambda: engine.add_request([1], SamplingParams(top_p=0)), "top_p"),
+    ]
+    for bad, words in bad_requests:
+        with pytest.raises(RoseError, match=words) as error:
+            bad()
+        assert "\n" not in str(error.value)
+    assert list(engine.requests) == ["good"]
+    finished = run_to_end(engine)
+    assert finished[good].token_ids == solo(
+        model, tokenizer, [1, 2, 3], SamplingParams(max_tokens=4)
+    )
+
+
+def test_an_empty_prompt_starts_from_end_of_text(tokenizer) -> None:
+    model = make_test_model(1, block_size=CONTEXT, vocab_size=50257)
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    request_id = engine.add_request("", params)
+    output = run_to_end(engine)[request_id]
+    assert output.prompt_token_ids == [tokenizer.eot_id]
+    assert output.token_ids == solo(model, tokenizer, [tokenizer.eot_id], params)
