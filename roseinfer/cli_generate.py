@@ -9,10 +9,18 @@ for the prompts in batches (one left-padded batch of up to --batch-size prompts 
 time) and report. Every check runs before the first status line, so a mistake is told
 in exactly one line (`[roseinfer] error: ...`, exit code 2).
 
+Which path runs:
+* several prompts: the serving engine (roseinfer/engine: paged KV cache, continuous
+  batching, prefix caching); --batch-size is then how many run at once, and each
+  prompt's output is printed, in prompt order, as soon as it and every prompt before
+  it are done;
+* one prompt: a static cache, its text streamed as it is made;
+* --no-kv-cache, --cache static|concat, --compile or --onnx: that path, for every
+  prompt, in left-padded batches of --batch-size (each batch printed when it is done).
+
 stdout carries only the text (the prompt, then its continuation, then a newline) or,
-with --json, one JSON object per prompt per line, in prompt order. A batch of one
-prompt streams its text as it is made; a batch of several prints each prompt's text
-once the batch is done. Every status line goes to stderr as `[roseinfer] what: value`.
+with --json, one JSON object per prompt per line, in prompt order. Every status line
+goes to stderr as `[roseinfer] what: value`.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from roseinfer import onnx_generate
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.generate import COMPILE_MODES, GenerationResult, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
@@ -56,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m roseinfer.cli_generate",
         description="Generate text with a rose checkpoint or a Hugging Face GPT-2. The text "
-        "goes to stdout (the prompt, then its continuation); status goes to stderr. Several "
-        "prompts run together as one batch: a batch of one prompt streams its text as it is "
-        "made, a batch of several prints each prompt's text, in order, once the batch is done.",
+        "goes to stdout (the prompt, then its continuation); status goes to stderr. One prompt "
+        "streams its text as it is made; several run through the serving engine (continuous "
+        "batching on a paged KV cache) and print in prompt order.",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(
@@ -89,10 +99,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=DEFAULT_BATCH_SIZE,
-        help="generate for at most this many prompts at once, as one left-padded batch; "
-        "prompts go in consecutive batches, and each prompt's output equals its output alone. "
-        "A batch of one streams; a batch of several prints its texts when it is done "
-        f"(default: {DEFAULT_BATCH_SIZE})",
+        help="generate for at most this many prompts at once: the engine's running "
+        "sequences, or the size of each left-padded batch on the --cache/--no-kv-cache paths; "
+        f"each prompt's output equals its output alone (default: {DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="engine: the KV pool's size in blocks of --kv-block-size tokens "
+        "(default: enough for every running prompt's whole context)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        help="engine: the KV pool's size in bytes, e.g. 2GiB or 512MiB (instead of --num-kv-blocks)",
+    )
+    p.add_argument(
+        "--kv-block-size", type=int, default=16, help="engine: tokens per KV block (default: 16)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="engine: tokens per step, decode tokens plus prompt chunks (default: 512)",
     )
     p.add_argument(
         "--tokenizer-name",
@@ -128,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache",
         choices=["static", "concat"],
-        default="static",
-        help="static: buffers preallocated for the whole context (default); "
+        help="run every prompt on this cache in left-padded batches instead of the engine: "
+        "static: buffers preallocated for the whole context (what one prompt uses anyway); "
         "concat: grown by concatenation each step",
     )
     p.add_argument(
@@ -176,12 +204,12 @@ def status(what: str, value: object) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    if args.compile and (args.no_kv_cache or args.cache != "static"):
+    if args.compile and (args.no_kv_cache or args.cache == "concat"):
         raise RoseError(
             "--compile compiles the static cache's decode step: drop --no-kv-cache "
             "and --cache concat, or drop --compile"
         )
-    if args.onnx and (args.no_kv_cache or args.cache != "static" or args.compile):
+    if args.onnx and (args.no_kv_cache or args.cache or args.compile):
         raise RoseError(
             "--onnx runs the exported graph with its own past key/values: drop "
             "--no-kv-cache, --cache and --compile"
@@ -371,11 +399,79 @@ def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
     return model, tokenizer
 
 
+def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
+    """Several prompts go through the engine, unless a flag asks for another path."""
+    return num_prompts > 1 and not (args.no_kv_cache or args.cache or args.compile or args.onnx)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.kv_block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def as_result(output: RequestOutput) -> GenerationResult:
+    """An engine output in the shape the other paths report (times from its arrival)."""
+    return GenerationResult(
+        prompt_ids=output.prompt_token_ids,
+        token_ids=output.token_ids,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        step_logits=None,
+        time_to_first_token_s=(output.first_token_time or output.finish_time) - output.arrival_time,
+        total_time_s=output.finish_time - output.arrival_time,
+    )
+
+
+def run_engine(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    args: argparse.Namespace,
+    params: SamplingParams,
+    engine: LLMEngine,
+    tokenizer: Tokenizer,
+) -> None:
+    """Every prompt through the engine; each printed, in prompt order, once it and every
+    prompt before it are done."""
+    request_ids = [engine.add_request(ids, params) for ids in prompt_ids]
+    done: dict[str, GenerationResult] = {}
+    printed = 0
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = as_result(output)
+        while printed < len(prompts) and request_ids[printed] in done:
+            result = done[request_ids[printed]]
+            if args.json:
+                print(as_json(prompts[printed], result, tokenizer), flush=True)
+            else:
+                write(prompts[printed] + tokenizer.decode(result.token_ids) + "\n")
+            printed += 1
+    elapsed = time.perf_counter() - started
+    for request_id in request_ids:
+        report(done[request_id])
+    stats = engine.stats()
+    new_tokens = stats.generation_tokens
+    status("engine tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
+    status(
+        "engine",
+        f"{stats.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, "
+        f"{stats.num_preemptions} preemptions, prefix cache {stats.prefix_cache_hits}/"
+        f"{stats.prefix_cache_queries} blocks hit",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.batch_size < 1:
         raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts, blank_lines = read_prompts(args)
+    engine = None
     if args.onnx:
         model, tokenizer = load_onnx(args)
         prompt_ids = encode_prompts(prompts, tokenizer, model.meta.block_size)
@@ -385,17 +481,25 @@ def run(args: argparse.Namespace) -> int:
         status("tokenizer", tokenizer.name)
         status("kv cache", "past_key_values in and present out of the graph")
     else:
+        engine_settings = engine_config(args) if uses_engine(args, len(prompts)) else None
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         model, tokenizer, source = load_model_and_tokenizer(
             args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
         )
         prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        if engine_settings is not None:
+            engine = LLMEngine(model, tokenizer, engine_settings)
         status("device", device)
         status("dtype", args.dtype)
         status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
         status("tokenizer", tokenizer.name)
-        status("kv cache", "off (uncached reference)" if args.no_kv_cache else args.cache)
+        if args.no_kv_cache:
+            status("kv cache", "off (uncached reference)")
+        elif engine is not None:
+            status("kv cache", "paged (engine)")
+        else:
+            status("kv cache", args.cache or "static")
     if args.compile:
         # Compiling happens inside the first decode step, so tokens/s below includes it.
         how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"
@@ -405,6 +509,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_file:
         status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
 
+    if engine is not None:
+        run_engine(prompts, prompt_ids, args, params, engine, tokenizer)
+        return 0
     for start in range(0, len(prompts), args.batch_size):
         batch = slice(start, start + args.batch_size)
         run_batch(prompts[batch], prompt_ids[batch], args, params, model, tokenizer)

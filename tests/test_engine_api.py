@@ -1,0 +1,111 @@
+"""The engine's front doors: roseinfer.LLM (offline) and cli_generate with many prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from models import make_test_model
+
+import roseinfer
+from roseinfer import cli_generate
+from roseinfer.generate import generate
+from roseinfer.sampling import SamplingParams
+from rosetrainer.checkpoint import save_checkpoint
+from rosetrainer.errors import RoseError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["ROMEO:", "", "What light", "Is the sun, and Juliet", "O"] * 3
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A strong-oracle model with GPT-2's vocabulary, saved as the trainer saves."""
+    model = make_test_model(4, block_size=64, vocab_size=50257)
+    path = tmp_path_factory.mktemp("engine") / "model.pt"
+    state = {"model": model.state_dict(), "model_config": model.config.to_dict()}
+    save_checkpoint(path, {**state, "tokenizer_name": "gpt2"})
+    return path
+
+
+def solo_ids(llm, prompt: str, params: SamplingParams) -> list[int]:
+    tokenizer = llm.engine.tokenizer
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    model = llm.engine.model
+    return generate(model, ids, params, use_cache=False, eot_id=tokenizer.eot_id).token_ids
+
+
+def test_llm_generates_in_prompt_order_with_per_prompt_params(checkpoint: Path) -> None:
+    llm = roseinfer.LLM(str(checkpoint), block_size=4, max_num_batched_tokens=8)
+    params = [
+        roseinfer.SamplingParams(max_tokens=3 + i % 4, temperature=0.8 * (i % 2), seed=i)
+        for i in range(len(PROMPTS))
+    ]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == [
+        llm.engine.tokenizer.encode(p) or [llm.engine.tokenizer.eot_id] for p in PROMPTS
+    ]
+    for prompt, p, output in zip(PROMPTS, params, outputs, strict=True):
+        assert output.finished and output.finish_reason in ("stop", "length")
+        assert output.token_ids == solo_ids(llm, prompt, p)
+        assert output.text == llm.engine.tokenizer.decode(output.token_ids)
+    # The repeated prompts came from the prefix cache the second time.
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def test_llm_loads_a_hugging_face_directory(hf_gpt2_dir: Path) -> None:
+    llm = roseinfer.LLM(str(hf_gpt2_dir))
+    (output,) = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert output.token_ids == solo_ids(llm, "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_llm_rejects_a_mismatched_params_list(checkpoint: Path) -> None:
+    llm = roseinfer.LLM(str(checkpoint))
+    with pytest.raises(RoseError, match="2 SamplingParams for 3 prompt"):
+        llm.generate(["a", "b", "c"], [SamplingParams()] * 2, use_tqdm=False)
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_generate.main(argv)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_cli_prompt_file_runs_through_the_engine_in_order(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    lines = [f"{PROMPTS[i % len(PROMPTS)] or 'x'} {i}" for i in range(40)]
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
+    common = ["--checkpoint-path", str(checkpoint), "--prompt-file", str(prompt_file)]
+    common += ["--max-new-tokens", "6", "--seed", "3", "--json", "--device", "cpu"]
+    code, engine_out, engine_err = run_cli([*common, "--batch-size", "8"], capsys)
+    assert code == 0, engine_err
+    assert "kv cache: paged (engine)" in engine_err
+    code, static_out, static_err = run_cli([*common, "--cache", "static"], capsys)
+    assert code == 0 and "kv cache: static" in static_err
+    engine_rows = [json.loads(line) for line in engine_out.splitlines()]
+    static_rows = [json.loads(line) for line in static_out.splitlines()]
+    assert [row["prompt"] for row in engine_rows] == lines
+    assert [set(row) for row in engine_rows] == [set(row) for row in static_rows]
+    # Same seed, same sampled tokens, whichever path ran them.
+    assert [r["token_ids"] for r in engine_rows] == [r["token_ids"] for r in static_rows]
+
+
+def test_cli_engine_flags_are_checked(checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--checkpoint-path", str(checkpoint), "--prompt", "a", "--prompt", "b"]
+    code, _, err = run_cli([*argv, "--kv-cache-memory", "lots"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "kv_cache_memory" in err
+    code, _, err = run_cli([*argv, "--num-kv-blocks", "1", "--max-new-tokens", "40"], capsys)
+    assert code == 2 and err.strip().endswith("give the pool more memory"), err
+
+
+def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
+    llm = roseinfer.LLM(str(checkpoint), num_kv_blocks=12, block_size=8)
+    (output,) = llm.generate(["abc"], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert output.arrival_time <= output.first_token_time <= output.finish_time
+    assert llm.engine.pool.nbytes == 12 * 8 * 2 * 2 * 32 * torch.float32.itemsize
