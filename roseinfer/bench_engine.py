@@ -1,0 +1,335 @@
+"""python -m roseinfer.bench_engine: the serving engine against the other ways to run
+many requests, on one workload, in one run.
+
+    python -m roseinfer.bench_engine            # GPT-2 124M, random weights, 64 requests
+    python -m roseinfer.bench_engine --quick    # a tiny model, a few requests (a smoke test)
+
+The workload (seeded): requests with prompts of 16-256 random tokens and 16-128 new
+tokens each (end-of-text ignored, so every path makes the same number of tokens).
+It runs, each on the same weights, greedy:
+
+* one by one: each request alone on a static cache (the fastest single-request path);
+* static batches of 16: `generate_batch` on a StaticKVCache, as the CLI ran batches
+  before the engine (a batch lasts as long as its longest request, padding included);
+* the engine: all requests submitted at once, continuous batching on the paged cache;
+* transformers' continuous batching (`generate_batch`'s manager, per-request lengths).
+
+It prints output tokens/s and ratios, whether each path's tokens equal the one-by-one
+tokens, where the engine's time went, the KV memory held per live token (paged pool vs
+static preallocation), and a shared-prefix workload's prefill saved by the prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.demo import wide_random_init
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.generate import generate, generate_batch
+from roseinfer.kv_cache import StaticKVCache
+from roseinfer.sampling import SamplingParams
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+Request = tuple[list[int], int]  # prompt ids, new tokens
+
+
+@dataclass
+class Workload:
+    requests: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    prefix_requests: int  # the shared-prefix workload: how many requests,
+    prefix_len: int  # the prefix they share,
+    suffix_range: tuple[int, int]  # and the tokens each adds
+
+
+FULL = Workload(64, (16, 256), (16, 128), 8, 512, (16, 48))
+QUICK = Workload(8, (4, 24), (2, 12), 4, 32, (4, 12))
+QUICK_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m roseinfer.bench_engine", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
+    p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
+    p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
+    args = p.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        raise RoseError(f"--requests must be >= 1, got {args.requests}")
+    return args
+
+
+def make_requests(work: Workload, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(vocab - 1) for _ in range(rng.randint(*work.prompt_range))],
+            rng.randint(*work.output_range),
+        )
+        for _ in range(work.requests)
+    ]
+
+
+def params_for(new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------
+# The paths
+# ---------------------------------------------------------------------------
+
+
+def one_by_one(model: GPT, requests: list[Request]) -> list[list[int]]:
+    outputs = []
+    for prompt, n in requests:
+        cache = StaticKVCache(model, batch_size=1, max_len=len(prompt) + n)
+        outputs.append(generate(model, prompt, params_for(n), cache=cache).token_ids)
+    return outputs
+
+
+def static_batches(model: GPT, requests: list[Request], batch_size: int) -> list[list[int]]:
+    outputs = []
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start : start + batch_size]
+        max_len = max(len(prompt) + n for prompt, n in batch)
+        cache = StaticKVCache(model, batch_size=len(batch), max_len=max_len)
+        results = generate_batch(
+            model, [p for p, _ in batch], [params_for(n) for _, n in batch], cache=cache
+        )
+        outputs += [result.token_ids for result in results]
+    return outputs
+
+
+@dataclass
+class EngineRun:
+    outputs: list[list[int]]
+    engine: LLMEngine
+    steps: int
+    held_bytes: float  # summed over steps: pool bytes held by live sequences
+    live_tokens: int  # summed over steps: tokens those sequences hold
+
+
+def run_engine(
+    model: GPT, tokenizer: Tokenizer, requests: list[Request], first_alone: bool = False, **config
+) -> EngineRun:
+    """All requests at once; with first_alone, the first one's prompt is read before the
+    others arrive (as a shared system prompt is, by the first request that brings it)."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(**config))
+    later = requests[1:] if first_alone else []
+    ids = [
+        engine.add_request(prompt, params_for(n))
+        for prompt, n in requests[: len(requests) - len(later)]
+    ]
+    block_bytes = engine.pool.nbytes // engine.block_manager.num_blocks
+    done: dict[str, list[int]] = {}
+    steps = live_tokens = 0
+    held_bytes = 0.0
+    while engine.has_unfinished() or later:
+        if later and engine.generation_tokens > 0:
+            ids += [engine.add_request(prompt, params_for(n)) for prompt, n in later]
+            later = []
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.token_ids
+        steps += 1
+        held_bytes += engine.block_manager.num_used * block_bytes
+        live_tokens += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+    return EngineRun([done[i] for i in ids], engine, steps, held_bytes, live_tokens)
+
+
+def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) -> float:
+    """Bytes a static cache holds per live token, over the decode steps of its batches."""
+    cfg = model.config
+    per_token = 2 * cfg.n_layer * cfg.n_embd * model.lm_head.weight.element_size()
+    held = live = 0
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start : start + batch_size]
+        max_len = max(len(prompt) + n for prompt, n in batch)
+        for step in range(max(n for _, n in batch)):
+            held += len(batch) * max_len * per_token
+            live += sum(len(prompt) + step for prompt, n in batch if step < n)
+    return held / live
+
+
+def transformers_cb(model: GPT, requests: list[Request], block_size: int) -> list[list[int]]:
+    """transformers' own continuous batching on the same weights (its manager, so that each
+    request has its own max_new_tokens; generate_batch takes one for all)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from rosetrainer.hf import to_hf_gpt2
+
+    hf_model = to_hf_gpt2(model).eval()
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
+    blocks = sum(-(-(len(p) + n) // block_size) for p, n in requests)
+    batching = ContinuousBatchingConfig(
+        num_blocks=blocks, max_batch_tokens=512, page_size=block_size, max_requests_per_batch=64
+    )
+    done = {}
+    manager_cm = hf_model.continuous_batching_context_manager(
+        generation_config=generation,
+        continuous_batching_config=batching,
+        block=True,
+        timeout=5,
+        warmup=False,
+    )
+    with manager_cm as manager:
+        ids = [manager.add_request(prompt, max_new_tokens=n) for prompt, n in requests]
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = list(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+    return [done[i] for i in ids]
+
+
+# ---------------------------------------------------------------------------
+# Running and printing
+# ---------------------------------------------------------------------------
+
+
+def timed(fn, *args, **kwargs):
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = fn(*args, **kwargs)
+    return out, time.perf_counter() - started
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def bench(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = QUICK if args.quick else FULL
+    if args.requests is not None:
+        work = dataclasses.replace(work, requests=args.requests)
+    config = QUICK_CONFIG if args.quick else GPTConfig.from_preset("gpt2")
+    torch.manual_seed(args.seed)
+    model = wide_random_init(GPT(config), args.seed)  # varied greedy tokens: a fair comparison
+    tokenizer = Tokenizer("gpt2")
+    requests = make_requests(work, config.vocab_size, args.seed)
+    out_tokens = sum(n for _, n in requests)
+    say(
+        f"model: {'tiny' if args.quick else 'gpt2 124M'} random weights, float32, "
+        f"{torch.get_num_threads()} threads; {len(requests)} requests, prompts "
+        f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
+        f"{work.output_range[0]}-{work.output_range[1]} ({out_tokens} output tokens)"
+    )
+    engine_config = dict(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+
+    # Warm every path up on one short request first (first calls pay one-off costs).
+    warm = [(requests[0][0][:8], 2)]
+    one_by_one(model, warm)
+    static_batches(model, warm, 1)
+    run_engine(model, tokenizer, warm, **engine_config)
+
+    results: dict[str, tuple[list[list[int]], float]] = {}
+    results["one by one (static cache)"] = timed(one_by_one, model, requests)
+    results[f"static batches of {args.batch_size}"] = timed(
+        static_batches, model, requests, args.batch_size
+    )
+    engine_run, engine_seconds = timed(run_engine, model, tokenizer, requests, **engine_config)
+    results["engine"] = (engine_run.outputs, engine_seconds)
+    hf_note = ""
+    if not args.no_hf:
+        try:
+            results["transformers continuous batching"] = timed(
+                transformers_cb, model, requests, 16
+            )
+        except Exception as err:  # noqa: BLE001 (a third-party failure is reported, not fatal)
+            hf_note = f"transformers' continuous batching did not run: {type(err).__name__}: {err}"
+
+    base_outputs, base_seconds = results["one by one (static cache)"]
+    static_seconds = results[f"static batches of {args.batch_size}"][1]
+    say()
+    say(f"{'path':<34}{'seconds':>9}{'tok/s':>9}{'vs 1-by-1':>11}{'vs static':>11}  same tokens")
+    for name, (outputs, seconds) in results.items():
+        same = sum(a == b for a, b in zip(outputs, base_outputs, strict=True))
+        say(
+            f"{name:<34}{seconds:>9.2f}{out_tokens / seconds:>9.1f}"
+            f"{base_seconds / seconds:>10.2f}x{static_seconds / seconds:>10.2f}x"
+            f"  {same}/{len(requests)}"
+        )
+    if hf_note:
+        say(hf_note)
+
+    engine = engine_run.engine
+    stats = engine.stats()
+    say()
+    say(f"engine: {engine_run.steps} steps, {stats.num_preemptions} preemptions")
+    for phase, seconds in sorted(engine.step_seconds.items(), key=lambda item: -item[1]):
+        say(
+            f"  {phase:<9}{seconds:>8.2f} s  {seconds / engine_run.steps * 1000:>8.2f} ms/step"
+            f"  {seconds / engine_seconds:>6.1%}"
+        )
+    paged = engine_run.held_bytes / max(engine_run.live_tokens, 1)
+    static = static_held_per_token(model, requests, args.batch_size)
+    say(
+        f"KV bytes held per live token: paged {paged:,.0f}, static batches {static:,.0f} "
+        f"({static / paged:.2f}x); exactly one token's keys and values: "
+        f"{2 * config.n_layer * config.n_embd * 4:,}"
+    )
+    prefix_report(model, tokenizer, work, args.seed, engine_config)
+    return 0
+
+
+def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, config) -> None:
+    """Requests sharing a long prefix, with and without the prefix cache."""
+    rng = random.Random(seed + 1)
+    vocab = model.config.vocab_size
+    prefix = [rng.randrange(vocab - 1) for _ in range(work.prefix_len)]
+    requests = [
+        (prefix + [rng.randrange(vocab - 1) for _ in range(rng.randint(*work.suffix_range))], 16)
+        for _ in range(work.prefix_requests)
+    ]
+    say()
+    say(
+        f"shared prefix: {len(requests)} requests, a {work.prefix_len}-token prefix each "
+        f"(the others arrive once the first has read its prompt)"
+    )
+    runs = {}
+    for caching in (False, True):
+        run, seconds = timed(
+            run_engine,
+            model,
+            tokenizer,
+            requests,
+            first_alone=True,
+            enable_prefix_caching=caching,
+            **config,
+        )
+        stats = run.engine.stats()
+        computed = stats.prompt_tokens - stats.prefix_cache_hits * run.engine.config.block_size
+        runs[caching] = run.outputs
+        say(
+            f"  prefix cache {'on ' if caching else 'off'}: prompt tokens {stats.prompt_tokens}, "
+            f"prefilled {computed}, {seconds:.2f} s"
+            + (
+                f", hits {stats.prefix_cache_hits}/{stats.prefix_cache_queries} blocks"
+                if caching
+                else ""
+            )
+        )
+    say(f"  same tokens with and without: {runs[True] == runs[False]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli(lambda: bench(argv), "roseinfer.bench_engine")
+
+
+if __name__ == "__main__":
+    main()
