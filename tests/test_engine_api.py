@@ -109,3 +109,26 @@ def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
     (output,) = llm.generate(["abc"], SamplingParams(max_tokens=5), use_tqdm=False)
     assert output.arrival_time <= output.first_token_time <= output.finish_time
     assert llm.engine.pool.nbytes == 12 * 8 * 2 * 2 * 32 * torch.float32.itemsize
+
+
+def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    from roseinfer import bench_engine
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_engine.main(["--quick"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    rows = {
+        line.split("  ")[0]: line
+        for line in out.splitlines()
+        if line.startswith(("one by one", "static batches", "engine ", "transformers"))
+    }
+    assert len(rows) == 4, out
+    assert all(row.endswith("8/8") for row in rows.values()), out  # equal tokens everywhere
+    assert "KV bytes held per live token" in out
+    off, on = (line for line in out.splitlines() if "prefix cache o" in line)
+    prefilled = [int(line.split("prefilled ")[1].split(",")[0]) for line in (off, on)]
+    assert prefilled[1] < prefilled[0]
+    assert "same tokens with and without: True" in out
