@@ -323,7 +323,7 @@ def test_batch_size_only_changes_how_the_text_is_printed(
     outputs = {}
     for batch_size in ("1", "2", None):
         size_flag = [] if batch_size is None else ["--batch-size", batch_size]
-        code, out, err = main(capsys, *common, *prompts, *size_flag)
+        code, out, err = main(capsys, *common, "--cache", "static", *prompts, *size_flag)
         assert code == 0, err
         outputs[batch_size] = out
         batch_sizes = re.findall(r"^\[roseinfer\] batch size: (\d+)$", err, re.M)
@@ -331,8 +331,11 @@ def test_batch_size_only_changes_how_the_text_is_printed(
         expected_sizes = {"1": ["1", "1", "1"], "2": ["2", "1"], None: ["3"]}[batch_size]
         assert batch_sizes == expected_sizes
         assert len(batched_rates) == sum(size != "1" for size in expected_sizes)
-    # Streamed one by one (batch size 1), or printed per batch: the same text, in order.
-    assert outputs["1"] == outputs["2"] == outputs[None]
+    # Streamed one by one (batch size 1), or printed per batch: the same text, in order;
+    # and the same through the serving engine (several prompts, no --cache).
+    code, out, err = main(capsys, *common, *prompts, "--batch-size", "2")
+    assert code == 0 and "[roseinfer] kv cache: paged (engine)" in err
+    assert outputs["1"] == outputs["2"] == outputs[None] == out
     assert outputs[None].startswith("To be")
 
 
