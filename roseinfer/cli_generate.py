@@ -34,16 +34,27 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
+
+import torch
 
 from roseinfer import onnx_generate
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.generate import COMPILE_MODES, GenerationResult, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
+from roseinfer.loading import (
+    load_model_and_tokenizer,
+    model_config_and_tokenizer,
+    pick_device,
+    pick_dtype,
+)
 from roseinfer.onnx_generate import OnnxModel
+from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, torchrun_rank
+from roseinfer.pipeline.runner import Driver
+from roseinfer.pipeline.stage import stage_layers
 from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import RoseError, run_cli
 from rosetrainer.model import GPT
@@ -169,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
         "compiles, then every step reuses the graph. 'default' (what --compile alone asks) "
         "compiles in seconds; 'max-autotune' freezes the weights into the graph and picks "
         "the fastest matmul kernels, a minute or two of compiling for the fastest decode",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="split the model's layers over this many processes (stages), each holding only "
+        "its layers' weights and KV cache; the CLI starts them itself (gloo on CPU, NCCL with "
+        "one GPU per stage), or runs as one of them under torchrun; default: 1 (no split)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        help="with --pipeline-parallel-size: cut each batch into this many micro-batches, so "
+        "the stages work at the same time (default: one per stage when the batch has rows "
+        "enough, else 1)",
     )
     p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
     p.add_argument(
@@ -345,7 +371,6 @@ def run_batch(
     tokenizer: Tokenizer,
 ) -> None:
     """Generate for one batch of prompts, print their outputs in order, and report."""
-    status("batch size", len(prompts))
     if isinstance(model, OnnxModel):
         generate_now = functools.partial(
             onnx_generate.generate_batch,
@@ -368,6 +393,17 @@ def run_batch(
             decode=tokenizer.decode,
             compile=args.compile,
         )
+    print_batch(prompts, args, tokenizer, generate_now)
+
+
+def print_batch(
+    prompts: list[str],
+    args: argparse.Namespace,
+    tokenizer: Tokenizer,
+    generate_now: Callable[..., list[GenerationResult]],
+) -> None:
+    """Run `generate_now` (on_token=... streams) for one batch, print in order, report."""
+    status("batch size", len(prompts))
     started = time.perf_counter()
     if args.json:
         results = generate_now()
@@ -470,6 +506,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.batch_size < 1:
         raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.pipeline_parallel_size != 1 or args.micro_batches is not None:
+        return run_split(args, params)
     prompts, blank_lines = read_prompts(args)
     engine = None
     if args.onnx:
@@ -515,6 +553,102 @@ def run(args: argparse.Namespace) -> int:
     for start in range(0, len(prompts), args.batch_size):
         batch = slice(start, start + args.batch_size)
         run_batch(prompts[batch], prompt_ids[batch], args, params, model, tokenizer)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# A split model: --pipeline-parallel-size N
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SplitPrinter:
+    """Stage 0's part of the CLI: each batch generated through the pipeline, printed as
+    a single process prints it (a StageProgram, see roseinfer/pipeline/launch.py)."""
+
+    args: argparse.Namespace
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+    tokenizer_name: str
+
+    def run(self, driver: Driver) -> list[list[GenerationResult]]:
+        tokenizer = Tokenizer(self.tokenizer_name)
+        for start in range(0, len(self.prompts), self.args.batch_size):
+            batch = slice(start, start + self.args.batch_size)
+            generate_now = functools.partial(
+                driver.generate,
+                self.prompt_ids[batch],
+                self.params,
+                eot_id=tokenizer.eot_id,
+                decode=tokenizer.decode,
+                micro_batches=self.args.micro_batches,
+            )
+            print_batch(self.prompts[batch], self.args, tokenizer, generate_now)
+        return []
+
+
+def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
+    """Generate with the model's layers split over --pipeline-parallel-size processes."""
+    n_stages = args.pipeline_parallel_size
+    if n_stages < 2:
+        raise RoseError(
+            f"--pipeline-parallel-size must be >= 1 (--micro-batches needs it >= 2), got {n_stages}"
+        )
+    if args.no_kv_cache or args.compile:
+        raise RoseError(
+            "a split model runs on per-stage KV caches (--cache static or concat): drop "
+            "--no-kv-cache and --compile"
+        )
+    if args.micro_batches is not None and args.micro_batches < 1:
+        raise RoseError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    prompts, blank_lines = read_prompts(args)
+    device = pick_device(args.device)
+    pick_dtype(args.dtype, device)
+    config, tokenizer_name, source = model_config_and_tokenizer(args.checkpoint_path, args.hf_model)
+    layers = stage_layers(config.n_layer, n_stages)  # a clear error for too many stages
+    tokenizer = Tokenizer(args.tokenizer_name or tokenizer_name)
+    prompt_ids = encode_prompts(prompts, tokenizer, config.block_size)
+    if device.type == "cuda" and torch.cuda.device_count() < n_stages:
+        raise RoseError(
+            f"{n_stages} stages on CUDA need {n_stages} GPUs (one per stage), "
+            f"{torch.cuda.device_count()} visible; use fewer stages or --device cpu"
+        )
+    setup = PipelineSetup(
+        str(source),
+        n_stages,
+        hf=args.hf_model is not None,
+        device=device.type,
+        dtype=args.dtype,
+        cache=args.cache,
+        threads=max(1, (os.cpu_count() or 1) // n_stages),
+    )
+    program = SplitPrinter(args, prompts, prompt_ids, params, tokenizer.name)
+    under_torchrun = torchrun_rank()
+    if under_torchrun is None or under_torchrun[0] == 0:
+        status("device", f"{device} ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+        status("dtype", args.dtype)
+        status("model", f"{source} ({config.n_layer} layers)")
+        split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(layers))
+        status("pipeline", f"{n_stages} stages ({split})")
+        status("tokenizer", tokenizer.name)
+        status("kv cache", f"{args.cache}, one per stage")
+        random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
+        status("seed", f"{params.seed}{random_seed}")
+        if args.prompt_file:
+            status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
+    if under_torchrun is not None:
+        rank, world_size, init_method = under_torchrun
+        if world_size != n_stages:
+            raise RoseError(
+                f"torchrun started {world_size} processes for --pipeline-parallel-size "
+                f"{n_stages}: pass --nproc_per_node={n_stages}"
+            )
+        report = stage_main(rank, setup, program, init_method)
+        if report.error is not None:
+            raise RoseError(report.error)
+        return 0
+    run_pipeline(setup, program)
     return 0
 
 

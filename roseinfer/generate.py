@@ -267,7 +267,7 @@ def make_sequences(
                 f"a prompt has {len(prompt)} tokens but the model's context (block_size) is "
                 f"{block_size}: shorten the prompt"
             )
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device  # (a pipeline stage may hold no lm_head)
     return [
         Sequence(list(prompt), p, eos_id=eot_id, decode=decode, device=device)
         for prompt, p in zip(prompts, params, strict=True)

@@ -21,12 +21,16 @@ mask, so no step allocates or copies the past.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
 from rosetrainer import model as gpt
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast
+
+if TYPE_CHECKING:
+    from roseinfer.pipeline.stage import PipelineStage
 
 
 class ConcatKVCache:
@@ -114,9 +118,14 @@ class StaticKVCache:
     then has the same inputs and runs the same compiled graph.
     """
 
-    def __init__(self, model: GPT, batch_size: int = 1, max_len: int | None = None) -> None:
+    def __init__(
+        self, model: GPT | PipelineStage, batch_size: int = 1, max_len: int | None = None
+    ) -> None:
+        # One buffer pair per block the model holds (a pipeline stage holds only its own,
+        # and they are numbered from 0 there), where the blocks' weights live, in their dtype.
         cfg = model.config
-        weight = model.lm_head.weight  # the cache lives where the weights do, in their dtype
+        blocks = model.transformer.h
+        weight = blocks[0].attn.c_attn.weight
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 0 < self.max_len <= cfg.block_size:
             raise RoseError(
@@ -129,7 +138,7 @@ class StaticKVCache:
                 torch.zeros(shape, device=weight.device, dtype=weight.dtype),
                 torch.zeros(shape, device=weight.device, dtype=weight.dtype),
             )
-            for _ in range(cfg.n_layer)
+            for _ in range(len(blocks))
         ]
         # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
         self.causal_rows = gpt.causal_mask(self.max_len, self.max_len, weight.device)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from rosetrainer.checkpoint import find_latest_checkpoint, load_model
+from rosetrainer.checkpoint import find_latest_checkpoint, load_checkpoint, load_model
+from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
-from rosetrainer.hf import load_hf_gpt2
+from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, read_hf_config
 from rosetrainer.model import GPT
 from rosetrainer.runtime import DTYPES
 from rosetrainer.tokenizer import Tokenizer
@@ -83,3 +84,16 @@ def load_model_and_tokenizer(
             f"vocabulary has {vocab_size}: use the tokenizer the model was trained with"
         )
     return model, tokenizer, source
+
+
+def model_config_and_tokenizer(
+    checkpoint_path: str | None = None, hf_model: str | None = None
+) -> tuple[GPTConfig, str, Path | str]:
+    """The model's shape, the tokenizer it was trained with, and where it is, without
+    loading its weights (a split model's stages load their own shares)."""
+    if hf_model:
+        return gpt_config_from_hf(read_hf_config(hf_model)), "gpt2", hf_model
+    path = checkpoint_file(checkpoint_path)
+    ckpt = load_checkpoint(path, mmap=True)  # mapped: no tensor is read
+    config = GPTConfig.from_dict(ckpt["model_config"])
+    return config, ckpt.get("tokenizer_name", "gpt2"), path

@@ -59,8 +59,13 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
             os.close(dir_fd)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a rose checkpoint, with one clear error for each way the file can be wrong."""
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False
+) -> dict[str, Any]:
+    """Read a rose checkpoint, with one clear error for each way the file can be wrong.
+
+    mmap=True maps the file instead of reading it: a tensor's bytes are read only when it
+    is used (a pipeline stage reads its own layers' weights and no others)."""
     path = Path(path)
     if path.is_dir():
         names = sorted(p.name for p in path.glob("*.pt"))
@@ -81,7 +86,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"copy it again or use an earlier checkpoint"
         )
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         raise RoseError(
             f"{path} holds Python objects, not only tensors and plain values, so it is not a "

@@ -69,6 +69,11 @@ def load_hf_gpt2(name_or_path: str, device: str | torch.device = "cpu") -> GPT:
     return model.to(device)
 
 
+def read_hf_config(name_or_path: str) -> dict[str, Any]:
+    """A Hugging Face GPT-2's config.json, without its weights."""
+    return _read_config(_local_directory(name_or_path))
+
+
 def gpt_config_from_hf(hf_config: dict[str, Any]) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2 config.json; other architectures are refused."""
     model_type = hf_config.get("model_type")

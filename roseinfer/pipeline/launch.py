@@ -1,0 +1,203 @@
+"""Starting the stage processes, and making sure none outlives the run.
+
+`run_pipeline` starts one process per stage with torch.multiprocessing (spawn: a
+fresh interpreter each, as torch.distributed wants) on a free loopback port, waits
+for them, and gathers what each reports. Under `torchrun` the processes exist
+already: `torchrun_rank` says which stage this process is, and `stage_main` runs it.
+
+Whatever happens, the launcher leaves no stage behind: a request that fails its
+checks makes stage 0 tell every stage to stop, then report the error; a stage that
+crashes makes torch stop the others; Ctrl-C (KeyboardInterrupt in the launcher)
+terminates every stage that is still running, then goes on as an interrupt.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from roseinfer.generate import GenerationResult
+from roseinfer.pipeline.runner import Driver, Link, StageReport, follow, peak_rss_bytes
+from roseinfer.pipeline.stage import CACHE_KINDS, load_stage
+from roseinfer.sampling import SamplingParams
+from rosetrainer.errors import RoseError
+from rosetrainer.runtime import DTYPES
+
+# A step that takes longer than this on one stage is a hang, not a slow step.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+STOP_GRACE_S = 5.0  # after terminate(), how long a stage may take before it is killed
+
+
+@dataclass
+class PipelineSetup:
+    """Which model, split how, where: the same for every stage process."""
+
+    source: str  # a rose checkpoint (.pt), or a Hugging Face GPT-2 directory with hf=True
+    n_stages: int
+    hf: bool = False
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per stage)
+    dtype: str = "float32"
+    cache: str = "static"
+    threads: int = 1  # torch threads per stage process
+
+    def __post_init__(self) -> None:
+        if self.cache not in CACHE_KINDS:
+            raise RoseError(f"cache is one of {', '.join(CACHE_KINDS)}, got {self.cache!r}")
+        if self.dtype not in DTYPES:
+            raise RoseError(f"dtype is one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class PipelineJob:
+    """One batch of prompts; the keyword arguments of `Driver.generate`."""
+
+    prompts: list[list[int]]
+    params: SamplingParams | list[SamplingParams]
+    options: dict = field(default_factory=dict)  # eot_id, micro_batches, schedule, keep_caches...
+
+
+class StageProgram(Protocol):
+    """What stage 0 does with the pipeline: generate through `driver`, print or return."""
+
+    def run(self, driver: Driver) -> list[list[GenerationResult]]: ...
+
+
+@dataclass
+class RunJobs:
+    """A StageProgram that runs a list of jobs and returns their results."""
+
+    jobs: list[PipelineJob]
+
+    def run(self, driver: Driver) -> list[list[GenerationResult]]:
+        return [driver.generate(job.prompts, job.params, **job.options) for job in self.jobs]
+
+
+@dataclass
+class PipelineRun:
+    results: list[list[GenerationResult]]  # per job, per prompt
+    stages: list[StageReport]
+
+
+def stage_main(
+    rank: int, setup: PipelineSetup, program: StageProgram, init_method: str
+) -> StageReport:
+    """Be stage `rank`: join the process group, load this stage's weights, run, report."""
+    torch.set_num_threads(setup.threads)
+    device = torch.device("cpu")
+    if setup.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=setup.n_stages,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        stage = load_stage(
+            setup.source,
+            rank,
+            setup.n_stages,
+            hf=setup.hf,
+            device=device,
+            dtype=DTYPES[setup.dtype],
+        )
+        report = StageReport(
+            rank, (stage.layers.start, stage.layers.stop), stage.num_params(), stage.param_bytes()
+        )
+        link = Link(stage)
+        if stage.is_first:
+            driver = Driver(stage, link, setup.cache, report)
+            try:
+                report.results = program.run(driver)
+            except RoseError as err:
+                report.error = str(err)
+            finally:
+                driver.stop()  # every other stage exits its loop
+        else:
+            follow(stage, link, setup.cache, report)
+        link.flush()
+        report.peak_rss_bytes = peak_rss_bytes()
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_stage(
+    rank: int, setup: PipelineSetup, program: StageProgram, init_method: str, report_dir: str
+) -> None:
+    report = stage_main(rank, setup, program, init_method)
+    path = Path(report_dir) / f"stage{rank}.pkl"
+    path.write_bytes(pickle.dumps(report))
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_pipeline(setup: PipelineSetup, program: StageProgram | list[PipelineJob]) -> PipelineRun:
+    """Start one process per stage, run `program` (or these jobs) at stage 0, gather reports.
+
+    A request that fails its checks raises its RoseError here, after every stage stopped.
+    """
+    if setup.n_stages < 2:
+        raise RoseError(
+            f"a pipeline needs at least 2 stages, got {setup.n_stages}: one stage is the "
+            f"ordinary single-process generate"
+        )
+    if isinstance(program, list):
+        program = RunJobs(program)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="rose-pipeline-") as report_dir:
+        context = mp.start_processes(
+            _spawned_stage,
+            args=(setup, program, init_method, report_dir),
+            nprocs=setup.n_stages,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            while not context.join(grace_period=STOP_GRACE_S):
+                pass  # a crashed stage raises here, after torch stopped the others
+        finally:
+            stop_processes(context.processes)  # on Ctrl-C too: none is left running
+        reports = [
+            pickle.loads((Path(report_dir) / f"stage{rank}.pkl").read_bytes())
+            for rank in range(setup.n_stages)
+        ]  # our own children's reports, in a directory only this run knows
+    if reports[0].error is not None:
+        raise RoseError(reports[0].error)
+    return PipelineRun(reports[0].results, reports)
+
+
+def stop_processes(processes: list[mp.Process]) -> None:
+    """Terminate every process still running; kill the ones that do not go."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        process.join(STOP_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def torchrun_rank() -> tuple[int, int, str] | None:
+    """(rank, world size, init method) when torchrun started this process, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
