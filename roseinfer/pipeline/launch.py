@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,7 +36,7 @@ from rosetrainer.runtime import DTYPES
 
 # A step that takes longer than this on one stage is a hang, not a slow step.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-STOP_GRACE_S = 5.0  # after terminate(), how long a stage may take before it is killed
+STOP_GRACE_S = 1.5  # after terminate(), how long a stage may take before it is killed
 
 
 @dataclass
@@ -140,6 +141,11 @@ def _spawned_stage(
     report = stage_main(rank, setup, program, init_method)
     path = Path(report_dir) / f"stage{rank}.pkl"
     path.write_bytes(pickle.dumps(report))
+    # Done, and nothing is left to save: skip the interpreter's teardown, which for a process
+    # that loaded torch takes seconds on a busy machine (the launcher waits for it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:
@@ -161,7 +167,7 @@ def run_pipeline(setup: PipelineSetup, program: StageProgram | list[PipelineJob]
         )
     if isinstance(program, list):
         program = RunJobs(program)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"  # stage 0 hosts the rendezvous there
     with tempfile.TemporaryDirectory(prefix="rose-pipeline-") as report_dir:
         context = mp.start_processes(
             _spawned_stage,
