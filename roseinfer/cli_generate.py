@@ -591,15 +591,18 @@ class SplitPrinter:
 def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
     """Generate with the model's layers split over --pipeline-parallel-size processes."""
     n_stages = args.pipeline_parallel_size
-    if n_stages < 2:
+    if n_stages < 1:
+        raise RoseError(f"--pipeline-parallel-size must be >= 1, got {n_stages}")
+    if n_stages == 1:
         raise RoseError(
-            f"--pipeline-parallel-size must be >= 1 (--micro-batches needs it >= 2), got {n_stages}"
+            "--micro-batches cuts a batch for a split model: add --pipeline-parallel-size 2 or more"
         )
-    if args.no_kv_cache or args.compile:
+    if args.no_kv_cache or args.compile or args.onnx:
         raise RoseError(
             "a split model runs on per-stage KV caches (--cache static or concat): drop "
-            "--no-kv-cache and --compile"
+            "--no-kv-cache, --compile and --onnx"
         )
+    cache = args.cache or "static"
     if args.micro_batches is not None and args.micro_batches < 1:
         raise RoseError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     prompts, blank_lines = read_prompts(args)
@@ -620,7 +623,7 @@ def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
         hf=args.hf_model is not None,
         device=device.type,
         dtype=args.dtype,
-        cache=args.cache,
+        cache=cache,
         threads=max(1, (os.cpu_count() or 1) // n_stages),
     )
     program = SplitPrinter(args, prompts, prompt_ids, params, tokenizer.name)
@@ -632,7 +635,7 @@ def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
         split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(layers))
         status("pipeline", f"{n_stages} stages ({split})")
         status("tokenizer", tokenizer.name)
-        status("kv cache", f"{args.cache}, one per stage")
+        status("kv cache", f"{cache}, one per stage")
         random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
         status("seed", f"{params.seed}{random_seed}")
         if args.prompt_file:
