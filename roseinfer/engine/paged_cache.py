@@ -37,7 +37,12 @@ from rosetrainer.model import LayerPast
 
 
 class KVPool:
-    """Keys and values of every block, per layer: (num_blocks, block_size, n_head, head_dim)."""
+    """Keys and values of every block, per layer: (num_blocks, n_head, block_size, head_dim).
+
+    Heads before tokens, as in the model's own (batch, n_head, time, head_dim): a
+    sequence's blocks gathered in table order are then the keys attention reads, in one
+    copy and already in the layout its matrix products want.
+    """
 
     def __init__(
         self,
@@ -49,7 +54,8 @@ class KVPool:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, config.n_head, config.head_dim)
+        self.n_head = config.n_head
+        shape = (num_blocks, config.n_head, block_size, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
 
@@ -61,10 +67,18 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values as one row per token slot: (num_slots, n_head, head_dim)."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+def write_slots(blocks: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Write one (n_head, head_dim) entry per token, `new` (tokens, n_head, head_dim), at
+    pool slots `slots` (slot s: block s // block_size, offset s % block_size)."""
+    block_size = blocks.size(2)
+    blocks[slots // block_size, :, slots % block_size] = new
+
+
+def read_slots(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The entries at pool slots `slots`: (n_head, len(slots), head_dim)."""
+    block_size = blocks.size(2)
+    return blocks[slots // block_size, :, slots % block_size].transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -174,20 +188,22 @@ class PagedKVCache:
         return positions[:, None], mask[:, None, None, :]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        k_slots, v_slots = self.pool.slots(layer)
+        k_blocks, v_blocks = self.pool.k[layer], self.pool.v[layer]
         # (rows, n_head, q_len, head_dim) -> one (n_head, head_dim) entry per new token,
         # in the order of write_slots (sequence by sequence, position by position).
-        k_slots.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, *k_slots.shape[1:]))
-        v_slots.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, *v_slots.shape[1:]))
-        if self.layout == "flat":
-            # (keys, n_head, head_dim) -> (1, n_head, keys, head_dim)
-            return k_slots[self.read_slots].transpose(0, 1)[None], v_slots[
-                self.read_slots
-            ].transpose(0, 1)[None]
-        return self._read_blocks(self.pool.k[layer]), self._read_blocks(self.pool.v[layer])
+        rows, n_head, q_len, head_dim = k.shape
+        write_slots(k_blocks, self.write_slots, k.transpose(1, 2).reshape(-1, n_head, head_dim))
+        write_slots(v_blocks, self.write_slots, v.transpose(1, 2).reshape(-1, n_head, head_dim))
+        if self.layout == "flat":  # every key of the step's sequences: (1, n_head, keys, head_dim)
+            return read_slots(k_blocks, self.read_slots)[None], read_slots(
+                v_blocks, self.read_slots
+            )[None]
+        return self._read_blocks(k_blocks), self._read_blocks(v_blocks)
 
     def _read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks, whole: (rows, n_head, max_blocks * block_size, head_dim)."""
+        """Each row's blocks, whole and in table order: (rows, n_head, max_blocks * block_size,
+        head_dim), gathered in one copy (row r, head h, table entry i: blocks[tables[r, i], h])."""
         rows, max_blocks = self.tables.shape
-        gathered = blocks[self.tables]  # (rows, max_blocks, block_size, n_head, head_dim)
-        return gathered.view(rows, max_blocks * self.block_size, *blocks.shape[2:]).transpose(1, 2)
+        heads = torch.arange(blocks.size(1), device=blocks.device)
+        gathered = blocks[self.tables[:, None, :], heads[None, :, None]]  # (rows, h, blocks, bs, d)
+        return gathered.view(rows, blocks.size(1), max_blocks * self.block_size, blocks.size(-1))
