@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -205,7 +206,9 @@ def timed(fn, *args, **kwargs):
     started = time.perf_counter()
     with torch.inference_mode():
         out = fn(*args, **kwargs)
-    return out, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    print(f"[bench_engine] {fn.__name__}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return out, seconds
 
 
 def say(text: str = "") -> None:
