@@ -160,6 +160,19 @@ def cache_bytes(model: GPT, positions: float) -> float:
     return 2 * cfg.n_layer * cfg.n_embd * positions * itemsize  # keys and values
 
 
+def decode_flops(model: GPT, kv_len: int, batch: int = 1) -> int:
+    """Floating-point operations of one decode step (a multiply-add counts two).
+
+    Per row: every matrix of a Linear layer once (the output head included; the
+    embeddings are lookups), and in each layer the query against kv_len keys and the
+    weights against kv_len values.
+    """
+    cfg = model.config
+    matrices = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 2 * cfg.n_layer * cfg.n_embd * kv_len
+    return batch * 2 * (matrices + attention)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

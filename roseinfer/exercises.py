@@ -878,3 +878,11 @@ def known_wrong_answers() -> Iterator[tuple[Callable[[Callable], CheckResult], K
     ):
         for wrong in exercise.known_wrong:
             yield checks[exercise.name], wrong
+
+
+def wrong_answer(name: str) -> Callable:
+    """A known wrong answer by its name in the diagnosis tables (the chapters show some)."""
+    for _, wrong in known_wrong_answers():
+        if wrong.name == name:
+            return wrong.fn
+    raise KeyError(f"no known wrong answer is called {name!r}")

@@ -54,13 +54,15 @@ def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
 
 
 def checked_keep(model: GPT, keep: int | None = None) -> int:
-    """Tokens kept when the window is full (None: block_size // 2), checked."""
+    """Tokens kept when the window is full (None: block_size // 2), checked.
+
+    keep = block_size slides the window by one token every step (nanoGPT's crop): the
+    cached path then re-prefills block_size tokens at every step past the window.
+    """
     block_size = model.config.block_size
     keep = block_size // 2 if keep is None else keep
-    if not 1 <= keep <= block_size - 1:
-        raise RoseError(
-            f"window_keep must be in [1, block_size - 1 = {block_size - 1}], got {keep}"
-        )
+    if not 1 <= keep <= block_size:
+        raise RoseError(f"window_keep must be in [1, block_size = {block_size}], got {keep}")
     return keep
 
 

@@ -51,3 +51,17 @@ def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
         assert all(prompt_len // 2 <= n <= prompt_len for n in b["prompt_lengths"])
         assert b["batched_tokens_per_s"] > 0 and b["one_by_one_tokens_per_s"] > 0
     assert len(set(batched[-1]["prompt_lengths"])) > 1  # ragged: the batch is padded
+
+
+def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -> None:
+    from roseinfer import bench as infer_bench
+    from rosetrainer.config import GPTConfig
+    from rosetrainer.model import GPT
+
+    config = GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=2, n_embd=8)
+    model = GPT(config)
+    # Per layer: c_attn 8x24, attn c_proj 8x8, c_fc 8x32, mlp c_proj 32x8; then the head 100x8.
+    matrices = 2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8) + 100 * 8
+    attention = 2 * 8 * 10  # q.k and weights.v over 10 keys, in each of 2 layers
+    assert infer_bench.decode_flops(model, kv_len=10) == 2 * (matrices + attention)
+    assert infer_bench.decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)

@@ -140,9 +140,11 @@ def test_test_models_are_a_strong_oracle(shape: str) -> None:
 
 
 @pytest.mark.parametrize("cache_kind", ["concat", "static"])
-@pytest.mark.parametrize("window_keep", [1, 15])
+@pytest.mark.parametrize("window_keep", [1, 15, 16])
 def test_window_keep_extremes_equal_oracle(window_keep: int, cache_kind: str) -> None:
-    """keep=1 restarts from the newest token alone; keep=15 re-prefills on every step."""
+    """keep=1 restarts from the newest token alone; keep=15 re-prefills every other step
+    (the window alternates between 15 and 16 tokens); keep=16 = block_size slides by one
+    and re-prefills on every step."""
     shape = "1L-2H-32d-ctx16"
     model = model_for(shape)
     expected = oracle(shape, "half", window_keep)
