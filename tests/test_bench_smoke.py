@@ -62,6 +62,6 @@ def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -
     model = GPT(config)
     # Per layer: c_attn 8x24, attn c_proj 8x8, c_fc 8x32, mlp c_proj 32x8; then the head 100x8.
     matrices = 2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8) + 100 * 8
-    attention = 2 * 8 * 10  # q.k and weights.v over 10 keys, in each of 2 layers
+    attention = 2 * (2 * 8 * 10)  # 2 layers x (q.k and weights.v: 8 x 10 each)
     assert infer_bench.decode_flops(model, kv_len=10) == 2 * (matrices + attention)
     assert infer_bench.decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)
