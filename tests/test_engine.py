@@ -138,6 +138,9 @@ def run_case(model, tokenizer, case: int) -> dict[str, object]:
         live = list(engine.requests.values())
         runner = engine.runner
         check_pool(engine.block_manager, live, runner.written_slots, runner.writer_tables)
+        batch = engine.last_batch
+        assert batch.num_tokens <= engine.config.max_num_batched_tokens
+        assert len(engine.scheduler.running) <= engine.config.max_num_seqs
         # A scheduled sequence that made no token read only part of its prompt.
         sampled = {output.request_id for output in outputs}
         chunked_steps += any(seq.request_id not in sampled for seq in engine.last_batch.seqs)
@@ -390,3 +393,36 @@ def test_an_empty_prompt_starts_from_end_of_text(tokenizer) -> None:
     output = run_to_end(engine)[request_id]
     assert output.prompt_token_ids == [tokenizer.eot_id]
     assert output.token_ids == solo(model, tokenizer, [tokenizer.eot_id], params)
+
+
+def test_a_stop_string_ends_the_text_before_it_and_streams_in_pieces(tokenizer) -> None:
+    model = make_test_model(1, block_size=CONTEXT, vocab_size=50257)
+    prompt = tokenizer.encode("ROMEO:")
+    free = SamplingParams(max_tokens=30, ignore_eos=True)
+    text = tokenizer.decode(solo(model, tokenizer, prompt, free))
+    stop = text[12:15]  # three characters from the middle of the free-running text
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
+    request_id = engine.add_request(prompt, dataclasses.replace(free, stop=(stop,)))
+    pieces, last = [], None
+    while engine.has_unfinished():
+        for output in engine.step():
+            pieces.append(output.new_text)
+            last = output
+    assert (last.request_id, last.finish_reason, last.stop_reason) == (request_id, "stop", stop)
+    assert last.text == text[: text.index(stop)] == "".join(pieces)
+    assert tokenizer.decode(last.token_ids).startswith(last.text + stop)
+
+
+def test_pool_size_from_bytes_or_blocks(model) -> None:
+    per_block = EngineConfig(block_size=4).bytes_per_block(model.config, 4)
+    assert per_block == 2 * model.config.n_layer * model.config.n_embd * 4 * 4
+    assert EngineConfig(block_size=4, kv_cache_memory="1MiB").pool_blocks(model.config, 4) == (
+        2**20 // per_block
+    )
+    assert EngineConfig(kv_cache_memory=2**30).pool_blocks(model.config, 4) > 0
+    assert EngineConfig(num_kv_blocks=7).pool_blocks(model.config, 4) == 7
+    for bad in ("lots", "0GiB", "-1", 0):
+        with pytest.raises(RoseError, match="kv_cache_memory"):
+            EngineConfig(kv_cache_memory=bad)
+    with pytest.raises(RoseError, match="not both"):
+        EngineConfig(num_kv_blocks=4, kv_cache_memory="1MiB")
