@@ -364,7 +364,10 @@ def follow(stage: PipelineStage, link: Link, cache_kind: str, report: StageRepor
             objects: list = [None]
             dist.recv_object_list(objects, src=0)
             # Sampling only: a Sequence per row for its parameters and its random stream.
-            seqs = [Sequence(list(prompt), params) for prompt, params in objects[0]]
+            seqs = [
+                Sequence(list(prompt), params, device=stage.device)  # where the logits are
+                for prompt, params in objects[0]
+            ]
         if header.kind == JOB:
             caches: dict[int, StageCache] = {}
             keep_caches = bool(header.keep_caches)
