@@ -284,7 +284,7 @@ class Driver:
         self.report.cache_bytes = max(
             self.report.cache_bytes, sum(cache_bytes(g.cache) for g in groups)
         )
-        return [result_of(seq, started) for seq in seqs]
+        return [seq.result(started) for seq in seqs]
 
     def stop(self) -> None:
         """Tell every stage to exit (only between jobs, when no message is in flight)."""
@@ -342,18 +342,6 @@ class Driver:
             seq.append_token(token, now)
             if on_token is not None and len(seq.output_ids) > kept:
                 on_token(row, token)
-
-
-def result_of(seq: Sequence, started: float) -> GenerationResult:
-    return GenerationResult(
-        prompt_ids=list(seq.prompt_ids),
-        token_ids=list(seq.output_ids),
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        step_logits=None,
-        time_to_first_token_s=seq.token_times[0] - started,
-        total_time_s=seq.finish_time - started,
-    )
 
 
 def follow(stage: PipelineStage, link: Link, cache_kind: str, report: StageReport) -> None:
