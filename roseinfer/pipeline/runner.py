@@ -220,9 +220,8 @@ class Driver:
         self.stage, self.link, self.cache_kind, self.report = stage, link, cache_kind, report
         self.run_stage = Timed(stage, report)
         self.jobs = 0
-        self.in_job = (
-            False  # a job's messages are in flight: the pipeline cannot be stopped cleanly
-        )
+        # True while a job's messages are in flight: then no STOP can be sent cleanly
+        self.in_job = False
 
     def generate(
         self,
