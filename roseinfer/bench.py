@@ -485,9 +485,9 @@ def bench(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main() -> None:
-    run_cli(bench, "roseinfer.bench")
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: bench(argv), "roseinfer.bench")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -655,8 +655,8 @@ def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: _main(argv), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: _main(argv), PROG)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -671,4 +671,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

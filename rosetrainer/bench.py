@@ -233,9 +233,9 @@ def bench(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main() -> None:
-    run_cli(bench, PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: bench(argv), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,17 +6,17 @@ It is read back with `torch.load(weights_only=True)`, which refuses to run code
 from the file, so everything in it must be tensors, numbers, strings, None, and
 lists/tuples/dicts of those.
 
-Saving writes a temporary file next to the target and renames it over the target
-only once it is complete on disk: a crash mid-save leaves the previous checkpoint
-as it was.
+Saving goes through rosetrainer.files.write_atomically: a crash mid-save leaves the
+previous checkpoint as it was. Loading checks the archive's CRC-32 checksums (bytes
+damaged after the save) and refuses non-finite weights. Where a checkpoint path
+points follows one rule, `RunFiles`, for the trainer, the CLIs and the loader.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
+from rosetrainer.files import write_atomically
 from rosetrainer.model import GPT
 
 CHECKPOINT_FORMAT = "rose-checkpoint-v1"
@@ -34,57 +35,95 @@ ZIP_MAGIC = b"PK\x03\x04"
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of one training run, named by the one rule for checkpoint paths.
+
+    A path ending in ".pt" is that checkpoint file: training writes it, and beside it
+    the same stem's best checkpoint, metrics and loss curve (run/a.pt, run/a.best.pt,
+    run/a.metrics.jsonl, run/a.loss.png, run/a.lock). Any other path is a run
+    directory: run/last.pt, run/best.pt, run/metrics.jsonl, run/loss.png, run/train.lock.
+    """
+
+    last: Path  # written at every eval and on Ctrl-C; what --resume continues from
+    best: Path  # the lowest validation loss so far
+    metrics: Path
+    plot: Path
+    lock: Path  # held by the one process training this run
+
+    @classmethod
+    def of(cls, checkpoint_path: str | Path) -> RunFiles:
+        path = Path(checkpoint_path)
+        if path.suffix == ".pt":
+            beside = path.parent / path.stem  # run/a.pt -> run/a.best.pt, run/a.metrics.jsonl
+            return cls(
+                last=path,
+                best=Path(f"{beside}.best.pt"),
+                metrics=Path(f"{beside}.metrics.jsonl"),
+                plot=Path(f"{beside}.loss.png"),
+                lock=Path(f"{beside}.lock"),
+            )
+        return cls(
+            last=path / "last.pt",
+            best=path / "best.pt",
+            metrics=path / "metrics.jsonl",
+            plot=path / "loss.png",
+            lock=path / "train.lock",
+        )
+
+    @property
+    def folder(self) -> Path:
+        return self.last.parent
+
+    def existing(self) -> list[Path]:
+        """The run's files that are already there (its lock file does not count)."""
+        return [p for p in (self.last, self.best, self.metrics, self.plot) if p.exists()]
+
+
+def checkpoint_to_load(path: str | Path) -> Path:
+    """The file a checkpoint path names: a .pt (or any file) is itself; a run directory
+    gives its best.pt, else its last.pt."""
+    path = Path(path)
+    if path.is_dir():
+        run = RunFiles.of(path)
+        for candidate in (run.best, run.last):
+            if candidate.is_file():
+                return candidate
+        names = sorted(p.name for p in path.glob("*.pt"))
+        inside = (
+            f"it holds {', '.join(names)}; pass one of those" if names else "it holds no .pt files"
+        )
+        raise RoseError(
+            f"checkpoint {path} is a run directory without best.pt or last.pt: {inside}"
+        )
+    return path
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write `state` (plus its format tag) to `path`; the old file survives any crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {**state, "format": CHECKPOINT_FORMAT}
-    # The temp file must be in the same directory: os.replace is atomic only within one
-    # filesystem. Its ".tmp" suffix keeps it out of find_latest_checkpoint's "*.pt".
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    if os.name == "posix":  # make the rename itself survive a power cut
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    write_atomically(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", *, mmap: bool = False
 ) -> dict[str, Any]:
-    """Read a rose checkpoint, with one clear error for each way the file can be wrong.
+    """Read a rose checkpoint (a file, or a run directory's best/last), with one clear error
+    for each way it can be wrong: missing, not PyTorch's, truncated, damaged, code inside,
+    not rose's, non-finite weights.
 
     mmap=True maps the file instead of reading it: a tensor's bytes are read only when it
-    is used (a pipeline stage reads its own layers' weights and no others)."""
-    path = Path(path)
-    if path.is_dir():
-        names = sorted(p.name for p in path.glob("*.pt"))
-        inside = (
-            f"it holds {', '.join(names)}; pass one of those" if names else "it holds no .pt files"
-        )
-        raise RoseError(f"checkpoint {path} is a directory, not a file: {inside}")
+    is used (a pipeline stage reads its own layers' weights and no others). The archive's
+    checksums are still verified (streamed, nothing kept); the weights' values are then
+    not scanned for NaN, which would read them all."""
+    path = checkpoint_to_load(path)
     if not path.is_file():
         raise RoseError(
             f"checkpoint not found: {path}; check the path, or train one with python -m rosetrainer.train"
         )
-    with open(path, "rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            raise RoseError(f"{path} is not a PyTorch checkpoint file; pass a .pt file rose saved")
-    if not zipfile.is_zipfile(path):  # the archive's index is written last, so it is missing
-        raise RoseError(
-            f"checkpoint {path} is truncated (a save or copy was cut short); "
-            f"copy it again or use an earlier checkpoint"
-        )
+    _check_archive(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
@@ -110,7 +149,71 @@ def load_checkpoint(
         raise RoseError(
             f"checkpoint {path} lacks {', '.join(missing)}; it was not written by rose's trainer"
         )
+    if not isinstance(ckpt["model"], dict) or not all(
+        isinstance(t, torch.Tensor) for t in ckpt["model"].values()
+    ):
+        raise RoseError(f"checkpoint {path}: 'model' must be a dict of tensors (a state_dict)")
+    if not mmap:
+        check_finite(ckpt["model"], f"checkpoint {path}")
     return ckpt
+
+
+def _check_archive(path: Path) -> None:
+    """The zip archive torch.save wrote is whole, and every member matches its CRC-32."""
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            raise RoseError(f"{path} is not a PyTorch checkpoint file; pass a .pt file rose saved")
+    if not zipfile.is_zipfile(path):  # the archive's index is written last, so it is missing
+        raise RoseError(
+            f"checkpoint {path} is truncated (a save or copy was cut short); "
+            f"copy it again or use an earlier checkpoint"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every member and checks its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        damaged = f"({err})"
+    if damaged is not None:
+        raise RoseError(
+            f"checkpoint {path} is damaged: {damaged} fails its checksum (the bytes changed "
+            f"after the save); copy it again or use an earlier checkpoint"
+        )
+
+
+def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or infinity: a model made of them only writes garbage."""
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise RoseError(
+                f"{source}: {name} holds NaN or infinite values; use an earlier checkpoint"
+            )
+
+
+def check_declared_shape(
+    config: GPTConfig, state_dict: dict[str, torch.Tensor], source: str
+) -> None:
+    """Compare the model a config declares with the tensors stored, before building it.
+
+    A few bytes of config can declare a model of any size; checking the embeddings and
+    the number of layers against what the file really holds first keeps a wrong or
+    hostile config from allocating it (check_weights_fit then checks every tensor).
+    """
+    problems = []
+    for name, declared in (
+        ("transformer.wte.weight", (config.vocab_size, config.n_embd)),
+        ("transformer.wpe.weight", (config.block_size, config.n_embd)),
+    ):
+        tensor = state_dict.get(name)
+        stored = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else "absent"
+        if stored != declared:
+            problems.append(f"{name} is {stored} in the weights but {declared} for the config")
+    layers = len({n.split(".")[2] for n in state_dict if n.startswith("transformer.h.")})
+    if layers < config.n_layer:
+        problems.append(f"missing: transformer.h.{layers}.* ({config.n_layer} layers declared)")
+    elif layers > config.n_layer:
+        problems.append(f"unexpected: transformer.h.{config.n_layer}.* ({layers} layers stored)")
+    if problems:
+        raise RoseError(f"{source} do not fit the model config ({config}): {'; '.join(problems)}")
 
 
 def strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -164,6 +267,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
         raise RoseError("checkpoint's model_config must be a plain dict of GPTConfig fields")
     config = GPTConfig.from_dict(ckpt["model_config"])
     state_dict = strip_wrapper_prefixes(ckpt["model"])
+    check_declared_shape(config, state_dict, "checkpoint weights")
     model = GPT(config)
     check_weights_fit(state_dict, model, "checkpoint weights")
     model.load_state_dict(state_dict)

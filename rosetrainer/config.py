@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,13 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise RoseError(f"model config: {name} must be a positive integer, got {value!r}")
+            check_int("model config", name, getattr(self, name), minimum=1)
         if self.n_embd % self.n_head != 0:
             raise RoseError(
                 f"model config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise RoseError(f"model config: dropout must be in [0, 1), got {self.dropout}")
+        check_number("model config", "dropout", self.dropout, 0.0, 1.0, "[0, 1)")
+        check_bool("model config", "bias", self.bias)
 
     @property
     def head_dim(self) -> int:
@@ -88,8 +87,10 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = 100
     eval_iters: int = 10
-    checkpoint_path: str = "checkpoints/tiny"  # a run directory: last.pt, best.pt, metrics
-    resume: bool = False
+    checkpoint_path: str = "checkpoints/tiny"  # a run directory, or a .pt file (RunFiles)
+    resume: bool = False  # continue the run at checkpoint_path
+    overwrite: bool = False  # replace the run at checkpoint_path with a new one
+    accept_different_data: bool = False  # resume on a text whose content changed
     sample_tokens: int = 120
     # hardware
     device: str = "auto"  # auto | cpu | cuda
@@ -100,36 +101,37 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        positive = ("batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_iters")
-        for name in positive:
+        what = "train config"
+        for name in ("text_file", "dataset", "data_dir", "tokenizer_name", "checkpoint_path"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise RoseError(f"train config: {name} must be a positive integer, got {value!r}")
-        decay = self.lr_decay_steps
-        if decay is not None and (
-            not isinstance(decay, int) or isinstance(decay, bool) or decay < 1
+            if not isinstance(value, str) and not (name == "text_file" and value is None):
+                raise RoseError(f"{what}: {name} must be a string, got {value!r}")
+        for name in ("resume", "overwrite", "accept_different_data", "compile"):
+            check_bool(what, name, getattr(self, name))
+        check_bool(what, "activation_checkpointing", self.activation_checkpointing)
+        for name in ("batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_iters"):
+            check_int(what, name, getattr(self, name), minimum=1)
+        if self.lr_decay_steps is not None:
+            check_int(what, "lr_decay_steps", self.lr_decay_steps, minimum=1)
+        check_int(what, "warmup_steps", self.warmup_steps, minimum=0)
+        check_int(what, "sample_tokens", self.sample_tokens, minimum=0)
+        check_int(what, "seed", self.seed, minimum=0, maximum=MAX_SEED)
+        check_number(what, "val_fraction", self.val_fraction, 0.0, 1.0, "(0, 1)")
+        check_number(what, "learning_rate", self.learning_rate, 0.0, 1.0, "(0, 1]")
+        check_number(what, "min_lr", self.min_lr, 0.0, self.learning_rate, "[0, learning_rate]")
+        for name in ("beta1", "beta2"):
+            check_number(what, name, getattr(self, name), 0.0, 1.0, "[0, 1)")
+        for name in ("weight_decay", "grad_clip"):
+            check_number(what, name, getattr(self, name), 0.0, math.inf, ">= 0")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise RoseError(
-                f"train config: lr_decay_steps must be a positive integer, got {decay!r}"
+                f"{what}: device must be auto, cpu, cuda or cuda:N, got {self.device!r}"
             )
-        if self.warmup_steps < 0 or self.sample_tokens < 0:
-            raise RoseError("train config: warmup_steps and sample_tokens must be >= 0")
-        if not (self.learning_rate > 0 and 0 <= self.min_lr <= self.learning_rate):
-            raise RoseError(
-                f"train config: need learning_rate > 0 and 0 <= min_lr <= learning_rate, "
-                f"got learning_rate={self.learning_rate}, min_lr={self.min_lr}"
-            )
-        if not 0.0 < self.val_fraction < 1.0:
-            raise RoseError(
-                f"train config: val_fraction must be in (0, 1), got {self.val_fraction}"
-            )
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise RoseError("train config: grad_clip and weight_decay must be >= 0")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise RoseError(f"train config: device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise RoseError(
-                f"train config: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
+                f"{what}: dtype must be float32, bfloat16 or float16, got {self.dtype!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +142,39 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         return cls(**_known_keys(cls, values, "train config"))
+
+
+# Seeds go to torch.manual_seed (at most 2**64 - 1) after adding the rank: keep far below.
+MAX_SEED = 2**63 - 1
+
+
+def check_int(what: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    """`value` is an integer (not a bool, not 2.5, not "3") in [minimum, maximum]."""
+    if maximum is not None:
+        wanted = f"an integer in [{minimum}, {maximum}]"
+    else:
+        wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or value < minimum or (maximum is not None and value > maximum):
+        raise RoseError(f"{what}: {name} must be {wanted}, got {value!r}")
+
+
+def check_number(what: str, name: str, value: Any, low: float, high: float, interval: str) -> None:
+    """`value` is a finite number in `interval`, written as "(0, 1]", "[0, 1)", ">= 0"..."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RoseError(f"{what}: {name} must be a number, got {value!r}")
+    inside = (
+        math.isfinite(value)
+        and (value > low if interval.startswith("(") else value >= low)
+        and (value < high if interval.endswith(")") else value <= high)
+    )
+    if not inside:
+        raise RoseError(f"{what}: {name} must be a finite number {interval}, got {value!r}")
+
+
+def check_bool(what: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise RoseError(f"{what}: {name} must be true or false, got {value!r}")
 
 
 def _known_keys(cls: type, values: dict[str, Any], what: str) -> dict[str, Any]:
@@ -157,7 +192,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise RoseError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise RoseError(
+            f"config file {path} is not UTF-8 text (byte {err.start}); save it as UTF-8"
+        ) from None
+    except OSError as err:
+        raise RoseError(f"config file {path} cannot be read: {err.strerror}") from None
     try:
         if path.suffix == ".toml":
             import tomllib

@@ -16,12 +16,11 @@ the validation split. `python -m rosetrainer.data` does the same from the shell.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import re
-import tempfile
+import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ import numpy as np
 import torch
 from datasets import Dataset, load_dataset
 
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.files import ensure_writable_dir, os_error_line, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
 
 TINYSHAKESPEARE_URL = (
@@ -100,6 +100,7 @@ def prepare_data(
     if prepared is not None:
         print(f"[rosetrainer.data] cached: {out_dir} (already tokenised)")
         return prepared
+    ensure_writable_dir(out_dir, "--data-dir")  # before tokenising, not after
 
     if from_hub:
         rows, add_eot = documents, True
@@ -122,6 +123,7 @@ def prepare_data(
         "val_fraction": val_fraction,
         "dtype": TOKEN_DTYPE.name,
         "key": key,
+        "text_sha256": _sha256(content),  # what a checkpoint remembers of its training data
     }
     return _write_splits(tokenized, out_dir, meta)
 
@@ -160,28 +162,46 @@ def _worker_count(n_rows: int, num_proc: int | None) -> int | None:
 
 
 def _write_splits(tokenized: Dataset, out_dir: Path, meta: dict[str, Any]) -> PreparedData:
-    """Stream the token rows into train.bin then val.bin; meta.json last marks them complete."""
+    """Stream the token rows into train.bin then val.bin; meta.json last marks them complete.
+
+    meta.json holds each file's sha256, so a token file damaged later is noticed."""
     n_tokens = int(sum(tokenized["n_tokens"]))
     n_train = int(n_tokens * (1.0 - meta["val_fraction"]))
-    out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "meta.json"
     meta_path.unlink(missing_ok=True)  # without it, a prepare cut short is redone next time
     train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
+    digests = {"train": hashlib.sha256(), "val": hashlib.sha256()}
     written = 0
-    with open(train_path, "wb") as train_file, open(val_path, "wb") as val_file:
-        for batch in tokenized.with_format("numpy").iter(batch_size=1024):
-            ids = np.concatenate(batch["ids"]).astype(TOKEN_DTYPE)
-            cut = min(max(n_train - written, 0), len(ids))
-            train_file.write(ids[:cut].tobytes())
-            val_file.write(ids[cut:].tobytes())
-            written += len(ids)
-    meta = {**meta, "n_train_tokens": n_train, "n_val_tokens": n_tokens - n_train}
-    _write_atomically(meta_path, json.dumps(meta, indent=2).encode())
+    try:
+        with open(train_path, "wb") as train_file, open(val_path, "wb") as val_file:
+            for batch in tokenized.with_format("numpy").iter(batch_size=1024):
+                ids = np.concatenate(batch["ids"]).astype(TOKEN_DTYPE)
+                cut = min(max(n_train - written, 0), len(ids))
+                for split, file, part in (
+                    ("train", train_file, ids[:cut]),
+                    ("val", val_file, ids[cut:]),
+                ):
+                    file.write(part.tobytes())
+                    digests[split].update(part.tobytes())
+                written += len(ids)
+    except OSError as err:
+        raise RoseError(os_error_line(err, out_dir, "write the token files to")) from None
+    meta = {
+        **meta,
+        "n_train_tokens": n_train,
+        "n_val_tokens": n_tokens - n_train,
+        "train_sha256": digests["train"].hexdigest(),
+        "val_sha256": digests["val"].hexdigest(),
+    }
+    write_bytes_atomically(meta_path, json.dumps(meta, indent=2).encode())
     return PreparedData(train_path, val_path, meta)
 
 
 def _cached(out_dir: Path, key: str) -> PreparedData | None:
-    """The finished result of an earlier prepare with the same key, if there is one."""
+    """The finished result of an earlier prepare with the same key, if it is intact.
+
+    A token file of the right size whose bytes changed (zeroed, overwritten) fails its
+    sha256 and is tokenised again, with a note saying so."""
     train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
     try:
         meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
@@ -190,20 +210,25 @@ def _cached(out_dir: Path, key: str) -> PreparedData | None:
             and train_path.stat().st_size == meta["n_train_tokens"] * TOKEN_DTYPE.itemsize
             and val_path.stat().st_size == meta["n_val_tokens"] * TOKEN_DTYPE.itemsize
         )
+        if complete and not (
+            _file_sha256(train_path) == meta["train_sha256"]
+            and _file_sha256(val_path) == meta["val_sha256"]
+        ):
+            print(
+                f"[rosetrainer.data] {out_dir}: token files fail their checksum; tokenising again"
+            )
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return PreparedData(train_path, val_path, meta) if complete else None
 
 
-def _write_atomically(path: Path, payload: bytes) -> None:
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -233,6 +258,7 @@ def download_tinyshakespeare(data_dir: Path) -> Path:
     path = data_dir / "tinyshakespeare.txt"
     if path.is_file() and _sha256(path.read_bytes()) == TINYSHAKESPEARE_SHA256:
         return path
+    ensure_writable_dir(data_dir, "--data-dir")
     print(f"[rosetrainer.data] downloading {TINYSHAKESPEARE_URL}")
     try:
         with urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=60) as response:
@@ -249,8 +275,7 @@ def download_tinyshakespeare(data_dir: Path) -> Path:
             f"the downloaded TinyShakespeare has sha256 {digest}, expected "
             f"{TINYSHAKESPEARE_SHA256}; it was not kept: try again, or pass --text-file PATH"
         )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, payload)
+    write_bytes_atomically(path, payload)
     return path
 
 
@@ -323,8 +348,12 @@ def get_batch(
 # ---------------------------------------------------------------------------
 
 
-def cli() -> None:
-    parser = argparse.ArgumentParser(
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: _main(argv), "rosetrainer.data")
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = ArgumentParser(
         prog="rosetrainer.data",
         description="Tokenise text into train.bin / val.bin (uint16 token ids) for rosetrainer.train.",
     )
@@ -341,7 +370,7 @@ def cli() -> None:
     parser.add_argument(
         "--num-proc", type=int, default=None, help="tokeniser processes (default: auto)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     prepared = prepare_data(
         text_file=args.text_file,
         dataset=args.dataset,
@@ -352,11 +381,8 @@ def cli() -> None:
     )
     print(f"train: {prepared.train_path} ({prepared.meta['n_train_tokens']:,} tokens)")
     print(f"val:   {prepared.val_path} ({prepared.meta['n_val_tokens']:,} tokens)")
-
-
-def main() -> None:
-    run_cli(cli, "rosetrainer.data")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,20 +1,34 @@
-"""User-facing errors, and the one place a command line turns them into a message."""
+"""User-facing errors, and the one place a command line turns them into a message.
+
+Every entry point has one shape, `main(argv: list[str] | None = None) -> int`, and
+ends in `run_cli`: a RoseError becomes `[prog] error: ...` on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
+from typing import NoReturn
+
+EXIT_USER_ERROR = 2  # what argparse uses too
 
 
 class RoseError(Exception):
     """A mistake in what the user asked for (a path, a flag, a file): said in one line."""
 
 
-def run_cli(main: Callable[[], int | None], prog: str) -> None:
-    """Run a CLI entry point; a RoseError becomes one line on stderr and exit code 2."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `[prog] error: ...` line like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        raise RoseError(f"{message} (see --help)")
+
+
+def run_cli(run: Callable[[], int | None], prog: str) -> int:
+    """Run a command line's body; a RoseError becomes one line on stderr and exit code 2."""
     try:
-        code = main()
+        return run() or 0
     except RoseError as err:
         print(f"[{prog}] error: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code or 0)
+        return EXIT_USER_ERROR

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from rosetrainer.checkpoint import check_weights_fit
+from rosetrainer.checkpoint import check_declared_shape, check_finite, check_weights_fit
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -64,8 +64,14 @@ def load_hf_gpt2(name_or_path: str, device: str | torch.device = "cpu") -> GPT:
     """A rose GPT holding the weights of a Hugging Face GPT-2 (folder or Hub id)."""
     directory = _local_directory(name_or_path)
     config = gpt_config_from_hf(_read_config(directory))
+    weight_file, hf_state = _read_weights(directory)
+    state_dict = rose_names(hf_state)
+    # config.json can declare any size: check it against the stored tensors before building.
+    check_declared_shape(config, state_dict, f"the weights in {weight_file}")
+    check_finite(state_dict, str(weight_file))
     model = GPT(config)
-    model.load_state_dict(state_dict_from_hf(_read_weights(directory), model))
+    check_weights_fit(state_dict, model, "Hugging Face weights")
+    model.load_state_dict(state_dict)
     return model.to(device)
 
 
@@ -101,6 +107,13 @@ def gpt_config_from_hf(hf_config: dict[str, Any]) -> GPTConfig:
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], model: GPT) -> dict[str, torch.Tensor]:
     """Rename/transpose a Hugging Face GPT-2 state_dict into rose's, checked against `model`."""
+    state_dict = rose_names(hf_state)
+    check_weights_fit(state_dict, model, "Hugging Face weights")
+    return state_dict
+
+
+def rose_names(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face GPT-2 state_dict under rose's names, Conv1D weights transposed."""
     state_dict = {}
     for hf_name, tensor in hf_state.items():
         # GPT2LMHeadModel saves "transformer.h.0...", a bare GPT2Model "h.0...".
@@ -120,7 +133,6 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], model: GPT) -> dict[st
                 "rose's GPT-2 ties the two, so an untied model cannot be imported"
             )
         state_dict["lm_head.weight"] = token_embedding
-    check_weights_fit(state_dict, model, "Hugging Face weights")
     return state_dict
 
 
@@ -191,7 +203,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return hf_config
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def _read_weights(directory: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     weight_file = next((directory / n for n in WEIGHT_FILES if (directory / n).is_file()), None)
     if weight_file is None:
         raise RoseError(
@@ -200,9 +212,9 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
         )
     try:
         if weight_file.suffix == ".safetensors":
-            return load_file(weight_file)
+            return weight_file, load_file(weight_file)
         # The pickled format: weights_only=True refuses to run code hidden in the file.
-        return torch.load(weight_file, map_location="cpu", weights_only=True)
+        return weight_file, torch.load(weight_file, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors and torch each have their own error types
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         raise RoseError(f"cannot read {weight_file}: {reason}") from None

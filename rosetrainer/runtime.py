@@ -49,38 +49,49 @@ class Runtime:
             torch.cuda.synchronize(self.device)
 
 
+def pick_device(name: str = "auto") -> torch.device:
+    """auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N; CUDA is checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise RoseError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RoseError(
+            f"--device {name}, but CUDA is not available here (no GPU, or a CPU-only torch); "
+            f"use --device cpu or auto"
+        )
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype called `name`, checked against what `device` can compute in."""
+    if name not in DTYPES:
+        raise RoseError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name == "float16" and device.type != "cuda":
+        raise RoseError("float16 is not supported on CPU; use bfloat16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RoseError(
+            f"bfloat16 is not supported on {torch.cuda.get_device_name(device)}; "
+            f"use float16 or float32"
+        )
+    return DTYPES[name]
+
+
 def setup_device(device: str = "auto", dtype: str = "float32") -> Runtime:
     """Check the device and dtype asked for, and join the process group under torchrun."""
-    if dtype not in DTYPES:
-        raise RoseError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise RoseError(
-            f"--device {device} asks for CUDA, but this PyTorch sees no GPU; use --device cpu (or auto)"
-        )
-    if not use_cuda:
-        torch_device = torch.device("cpu")
-    elif world_size > 1:
+    torch_device = pick_device(device)
+    if torch_device.type == "cuda" and world_size > 1:
         torch_device = torch.device("cuda", local_rank)  # one GPU per process
-    else:
-        torch_device = torch.device("cuda" if device == "auto" else device)
-
-    if dtype == "float16" and torch_device.type != "cuda":
-        raise RoseError(
-            "--dtype float16 trains only on CUDA (it needs loss scaling and fast fp16 kernels); "
-            "on CPU use float32 or bfloat16"
-        )
-    if dtype == "bfloat16" and torch_device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RoseError("this GPU has no bfloat16 support; use --dtype float16 or float32")
+    torch_dtype = pick_dtype(dtype, torch_device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: much faster, same training
     if world_size > 1:
         dist.init_process_group(backend="nccl" if torch_device.type == "cuda" else "gloo")
-    return Runtime(torch_device, DTYPES[dtype], rank, world_size)
+    return Runtime(torch_device, torch_dtype, rank, world_size)
 
 
 def keep_freed_memory() -> None:

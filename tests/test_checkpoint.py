@@ -113,11 +113,12 @@ def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
     torch.save({**state, "format": "someone-else-v3"}, other_format)
     no_config = tmp_path / "noconfig.pt"
     torch.save({k: v for k, v in state.items() if k != "model_config"}, no_config)
+    (tmp_path / "empty").mkdir()
     with_code = tmp_path / "code.pt"
     torch.save({**state, "extra": Path("a python object")}, with_code)
     return {
         "missing": (tmp_path / "nope.pt", "checkpoint not found"),
-        "directory": (good.parent, "is a directory, not a file: it holds last.pt"),
+        "run directory without a checkpoint": (tmp_path / "empty", "it holds no .pt files"),
         "random bytes": (random_bytes, "not a PyTorch checkpoint file"),
         "truncated": (truncated, "is truncated"),
         "bare state_dict": (bare, "not a rose checkpoint (no 'format' key"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rosetrainer.train import cli
+from rosetrainer.train import main
 
 # Every rank draws the same global batch and takes its own rows, so the two runs see the
 # same windows. What differs is arithmetic order: DDP averages two half-batch gradients
@@ -52,7 +52,7 @@ def test_two_ddp_processes_match_one_process_with_twice_the_batch(
     assert "2 process(es)" in done.stdout
     assert done.stdout.count("val loss") == 3  # evals at steps 2 and 3, the final line: rank 0 only
 
-    assert cli(run_flags(text_file, tmp_path / "single", 2)) == 0
+    assert main(run_flags(text_file, tmp_path / "single", 2)) == 0
 
     ddp, single = logged_losses(tmp_path / "ddp"), logged_losses(tmp_path / "single")
     assert [(kind, step) for kind, step, _ in ddp] == [(kind, step) for kind, step, _ in single]

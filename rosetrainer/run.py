@@ -1,0 +1,84 @@
+"""One run, one owner: the run's files are checked and locked before any work starts.
+
+`open_run` is where a training process claims its run (RunFiles: last.pt, best.pt,
+metrics.jsonl, ... or a.pt, a.best.pt, ...):
+
+* the folder must take files (not read-only, not a file, not under /proc), checked now
+  and not after an hour of tokenising;
+* an exclusive lock (flock on the run's lock file, released by the kernel when the
+  process ends, however it ends) keeps a second process from training the same run;
+* a new run never touches the files of an earlier one unless --overwrite says so: it
+  refuses, naming the run it found and the choices (--resume, --overwrite, another path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rosetrainer.checkpoint import RunFiles
+from rosetrainer.config import TrainConfig
+from rosetrainer.errors import RoseError
+from rosetrainer.files import ensure_writable_dir
+
+
+@contextlib.contextmanager
+def open_run(cfg: TrainConfig, is_main: bool) -> Iterator[RunFiles]:
+    """The run's files, locked for as long as the block runs (on rank 0, which writes them)."""
+    files = RunFiles.of(cfg.checkpoint_path)
+    if not is_main:
+        yield files
+        return
+    if files.folder.exists() and not files.folder.is_dir():
+        raise RoseError(
+            f"--checkpoint-path {cfg.checkpoint_path}: {files.folder} is a file; pass a run "
+            f"directory or a path ending in .pt"
+        )
+    ensure_writable_dir(files.folder, "--checkpoint-path")
+    with run_lock(files.lock):
+        if not cfg.resume and not cfg.overwrite and files.existing():
+            raise RoseError(
+                f"{files.last if files.last.exists() else files.folder} already holds a run "
+                f"({describe_run(files)}): continue it with --resume (and a larger --max-steps), "
+                f"replace it with --overwrite, or pass another --checkpoint-path"
+            )
+        yield files
+
+
+@contextlib.contextmanager
+def run_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (its content: the holder's process id)."""
+    with open(path, "a+", encoding="utf-8") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "unknown"
+            raise RoseError(
+                f"another process (pid {holder}) is training this run ({path} is locked); "
+                f"wait for it to end, or pass another --checkpoint-path"
+            ) from None
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def describe_run(files: RunFiles) -> str:
+    """The step and best validation loss of the run at `files`, read without loading it all."""
+    if not files.last.is_file():
+        return "files " + ", ".join(p.name for p in files.existing())
+    try:  # mmap: only the few bytes of two numbers are read, not the weights
+        ckpt = torch.load(files.last, map_location="cpu", weights_only=True, mmap=True)
+        return f"step {ckpt['step']}, best val loss {ckpt['best_val_loss']:.4f}"
+    except Exception:  # a damaged file is still a run not to overwrite silently
+        return f"{files.last.name} cannot be read"
