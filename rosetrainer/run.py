@@ -18,6 +18,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -40,19 +41,21 @@ def open_run(cfg: TrainConfig, is_main: bool) -> Iterator[RunFiles]:
             f"directory or a path ending in .pt"
         )
     ensure_writable_dir(files.folder, "--checkpoint-path")
-    with run_lock(files.lock):
+    with run_lock(files.lock) as lock_file:
         if not cfg.resume and not cfg.overwrite and files.existing():
             raise RoseError(
                 f"{files.last if files.last.exists() else files.folder} already holds a run "
                 f"({describe_run(files)}): continue it with --resume (and a larger --max-steps), "
                 f"replace it with --overwrite, or pass another --checkpoint-path"
             )
+        sign(lock_file)
         yield files
 
 
 @contextlib.contextmanager
-def run_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (its content: the holder's process id)."""
+def run_lock(path: Path) -> Iterator[TextIO]:
+    """Hold an exclusive lock on `path`; sign it with this process's id (`sign`) once
+    the run is really claimed, so a refused run leaves the file as it found it."""
     with open(path, "a+", encoding="utf-8") as lock_file:
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -63,14 +66,17 @@ def run_lock(path: Path) -> Iterator[None]:
                 f"another process (pid {holder}) is training this run ({path} is locked); "
                 f"wait for it to end, or pass another --checkpoint-path"
             ) from None
-        lock_file.seek(0)
-        lock_file.truncate()
-        lock_file.write(f"{os.getpid()}\n")
-        lock_file.flush()
         try:
-            yield
+            yield lock_file
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def sign(lock_file: TextIO) -> None:
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(f"{os.getpid()}\n")
+    lock_file.flush()
 
 
 def describe_run(files: RunFiles) -> str:

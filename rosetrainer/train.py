@@ -64,7 +64,7 @@ def resolve_configs(flags: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
     train_values.update({k: v for k, v in flags.items() if k in TRAIN_FIELDS})
     train_values.setdefault("checkpoint_path", f"checkpoints/{preset}")
 
-    if not train_values.get("resume"):
+    if train_values.get("resume") is not True:  # (TrainConfig says what else it may be)
         model_cfg = GPTConfig.from_dict({**GPTConfig.from_preset(preset).to_dict(), **model_values})
         return model_cfg, TrainConfig.from_dict(train_values)
     if train_values.get("overwrite"):

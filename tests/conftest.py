@@ -22,6 +22,14 @@ def tinyshakespeare_path(shared_dir: Path) -> Path:
     return shared_dir / "data" / "tinyshakespeare.txt"
 
 
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory: pytest.TempPathFactory, tinyshakespeare_path: Path) -> Path:
+    """The first 20,000 characters of TinyShakespeare (~5,000 tokens), for short runs."""
+    path = tmp_path_factory.mktemp("text") / "shakespeare.txt"
+    path.write_text(tinyshakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tiktoken_cache(shared_dir: Path) -> Iterator[str]:
     """Let tiktoken find the GPT-2 BPE files offline (subprocesses inherit it too).

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training import tiny_run, train_losses
 
 from rosetrainer.checkpoint import load_checkpoint
 from rosetrainer.config import GPTConfig, TrainConfig
@@ -19,33 +20,6 @@ from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.schedule import learning_rate_at
 from rosetrainer.train import main, resolve_configs
-
-# A model small enough that a step takes milliseconds; the vocabulary stays GPT-2's.
-TINY_MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory, tinyshakespeare_path: Path) -> Path:
-    """The first 20,000 characters of TinyShakespeare: ~5,000 tokens."""
-    path = tmp_path_factory.mktemp("text") / "shakespeare.txt"
-    path.write_text(tinyshakespeare_path.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    return path
-
-
-def tiny_run(text_file: Path, run_dir: Path, *extra: str) -> list[str]:
-    """Flags for a few-millisecond-per-step run on text_file, writing to run_dir."""
-    data_dir = text_file.parent / "data"
-    return [
-        "--text-file", str(text_file), "--data-dir", str(data_dir), "--checkpoint-path",
-        str(run_dir), *TINY_MODEL, "--batch-size", "2", "--eval-iters", "1",
-        "--warmup-steps", "2", "--sample-tokens", "0", "--device", "cpu", *extra,
-    ]  # fmt: skip
-
-
-def train_losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
-
 
 # ---------------------------------------------------------------------------
 # The learning-rate schedule
@@ -270,11 +244,18 @@ def test_resuming_from_a_corrupt_checkpoint_fails_cleanly_from_the_shell(tmp_pat
 
 
 # ---------------------------------------------------------------------------
-# Ctrl-C
+# Ctrl-C and SIGTERM
 # ---------------------------------------------------------------------------
 
 
-def test_ctrl_c_saves_the_current_step_and_exits_130(text_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("signum", "exit_code"),
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_or_sigterm_saves_the_current_step_and_exits_128_plus_the_signal(
+    signum: int, exit_code: int, text_file: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     flags = tiny_run(text_file, run_dir, "--max-steps", "100000", "--eval-interval", "100000")
     process = subprocess.Popen(
@@ -287,10 +268,10 @@ def test_ctrl_c_saves_the_current_step_and_exits_130(text_file: Path, tmp_path: 
         assert process.poll() is None, process.communicate()[1]
         assert time.monotonic() < deadline, "no training step was logged in time"
         time.sleep(0.1)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=60)
 
-    assert process.returncode == 130, err
+    assert process.returncode == exit_code, err
     assert "Traceback" not in err
     ckpt = load_checkpoint(run_dir / "last.pt")
     logged_steps = [step for step, _ in train_losses(run_dir)]
