@@ -178,6 +178,8 @@ def check_bool(what: str, name: str, value: Any) -> None:
 
 
 def _known_keys(cls: type, values: dict[str, Any], what: str) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise RoseError(f"{what} must be a table of settings, got {type(values).__name__}")
     names = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
     unknown = sorted(set(values) - names)
     if unknown:

@@ -2,7 +2,8 @@
 
 This is the trainer's look at what it has learned, and it needs nothing beyond the
 model: no cache, so every step reruns the (cropped) sequence and samples the last
-position's next token. roseinfer builds the fast, cached generation on the same model.
+position's next token. The fast, cached generation is the inference package's job,
+built on the same model; this is its slow, obvious ancestor.
 """
 
 from __future__ import annotations

@@ -86,6 +86,37 @@ def resume_configs(
             f"the checkpoint has no {', '.join(missing)}: it holds weights only, so training "
             f"cannot resume from it (start a new run without --resume)"
         )
+    saved_model = resumed_model(ckpt, model_values)
+    saved = ckpt["train_config"]
+    if not isinstance(saved, dict):
+        raise RoseError("the checkpoint's train_config is damaged (not a dict); start a new run")
+    differ = [
+        f"{k}={v!r} (checkpoint: {saved.get(k)!r})"
+        for k, v in train_values.items()
+        if k not in RESUME_OVERRIDES and saved.get(k) != v
+    ]
+    if differ:
+        raise RoseError(
+            f"resume continues the checkpoint's run, which cannot change {', '.join(differ)}; "
+            f"drop those settings, or start a new run"
+        )
+    # Unless asked, the schedule keeps its length: a run extended past it stays at min_lr.
+    decay_steps = saved.get("lr_decay_steps") or saved.get("max_steps")
+    train_cfg = TrainConfig.from_dict(
+        {**saved, "lr_decay_steps": decay_steps, **ONE_TIME_CHOICES, **train_values, "resume": True}
+    )
+    if not isinstance(ckpt["step"], int):
+        raise RoseError(f"the checkpoint's step is damaged ({ckpt['step']!r}); start a new run")
+    if ckpt["step"] >= train_cfg.max_steps:
+        raise RoseError(
+            f"the checkpoint is at step {ckpt['step']}, max_steps is {train_cfg.max_steps}: "
+            f"pass --max-steps larger than {ckpt['step']} to train on"
+        )
+    return saved_model, train_cfg
+
+
+def resumed_model(ckpt: dict[str, Any], model_values: dict[str, Any]) -> GPTConfig:
+    """The checkpoint's model config; the flags and the file may only agree with it."""
     saved_model = GPTConfig.from_dict(ckpt["model_config"])
     asked_model = GPTConfig.from_dict({**saved_model.to_dict(), **model_values})
     if asked_model.block_size > saved_model.block_size:
@@ -103,32 +134,7 @@ def resume_configs(
             f"resume keeps the checkpoint's model, so it cannot change {', '.join(differ)}; "
             f"drop those settings"
         )
-    saved = ckpt["train_config"]
-    if not isinstance(saved, dict):
-        raise RoseError("the checkpoint's train_config is damaged (not a dict); start a new run")
-    differ = [
-        f"{k}={v!r} (checkpoint: {saved.get(k)!r})"
-        for k, v in train_values.items()
-        if k not in RESUME_OVERRIDES and saved.get(k) != v
-    ]
-    if differ:
-        raise RoseError(
-            f"resume continues the checkpoint's run, which cannot change {', '.join(differ)}; "
-            f"drop those settings, or start a new run"
-        )
-    # Unless asked, the schedule keeps its length: a run extended past it stays at min_lr.
-    decay_steps = saved["lr_decay_steps"] or saved["max_steps"]
-    train_cfg = TrainConfig.from_dict(
-        {**saved, "lr_decay_steps": decay_steps, **ONE_TIME_CHOICES, **train_values, "resume": True}
-    )
-    if not isinstance(ckpt["step"], int):
-        raise RoseError(f"the checkpoint's step is damaged ({ckpt['step']!r}); start a new run")
-    if ckpt["step"] >= train_cfg.max_steps:
-        raise RoseError(
-            f"the checkpoint is at step {ckpt['step']}, max_steps is {train_cfg.max_steps}: "
-            f"pass --max-steps larger than {ckpt['step']} to train on"
-        )
-    return saved_model, train_cfg
+    return saved_model
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:

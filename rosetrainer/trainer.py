@@ -123,7 +123,7 @@ def start_run(model_cfg: GPTConfig, cfg: TrainConfig, rt: Runtime, files: RunFil
         state.restore(ckpt, f"checkpoint {files.last}", cfg, rt)
         state.check_data(ckpt, cfg)
     log = MetricsLog(files.metrics, enabled=rt.is_main)
-    if rt.is_main and cfg.overwrite and files.existing():
+    if rt.is_main and cfg.overwrite and not cfg.resume and files.existing():
         say(f"--overwrite: removing the run at {files.folder} ({describe_run(files)})")
         for path in files.existing():
             path.unlink()
