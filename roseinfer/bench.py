@@ -32,7 +32,7 @@ from roseinfer.generate import generate, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import DTYPES
 
@@ -67,7 +67,7 @@ class BatchResult:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="roseinfer.bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="roseinfer.bench", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")

@@ -33,7 +33,7 @@ from roseinfer.onnx_generate import OnnxModel
 from roseinfer.sampling import SamplingParams
 from roseinfer.sequence import GenerationResult
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 
 PROG = "roseinfer.bench_onnx"
@@ -41,7 +41,7 @@ EAGER = "rose eager (static cache)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="random-init shape (default: gpt2, 124M)")
     p.add_argument("--batch-sizes", default="1,16", help="comma list (default: 1,16)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -139,9 +139,9 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: bench(parse_args(argv)), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: bench(parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -45,32 +44,20 @@ from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.generate import COMPILE_MODES, GenerationResult, generate_batch
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.loading import (
-    load_model_and_tokenizer,
-    model_config_and_tokenizer,
-    pick_device,
-    pick_dtype,
-)
+from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
 from roseinfer.onnx_generate import OnnxModel
 from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, torchrun_rank
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.sampling import SamplingParams
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
-from rosetrainer.runtime import DTYPES
+from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "roseinfer"
 DEFAULT_BATCH_SIZE = 32
 EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one `[roseinfer] error: ...` line like every other mistake."""
-
-    def error(self, message: str) -> NoReturn:
-        raise RoseError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,10 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.onnx_generate import META_FILE, MODEL_FILE, OnnxModel, input_names, output_names
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT, LayerPast
 
 PROG = "roseinfer.export_onnx"
@@ -226,11 +226,6 @@ def write_meta(
 # ---------------------------------------------------------------------------
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise RoseError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=f"python -m {PROG}",
@@ -294,9 +289,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from rosetrainer.config import PRESETS, GPTConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import setup_device
 
@@ -157,7 +157,7 @@ def saved_percent(off: dict[str, Any], on: dict[str, Any], key: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m rosetrainer.bench",
         description="Tokens/s and peak memory of training steps, activation checkpointing off/on.",
     )
