@@ -37,7 +37,7 @@ from roseinfer.generate import generate, generate_batch
 from roseinfer.kv_cache import StaticKVCache
 from roseinfer.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -60,7 +60,7 @@ QUICK_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m roseinfer.bench_engine", description=__doc__)
+    p = ArgumentParser(prog="python -m roseinfer.bench_engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
     p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
@@ -330,9 +330,9 @@ def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, c
     say(f"  same tokens with and without: {runs[True] == runs[False]}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: bench(argv), "roseinfer.bench_engine")
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: bench(argv), "roseinfer.bench_engine")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,14 +36,12 @@ from roseinfer.pipeline.timeline import bubble, latency_at, step_latencies, text
 from roseinfer.sampling import SamplingParams
 from rosetrainer.checkpoint import load_model, save_checkpoint
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import run_cli
+from rosetrainer.errors import ArgumentParser, run_cli
 from rosetrainer.model import GPT
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="roseinfer.bench_pipeline", description=__doc__.splitlines()[0]
-    )
+    p = ArgumentParser(prog="roseinfer.bench_pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
@@ -205,7 +203,7 @@ def print_figures(figures: dict) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     def _main() -> int:
         args = parse_args(argv)
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -215,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(figures))
         return 0
 
-    run_cli(_main, "bench_pipeline")
+    return run_cli(_main, "bench_pipeline")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

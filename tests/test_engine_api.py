@@ -69,10 +69,9 @@ def test_llm_rejects_a_mismatched_params_list(checkpoint: Path) -> None:
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        cli_generate.main(argv)
+    code = cli_generate.main(argv)
     captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return code, captured.out, captured.err
 
 
 def test_cli_prompt_file_runs_through_the_engine_in_order(
@@ -116,10 +115,9 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
 ) -> None:
     from roseinfer import bench_engine
 
-    with pytest.raises(SystemExit) as exit_info:
-        bench_engine.main(["--quick"])
+    code = bench_engine.main(["--quick"])
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
+    assert code == 0, out
     rows = {
         line.split("  ")[0]: line
         for line in out.splitlines()
