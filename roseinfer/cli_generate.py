@@ -49,6 +49,13 @@ from roseinfer.onnx_generate import OnnxModel
 from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, torchrun_rank
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
+from roseinfer.quant import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_WINDOW,
+    KV_CACHE_DTYPES,
+    check_quant_settings,
+    make_kv_cache,
+)
 from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -159,6 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
         "concat: grown by concatenation each step",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="how the static cache stores keys and values: auto (the model's dtype, default), "
+        "int8 or int4 (quantized in groups, keys per channel and values per token, the latest "
+        "tokens exact; see --kv-cache-window). A quantized cache is a static one: several "
+        "prompts then run in left-padded batches, not through the engine",
+    )
+    p.add_argument(
+        "--kv-cache-window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help="with int8/int4: the latest tokens kept exact, in the model's dtype; older ones "
+        f"are quantized a group at a time (0: none but a group still filling; "
+        f"default: {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--kv-cache-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="with int8/int4: numbers sharing one scale and zero point; must divide the "
+        f"head size (default: {DEFAULT_GROUP_SIZE})",
+    )
+    p.add_argument(
         "--compile",
         nargs="?",
         const="default",
@@ -227,6 +258,19 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
             "--onnx runs the exported graph with its own past key/values: drop "
             "--no-kv-cache, --cache and --compile"
         )
+    quantized = args.kv_cache_dtype != "auto"
+    if quantized and (args.no_kv_cache or args.cache == "concat" or args.onnx):
+        raise RoseError(
+            f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache: drop "
+            "--no-kv-cache, --cache concat and --onnx"
+        )
+    if quantized and args.compile:
+        raise RoseError(
+            "--compile needs the unquantized cache (--kv-cache-dtype auto): a quantized "
+            "cache's steps change shape when it flushes a group"
+        )
+    if quantized and (args.pipeline_parallel_size != 1 or args.micro_batches is not None):
+        raise RoseError("a split model keeps unquantized per-stage caches: drop --kv-cache-dtype")
     if args.onnx and (args.device == "cuda" or args.dtype != "float32"):
         raise RoseError("--onnx runs the float32 graph on the CPU: drop --device and --dtype")
     # torch's default generator starts from the same seed in every process, so an unseeded
@@ -302,7 +346,14 @@ def make_cache(
     max_len = min(model.config.block_size, longest + args.max_new_tokens)
     if args.compile:
         max_len = model.config.block_size
-    return StaticKVCache(model, batch_size=len(batch), max_len=max_len)
+    return make_kv_cache(
+        model,
+        batch_size=len(batch),
+        max_len=max_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        window=args.kv_cache_window,
+        group_size=args.kv_cache_group_size,
+    )
 
 
 def generate_streaming(
@@ -423,8 +474,10 @@ def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
 
 
 def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
-    """Several prompts go through the engine, unless a flag asks for another path."""
-    return num_prompts > 1 and not (args.no_kv_cache or args.cache or args.compile or args.onnx)
+    """Several prompts go through the engine, unless a flag asks for another path (the
+    engine's paged cache has no quantized form yet: a quantized cache is a static one)."""
+    other_path = args.no_kv_cache or args.cache or args.compile or args.onnx
+    return num_prompts > 1 and not (other_path or args.kv_cache_dtype != "auto")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -513,6 +566,13 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
         )
         prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        check_quant_settings(
+            model.config,
+            args.kv_cache_dtype,
+            args.kv_cache_group_size,
+            args.kv_cache_window,
+            "channel",
+        )
         if engine_settings is not None:
             engine = LLMEngine(model, tokenizer, engine_settings)
         status("device", device)
@@ -525,6 +585,12 @@ def run(args: argparse.Namespace) -> int:
             status("kv cache", "paged (engine)")
         else:
             status("kv cache", args.cache or "static")
+        if args.kv_cache_dtype != "auto":
+            status(
+                "kv cache dtype",
+                f"{args.kv_cache_dtype} (group size {args.kv_cache_group_size}, latest "
+                f"{args.kv_cache_window} tokens exact)",
+            )
     if args.compile:
         # Compiling happens inside the first decode step, so tokens/s below includes it.
         how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"

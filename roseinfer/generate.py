@@ -237,8 +237,10 @@ def generate_batch(
         )
     decode_step = model_step
     if compile is not None:
-        if not isinstance(cache, StaticKVCache):
-            raise RoseError("compile needs a StaticKVCache: its decode steps have one shape")
+        if not isinstance(cache, StaticKVCache) or not cache.compilable:
+            raise RoseError(
+                "compile needs an unquantized StaticKVCache: its decode steps have one shape"
+            )
         decode_step = compiled_step(compile)
     steps = cached_steps(model, seqs, keep, cache, prefill_chunk, decode_step)
     return _run(steps, seqs, on_token, keep_logits)

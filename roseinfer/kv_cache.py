@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rosetrainer import model as gpt
+from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast
 
@@ -118,6 +119,8 @@ class StaticKVCache:
     then has the same inputs and runs the same compiled graph.
     """
 
+    compilable = True  # every decode step has the same shapes: torch.compile can take it
+
     def __init__(
         self, model: GPT | PipelineStage, batch_size: int = 1, max_len: int | None = None
     ) -> None:
@@ -126,12 +129,7 @@ class StaticKVCache:
         cfg = model.config
         blocks = model.transformer.h
         weight = blocks[0].attn.c_attn.weight
-        self.max_len = cfg.block_size if max_len is None else max_len
-        if not 0 < self.max_len <= cfg.block_size:
-            raise RoseError(
-                f"a static cache holds 1..block_size ({cfg.block_size}) positions, "
-                f"got max_len={self.max_len}"
-            )
+        self._init_slots(cfg, max_len, weight.device)
         shape = (batch_size, cfg.n_head, self.max_len, cfg.head_dim)
         self.layers = [
             StaticLayerCache(
@@ -140,11 +138,20 @@ class StaticKVCache:
             )
             for _ in range(len(blocks))
         ]
-        # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
-        self.causal_rows = gpt.causal_mask(self.max_len, self.max_len, weight.device)
-        self.filled = torch.zeros((), dtype=torch.long, device=weight.device)
-        self.input_pos = torch.zeros(0, dtype=torch.long, device=weight.device)
         self.reset()
+
+    def _init_slots(self, cfg: GPTConfig, max_len: int | None, device: torch.device) -> None:
+        """The slot bookkeeping any preallocated cache needs (roseinfer.quant's too)."""
+        self.max_len = cfg.block_size if max_len is None else max_len
+        if not 0 < self.max_len <= cfg.block_size:
+            raise RoseError(
+                f"a static cache holds 1..block_size ({cfg.block_size}) positions, "
+                f"got max_len={self.max_len}"
+            )
+        # The full (max_len, max_len) causal mask, once; a step reads rows input_pos of it.
+        self.causal_rows = gpt.causal_mask(self.max_len, self.max_len, device)
+        self.filled = torch.zeros((), dtype=torch.long, device=device)
+        self.input_pos = torch.zeros(0, dtype=torch.long, device=device)
 
     @property
     def batch_size(self) -> int:
