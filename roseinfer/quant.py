@@ -301,10 +301,11 @@ class QuantizedKVCache(StaticKVCache):
         check_quant_settings(cfg, kv_cache_dtype, group_size, window, keys_per)
         if kv_cache_dtype == "auto":
             raise RoseError("kv_cache_dtype 'auto' is the unquantized StaticKVCache; use that")
-        self._init_slots(model, max_len)
+        blocks = model.transformer.h  # one layer cache per block, where its weights live
+        weight = blocks[0].attn.c_attn.weight
+        self._init_slots(cfg, max_len, weight.device)
         self.kv_cache_dtype, self.window, self.group_size = kv_cache_dtype, window, group_size
         self.keys_per = keys_per
-        weight = model.lm_head.weight
         shape = (batch_size, cfg.n_head, self.max_len, cfg.head_dim)
         self.layers = [
             QuantizedLayerCache(
@@ -316,7 +317,7 @@ class QuantizedKVCache(StaticKVCache):
                 weight.dtype,
                 weight.device,
             )
-            for _ in range(cfg.n_layer)
+            for _ in range(len(blocks))
         ]
         self.reset()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import LOGIT_ATOL, assert_clear_margins, make_test_model
+from models import TEST_LOGIT_ATOL, assert_clear_margins, make_test_model
 
 from roseinfer.generate import generate, generate_batch
 from roseinfer.quant import (
@@ -171,12 +171,12 @@ def test_a_window_longer_than_the_run_gives_the_full_precision_tokens(
     result = generate(model, PROMPT, GREEDY_64, cache=exact, keep_logits=True)
     assert exact.layers[0].n_stored == 0
     assert result.token_ids == oracle.token_ids
-    assert max_logit_gap(result, oracle) <= LOGIT_ATOL
-    # Were the window quantized, the logits would move by far more than LOGIT_ATOL here:
+    assert max_logit_gap(result, oracle) <= TEST_LOGIT_ATOL
+    # Were the window quantized, the logits would move by far more than TEST_LOGIT_ATOL here:
     quantized = QuantizedKVCache(model, max_len=total, kv_cache_dtype=kv_cache_dtype, window=0)
     moved = generate(model, PROMPT, GREEDY_64, cache=quantized, keep_logits=True)
     assert quantized.layers[0].n_stored == 64
-    assert max_logit_gap(moved, oracle) > 100 * LOGIT_ATOL
+    assert max_logit_gap(moved, oracle) > 100 * TEST_LOGIT_ATOL
 
 
 @pytest.mark.parametrize("group_size", [32, 16])
@@ -223,7 +223,7 @@ def test_forks_continue_on_their_own_copies(model) -> None:
             keep_logits=True,
         )
         assert continued.token_ids == fresh.token_ids
-        assert max_logit_gap(continued, fresh) <= LOGIT_ATOL
+        assert max_logit_gap(continued, fresh) <= TEST_LOGIT_ATOL
     assert cache.seq_len == len(PROMPT) * 2  # the forks' runs left the original alone
 
 
