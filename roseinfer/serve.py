@@ -1,0 +1,169 @@
+"""python -m roseinfer.serve (or rose-serve): an OpenAI-compatible HTTP server.
+
+    python -m roseinfer.serve --checkpoint-path checkpoints/tiny --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
+
+The model runs in the serving engine (roseinfer/engine/), owned by one thread; FastAPI
+and uvicorn answer HTTP on the event loop (roseinfer/serving/). Ctrl-C or SIGTERM stops
+accepting connections, lets the requests in flight finish (for --shutdown-timeout
+seconds, then aborts them) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
+from roseinfer.serving.app import ServerSettings, build_app
+from roseinfer.serving.chat_template import ChatTemplate
+from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.runtime import DTYPES
+
+PROG = "rose-serve"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A bad flag is one `[rose-serve] error: ...` line, like every other mistake."""
+
+    def error(self, message: str) -> None:
+        raise RoseError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m roseinfer.serve",
+        description="Serve a rose checkpoint or a Hugging Face GPT-2 over OpenAI's HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, "
+        "/detokenize).",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint-path",
+        help="a rose .pt file, or a run directory holding best.pt or last.pt "
+        "(default: the newest checkpoint under checkpoints/)",
+    )
+    source.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
+    p.add_argument("--tokenizer-name", help="tiktoken encoding (default: the checkpoint's)")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000; 0 picks a free one")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default: float32")
+    engine = p.add_argument_group("engine")
+    engine.add_argument(
+        "--kv-cache-memory", help="KV pool size in bytes, or with a unit: 512MiB, 2GiB"
+    )
+    engine.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (instead)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens per model step at most"
+    )
+    engine.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes"
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests (choices) admitted but without a first token, at most; more get 503 "
+        "with Retry-After (default: 256)",
+    )
+    p.add_argument(
+        "--served-model-name", help="the model's name in the API (default: the source's path)"
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every API request (/health and /metrics "
+        "stay open)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja2 chat template (sees `messages` and `add_generation_prompt`); default: "
+        "role-prefixed paragraphs ending in 'Assistant:'",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on Ctrl-C/SIGTERM, seconds to let requests in flight finish before aborting them",
+    )
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: warning)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_waiting < 1:
+        raise RoseError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    chat_template = ChatTemplate.from_file(args.chat_template)
+    model, tokenizer, source = load_model_and_tokenizer(
+        args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
+    )
+    config = EngineConfig(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    engine = LLMEngine(model, tokenizer, config)
+    settings = ServerSettings(
+        model_name=args.served_model_name or source,
+        max_waiting=args.max_waiting,
+        api_key=args.api_key,
+        chat_template=chat_template,
+    )
+    app = build_app(engine, tokenizer, settings)
+
+    # Bind first, so a busy port is one clear line and --port 0 can report the port it got.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        raise RoseError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    server = ReadyServer(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        ),
+        ready_line=f"[{PROG}] serving {settings.model_name} at {url}/v1 (device {device}, "
+        f"{args.dtype})",
+    )
+    server.run(sockets=[sock])
+    return 0
+
+
+class ReadyServer(uvicorn.Server):
+    """uvicorn's server, printing one line once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str) -> None:
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.ready_line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(format=f"[{PROG}] %(levelname)s %(message)s")
+    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,196 @@
+"""The engine's own thread, and how the asyncio side talks to it.
+
+The engine is not thread-safe and a model step takes milliseconds to seconds, so it
+must not run on the event loop (every HTTP request would wait for it). One thread owns
+it: it takes commands (add, abort, stop) from a thread-safe queue, runs `step()` while
+anything is unfinished, and hands each output back to the event loop with
+`loop.call_soon_threadsafe`, into the asyncio queue of the HTTP request that asked.
+
+    HTTP handler --add/abort--> queue.Queue --> engine thread: add_request / abort / step
+    HTTP handler <--outputs---- asyncio.Queue <-- loop.call_soon_threadsafe(put_nowait)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from roseinfer.engine import LLMEngine, RequestOutput
+from roseinfer.sampling import SamplingParams
+from rosetrainer.errors import RoseError
+
+log = logging.getLogger("roseinfer.serve")
+
+# What the engine thread sends back for one request: an output, or the error that ended it.
+Sink = Callable[[RequestOutput | Exception], None]
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+class Stop:
+    """Abort whatever is left and end the thread."""
+
+
+class EngineThread:
+    def __init__(
+        self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None
+    ) -> None:
+        self.engine = engine
+        self.on_finished = on_finished  # e.g. record latencies in the metrics
+        self.commands: queue.Queue[Add | Abort | Stop] = queue.Queue()
+        self.sinks: dict[str, Sink] = {}  # touched by the engine thread only
+        self.stats = engine.stats()  # a fresh snapshot after every step, for /metrics
+        self.thread = threading.Thread(target=self._run, name="rose-engine", daemon=True)
+
+    # -- called from any thread --
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink):
+        self.commands.put(Add(request_id, prompt_ids, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(Abort(request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.thread.is_alive():
+            self.commands.put(Stop())
+            self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    # -- the engine thread --
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping or self.engine.has_unfinished():
+            # Idle: sleep until a command comes. Busy: take what has come, then step.
+            idle = not self.engine.has_unfinished() and not stopping
+            for command in self._take_commands(block=idle):
+                stopping |= self._apply(command)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as err:  # a bug, not a user mistake: fail what is in flight
+                log.exception("engine step failed; aborting every request in flight")
+                self._fail_all(err)
+                continue
+            for output in outputs:
+                self._deliver(output)
+            self.stats = self.engine.stats()
+
+    def _take_commands(self, block: bool) -> list[Add | Abort | Stop]:
+        commands = [self.commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self.commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: Add | Abort | Stop) -> bool:
+        """Run one command on the engine; True when it asks the thread to stop."""
+        if isinstance(command, Add):
+            try:
+                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            except RoseError as err:
+                command.sink(err)
+            else:
+                self.sinks[command.request_id] = command.sink
+        elif isinstance(command, Abort):
+            self.engine.abort(command.request_id)
+        else:
+            for request_id in list(self.sinks):
+                self.engine.abort(request_id)
+            return True
+        self.stats = self.engine.stats()
+        return False
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sink = self.sinks.pop(output.request_id) if output.finished else None
+        sink = sink or self.sinks.get(output.request_id)
+        if output.finished and self.on_finished is not None:
+            self.on_finished(output)
+        if sink is not None:
+            sink(output)
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id, sink in self.sinks.items():
+            self.engine.abort(request_id)
+            sink(err)
+        self.sinks.clear()
+        try:  # let the engine report (and free) what was aborted
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except Exception:
+            log.exception("the engine could not recover; it stays as it is")
+        self.stats = self.engine.stats()
+
+
+class QueueFull(Exception):
+    """More requests wait for their first token than the server accepts (-> 503)."""
+
+
+class EngineClient:
+    """The event loop's side: submit prompts, iterate their outputs, abort on the way out."""
+
+    def __init__(self, engine_thread: EngineThread, max_waiting: int) -> None:
+        self.engine_thread = engine_thread
+        self.max_waiting = max_waiting
+        # Choices admitted that have not produced a first token yet: the queue that
+        # --max-waiting bounds. Only the event loop touches it, so no lock is needed.
+        self.num_waiting = 0
+
+    async def generate(
+        self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every (prompt ids, params) as its own engine request; yield (index, output)
+        as they come, until all have finished. Leaving early (a client that went away, an
+        error) aborts every one still running, so its blocks are freed."""
+        if self.num_waiting + len(prompts) > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (at most {self.max_waiting})")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+        def sink(item: RequestOutput | Exception) -> None:  # runs in the engine thread
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        waiting, running = set(ids), set(ids)
+        self.num_waiting += len(ids)
+        try:
+            for rid, (prompt_ids, params) in zip(ids, prompts, strict=True):
+                self.engine_thread.add(rid, prompt_ids, params, sink)
+            while running:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.request_id in waiting:
+                    waiting.discard(item.request_id)
+                    self.num_waiting -= 1
+                if item.finished:
+                    running.discard(item.request_id)
+                yield index[item.request_id], item
+        finally:
+            self.num_waiting -= len(waiting)
+            for rid in running:
+                self.engine_thread.abort(rid)

@@ -1,0 +1,84 @@
+"""What a request may hold, as pydantic models, and errors in OpenAI's JSON shape.
+
+The models are strict: an unknown field or a value of the wrong type (a string where a
+number belongs, a bool where an integer belongs) is a 400, never silently coerced or
+ignored. Ranges are checked here too, so the error names the field (`param`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from roseinfer.sampling import MAX_SEED
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """The fields both endpoints share; the names and defaults are OpenAI's."""
+
+    model: str | None = None  # None: the one model this server serves
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (vLLM's spelling is -1)
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    ignore_eos: bool = False
+    user: str | None = None  # accepted and ignored, as the API allows
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a batch of strings, one list of token ids, or a batch of them.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # top-k alternatives per token
+    echo: bool = False  # put the prompt's text in front of the completion
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # the newer name
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
