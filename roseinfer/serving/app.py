@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from roseinfer.engine import LLMEngine, RequestOutput
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from roseinfer.serving.engine_thread import EngineClient, EngineThread, QueueFull

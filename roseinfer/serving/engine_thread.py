@@ -19,7 +19,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from roseinfer.engine import LLMEngine, RequestOutput
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.outputs import RequestOutput
 from roseinfer.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 

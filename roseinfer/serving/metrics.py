@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from roseinfer.engine import EngineStats, RequestOutput
+from roseinfer.engine.outputs import EngineStats, RequestOutput
 
 # Seconds; wide enough for a CPU serving GPT-2 small under load.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from roseinfer.engine import RequestOutput, TokenLogprob
+from roseinfer.engine.outputs import RequestOutput, TokenLogprob
 from rosetrainer.tokenizer import Tokenizer
 
 

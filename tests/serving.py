@@ -1,0 +1,149 @@
+"""A real rose server for tests: a subprocess on 127.0.0.1, a free port, always stopped.
+
+`running_server` starts `python -m roseinfer.serve --port 0`, waits for its one ready
+line (which names the port it got), yields, and on the way out (also after a failing
+test) sends SIGTERM, then SIGKILL if it has not exited.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from roseinfer.generate import generate
+from roseinfer.sampling import SamplingParams
+from rosetrainer.checkpoint import save_checkpoint
+from rosetrainer.config import GPTConfig
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny"
+READY = re.compile(r"serving \S+ at (http://\S+)/v1")
+STARTUP_TIMEOUT_S = 60
+
+
+def write_test_checkpoint(path: Path) -> GPT:
+    """A seeded random model with GPT-2's vocabulary (the real tokenizer decodes whatever
+    it makes) and a window of 256 tokens, saved as a rose checkpoint.
+
+    A checkpoint ties the output matrix to the token embedding, so models.py's untied
+    wide init cannot be saved; every matrix drawn with std 0.3 instead (GPT-2 uses 0.02)
+    gives varied greedy text whose top-2 logits stay well apart (checked in the tests).
+    """
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50257, block_size=256, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3)
+    save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict()})
+    return model
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running_server(checkpoint: Path, log_path: Path, *flags: str) -> Iterator[Server]:
+    command = [
+        sys.executable, "-m", "roseinfer.serve", "--checkpoint-path", str(checkpoint),
+        "--port", "0", "--device", "cpu", "--served-model-name", MODEL_NAME, *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread is fastest
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, env=env)
+    try:
+        url = _wait_ready(process, log_path)
+        yield Server(url, process, log_path)
+    finally:
+        stop(process)
+
+
+def _wait_ready(process: subprocess.Popen, log_path: Path) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=0.5):
+                continue
+            line = process.stdout.readline().decode()
+            match = READY.search(line)
+            if match:
+                return match.group(1)
+            if not line and process.poll() is not None:
+                break
+    raise AssertionError(f"the server did not start; its log:\n{log_path.read_text()}")
+
+
+def stop(process: subprocess.Popen, timeout: float = 30) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    process.stdout.close()
+    return process.returncode
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}."""
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def wait_idle(server: Server, timeout: float = 20) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits; return the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(server)
+        idle = values["rose_num_requests_running"] == 0 and values["rose_num_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def solo_text(
+    model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams
+) -> tuple[str, list[int], str]:
+    """The oracle: (text, token ids, finish_reason) of the uncached run of one request."""
+    decode = tokenizer.decode if params.stop else None
+    with torch.no_grad():
+        result = generate(
+            model, prompt_ids, params, use_cache=False, eot_id=tokenizer.eot_id, decode=decode
+        )
+    text = tokenizer.decode(result.token_ids)
+    if isinstance(result.stop_reason, str):  # the API leaves a matched stop string out
+        text = text[: text.index(result.stop_reason)]
+    return text, result.token_ids, result.finish_reason

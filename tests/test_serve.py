@@ -1,0 +1,322 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server in a subprocess, the
+official `openai` client, and the uncached oracle as the answer every output must equal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from models import assert_clear_margins, assert_varied
+from serving import (
+    API_KEY,
+    MODEL_NAME,
+    Server,
+    metrics,
+    running_server,
+    solo_text,
+    wait_idle,
+    write_test_checkpoint,
+)
+
+from roseinfer.sampling import SamplingParams
+from roseinfer.serving.chat_template import ChatTemplate
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_WAITING = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
+    path = tmp_path_factory.mktemp("serve") / "tiny.pt"
+    return path, write_test_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: tuple[Path, GPT]) -> GPT:
+    return checkpoint[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactory) -> Server:
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    flags = ["--api-key", API_KEY, "--max-waiting", str(MAX_WAITING), "--block-size", "8"]
+    with running_server(checkpoint[0], log, *flags) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def greedy(max_tokens: int = 12, **fields: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **fields)
+
+
+PROMPT = "ROMEO:\nWhat light is that"
+
+
+def test_greedy_completion_stream_and_not_equal_the_oracle(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    want_text, want_ids, want_reason = solo_text(model, tokenizer, ids, greedy(20))
+    with torch.no_grad():  # a strong oracle: varied tokens, no near-ties
+        logits = model(torch.tensor([ids + want_ids])).logits[0, len(ids) - 1 : -1]
+    assert_clear_margins(list(logits))
+    assert_varied(want_ids)
+
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == want_text
+    assert whole.choices[0].finish_reason == want_reason == "length"
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.usage.completion_tokens == 20
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_sixteen_concurrent_streams_with_ragged_prompts_each_equal_their_solo_run(
+    server: Server, model: GPT, tokenizer: Tokenizer
+) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 60))] for _ in range(16)]
+    lengths = [rng.randint(4, 24) for _ in prompts]
+
+    async def one(client: openai.AsyncOpenAI, ids: list[int], max_tokens: int) -> str:
+        stream = await client.completions.create(
+            model=MODEL_NAME, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key=API_KEY, max_retries=0
+        ) as client:
+            return await asyncio.gather(*map(functools_partial(one, client), prompts, lengths))
+
+    texts = asyncio.run(all_of_them())
+    for ids, max_tokens, text in zip(prompts, lengths, texts, strict=True):
+        assert text == solo_text(model, tokenizer, ids, greedy(max_tokens))[0]
+
+
+def functools_partial(fn, *args):  # noqa: ANN001, ANN202 (a two-line helper)
+    return lambda *more: fn(*args, *more)
+
+
+def test_seeded_sampling_is_the_same_streamed_or_not_and_equals_its_solo_run(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    fields = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    extra = {"top_k": 200}
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body=extra, **fields)
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, stream=True, extra_body=extra, **fields
+    )
+    streamed = "".join(chunk.choices[0].text for chunk in stream)
+    assert streamed == whole.choices[0].text
+    params = SamplingParams(**fields, top_k=200)
+    assert whole.choices[0].text == solo_text(model, tokenizer, tokenizer.encode(PROMPT), params)[0]
+    other = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, extra_body=extra, **{**fields, "seed": 99}
+    )
+    assert other.choices[0].text != whole.choices[0].text
+
+
+def test_n_choices_echo_and_stop(client: openai.OpenAI, model: GPT, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)
+    fields = dict(max_tokens=10, temperature=1.0, seed=5)
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2, **fields)
+    texts = [c.text for c in sorted(both.choices, key=lambda c: c.index)]
+    for j, text in enumerate(texts):  # choice j samples with seed + j
+        assert text == solo_text(model, tokenizer, ids, SamplingParams(**{**fields, "seed": 5 + j}))[0]
+    assert both.usage.prompt_tokens == len(ids) and both.usage.completion_tokens == 20
+
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, echo=True, max_tokens=6, temperature=0
+    )
+    assert echoed.choices[0].text == PROMPT + solo_text(model, tokenizer, ids, greedy(6))[0]
+
+    full = solo_text(model, tokenizer, ids, greedy(20))[0]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    stopped = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full[: full.index(stop)]
+
+
+def test_logprobs_are_the_models_log_softmax(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(PROMPT)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    _, want_ids, _ = solo_text(model, tokenizer, ids, greedy(4))
+    with torch.no_grad():
+        all_logits = model(torch.tensor([ids + want_ids])).logits[0, len(ids) - 1 : -1]
+    expected = torch.log_softmax(all_logits.float(), dim=-1)
+    for step, token in enumerate(want_ids):
+        assert logprobs.token_logprobs[step] == pytest.approx(float(expected[step, token]), abs=1e-4)
+        assert len(logprobs.top_logprobs[step]) == 3
+        # greedy: the chosen token is the most likely one
+        assert max(logprobs.top_logprobs[step].values()) == pytest.approx(
+            logprobs.token_logprobs[step], abs=1e-6
+        )
+    assert "".join(logprobs.tokens) == response.choices[0].text
+
+
+def test_chat_uses_the_documented_template(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Who is Romeo?"},
+    ]
+    prompt = ChatTemplate().render(messages)
+    assert prompt == "System: You are terse.\n\nUser: Who is Romeo?\n\nAssistant:"
+    want = solo_text(model, tokenizer, tokenizer.encode(prompt), greedy(8))[0]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == want
+    assert reply.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_a_chat_template_file_replaces_the_default(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    rendered = ChatTemplate.from_file(str(path)).render([{"role": "user", "content": "hi"}])
+    assert rendered == "<user>hi<assistant>"
+
+
+def test_models_health_tokenize_detokenize(server: Server, tokenizer: Tokenizer) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.base_url + "/models", headers=headers).json()
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=headers).json()
+    assert tokens["tokens"] == tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(
+        server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=headers
+    ).json()
+    assert text == {"prompt": PROMPT}
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server: Server) -> None:
+    before = wait_idle(server)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers) as http:
+        with http.stream("POST", "/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
+            during = metrics(server)
+            assert during["rose_kv_blocks_used"] > 0
+            assert during["rose_num_requests_running"] == 1
+        # leaving the block closed the connection mid-stream
+    after = wait_idle(server)
+    assert after["rose_kv_blocks_used"] == 0
+    aborted = 'rose_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
+    generated = after["rose_generation_tokens_total"] - before["rose_generation_tokens_total"]
+    assert 1 <= generated < 240
+
+
+ERROR_CASES = [
+    # (what is wrong, request body changes, status, param)
+    ("prompt over the window", {"prompt": [1] * 257}, 400, "prompt"),
+    ("max_tokens < 1", {"max_tokens": 0}, 400, "max_tokens"),
+    ("temperature < 0", {"temperature": -0.5}, 400, "temperature"),
+    ("top_p = 0", {"top_p": 0.0}, 400, "top_p"),
+    ("top_p > 1", {"top_p": 1.5}, 400, "top_p"),
+    ("a string for an integer", {"max_tokens": "8"}, 400, "max_tokens"),
+    ("a bool for an integer", {"max_tokens": True}, 400, "max_tokens"),
+    ("an unknown field", {"best_of_three": 1}, 400, "best_of_three"),
+    ("token ids outside the vocabulary", {"prompt": [50257]}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-4"}, 404, "model"),
+    ("more choices than the queue holds", {"prompt": ["a", "b"], "n": 16}, 503, None),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("case", "change", "status", "param"), ERROR_CASES)
+def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
+    server: Server, case: str, change: dict, status: int, param: str | None, stream: bool
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "stream": stream, **change}
+    response = httpx.post(server.base_url + "/completions", json=body, headers=headers)
+    assert response.status_code == status, case
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    if status == 503:
+        assert response.headers["Retry-After"] == "1"
+    ok = httpx.post(
+        server.base_url + "/completions",
+        json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
+        headers=headers,
+    )
+    assert ok.status_code == 200
+
+
+def test_without_the_api_key_every_api_request_gets_401(server: Server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(
+            server.base_url + "/completions", json={"prompt": "Hi"}, headers=headers
+        )
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.base_url + "/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/metrics").status_code == 200  # open for scrapers
+
+
+def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Server) -> None:
+    before = wait_idle(server)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=7, temperature=0
+    )
+    after = wait_idle(server)
+    moved = {name: after[name] - before.get(name, 0) for name in after}
+    assert moved["rose_prompt_tokens_total"] == response.usage.prompt_tokens
+    assert moved["rose_generation_tokens_total"] == 7
+    assert moved['rose_requests_finished_total{finish_reason="length"}'] == 1
+    for histogram in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert moved[f"rose_{histogram}_seconds_count"] == 1
+        assert moved[f"rose_{histogram}_seconds_sum"] > 0
+    assert after["rose_kv_blocks_used"] == 0 and after["rose_kv_blocks_total"] > 0
+    assert moved["rose_prefix_cache_queries_total"] >= moved["rose_prefix_cache_hits_total"] >= 0
