@@ -19,7 +19,8 @@ import sys
 
 import uvicorn
 
-from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
@@ -158,6 +159,12 @@ class ReadyServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(self.ready_line, flush=True)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # uvicorn raises the signal again once it has shut down gracefully, so the process
+        # would end "killed by SIGTERM"; a server that stopped cleanly exits 0 instead.
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
