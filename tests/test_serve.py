@@ -4,6 +4,7 @@ official `openai` client, and the uncached oracle as the answer every output mus
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 from pathlib import Path
@@ -116,15 +117,11 @@ def test_sixteen_concurrent_streams_with_ragged_prompts_each_equal_their_solo_ru
         async with openai.AsyncOpenAI(
             base_url=server.base_url, api_key=API_KEY, max_retries=0
         ) as client:
-            return await asyncio.gather(*map(functools_partial(one, client), prompts, lengths))
+            return await asyncio.gather(*map(functools.partial(one, client), prompts, lengths))
 
     texts = asyncio.run(all_of_them())
     for ids, max_tokens, text in zip(prompts, lengths, texts, strict=True):
         assert text == solo_text(model, tokenizer, ids, greedy(max_tokens))[0]
-
-
-def functools_partial(fn, *args):  # noqa: ANN001, ANN202 (a two-line helper)
-    return lambda *more: fn(*args, *more)
 
 
 def test_seeded_sampling_is_the_same_streamed_or_not_and_equals_its_solo_run(
@@ -152,7 +149,9 @@ def test_n_choices_echo_and_stop(client: openai.OpenAI, model: GPT, tokenizer: T
     both = client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2, **fields)
     texts = [c.text for c in sorted(both.choices, key=lambda c: c.index)]
     for j, text in enumerate(texts):  # choice j samples with seed + j
-        assert text == solo_text(model, tokenizer, ids, SamplingParams(**{**fields, "seed": 5 + j}))[0]
+        assert (
+            text == solo_text(model, tokenizer, ids, SamplingParams(**{**fields, "seed": 5 + j}))[0]
+        )
     assert both.usage.prompt_tokens == len(ids) and both.usage.completion_tokens == 20
 
     echoed = client.completions.create(
@@ -182,7 +181,9 @@ def test_logprobs_are_the_models_log_softmax(
         all_logits = model(torch.tensor([ids + want_ids])).logits[0, len(ids) - 1 : -1]
     expected = torch.log_softmax(all_logits.float(), dim=-1)
     for step, token in enumerate(want_ids):
-        assert logprobs.token_logprobs[step] == pytest.approx(float(expected[step, token]), abs=1e-4)
+        assert logprobs.token_logprobs[step] == pytest.approx(
+            float(expected[step, token]), abs=1e-4
+        )
         assert len(logprobs.top_logprobs[step]) == 3
         # greedy: the chosen token is the most likely one
         assert max(logprobs.top_logprobs[step].values()) == pytest.approx(
