@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from serving import (
     write_test_checkpoint,
 )
 
+from roseinfer import bench_serving
 from roseinfer.sampling import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
@@ -321,3 +323,36 @@ def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Ser
         assert moved[f"rose_{histogram}_seconds_sum"] > 0
     assert after["rose_kv_blocks_used"] == 0 and after["rose_kv_blocks_total"] > 0
     assert moved["rose_prefix_cache_queries_total"] >= moved["rose_prefix_cache_hits_total"] >= 0
+
+
+def test_bench_serving_reports_every_rate_against_the_server(
+    server: Server, tmp_path: Path, tinyshakespeare_path: Path
+) -> None:
+    out, picture = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["--base-url", server.base_url, "--api-key", API_KEY, "--num-prompts", "6",
+            "--input-len", "16", "--output-len", "5", "--ignore-eos", "--request-rate", "20,inf",
+            "--dataset-path", str(tinyshakespeare_path), "--json", str(out),
+            "--plot", str(picture), "--quiet"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        bench_serving.main(argv)
+    assert exit_.value.code == 0
+    results = json.loads(out.read_text())["results"]["server"]
+    assert [r["request_rate"] for r in results] == [20, float("inf")]
+    for r in results:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] == 6 * 5  # ignore_eos: every request runs to max_tokens
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert r["tpot_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
+    assert picture.stat().st_size > 0
+
+
+def test_bench_serving_latency_definitions() -> None:
+    result = bench_serving.RequestResult(ok=True, prompt_tokens=3, output_tokens=5,
+                                         ttft_s=0.2, e2e_s=1.0)  # fmt: skip
+    assert result.tpot_s == pytest.approx((1.0 - 0.2) / 4)
+    stats = bench_serving.summarize([0.001 * v for v in range(1, 101)])
+    assert stats["mean"] == pytest.approx(50.5)
+    assert stats["p50"] == pytest.approx(50.5) and stats["p99"] == pytest.approx(99.01)
+    gaps = bench_serving.arrival_gaps(4000, rate=8.0, seed=0)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.05)
+    assert bench_serving.arrival_gaps(3, math.inf, 0) == [0, 0, 0]
