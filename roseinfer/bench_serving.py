@@ -265,6 +265,11 @@ async def warm_up(base_url: str, model: str, prompt: str, args: argparse.Namespa
 
 def benchmark(args: argparse.Namespace) -> list[RateResult]:
     """Every rate in turn against args.base_url; the results, one per rate."""
+    return asyncio.run(run_benchmark(args))
+
+
+async def run_benchmark(args: argparse.Namespace) -> list[RateResult]:
+    """`benchmark` for code already inside an event loop (a notebook: `await` it)."""
     tokenizer = Tokenizer("gpt2")
     dataset = None if args.random else Path(args.dataset_path or DEFAULT_DATASET)
     if dataset is not None and args.dataset_path is None and not dataset.is_file():
@@ -276,10 +281,10 @@ def benchmark(args: argparse.Namespace) -> list[RateResult]:
     prompt_tokens = [len(tokenizer.encode(p)) for p in prompts]
     base_url = args.base_url.rstrip("/")
     try:
-        model = args.model or asyncio.run(served_model(base_url, args))
-        asyncio.run(warm_up(base_url, model, prompts[0], args))
+        model = args.model or await served_model(base_url, args)
+        await warm_up(base_url, model, prompts[0], args)
         return [
-            asyncio.run(run_rate(base_url, model, prompts, prompt_tokens, rate, args))
+            await run_rate(base_url, model, prompts, prompt_tokens, rate, args)
             for rate in args.request_rate
         ]
     except httpx.ConnectError:

@@ -95,9 +95,11 @@ class EngineThread:
                 log.exception("engine step failed; aborting every request in flight")
                 self._fail_all(err)
                 continue
+            # Stats first: a client that has seen its request finish must not then read
+            # /metrics from before the step (its blocks still counted as used).
+            self.stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output)
-            self.stats = self.engine.stats()
 
     def _take_commands(self, block: bool) -> list[Add | Abort | Stop]:
         commands = [self.commands.get()] if block else []
