@@ -62,7 +62,7 @@ def make_jobs(seed: int = 0) -> list[Job]:
     for i in range(NUM_REQUESTS):
         sampled = i % 2 == 1
         params = SamplingParams(
-            max_tokens=rng.randint(1, 24),
+            max_tokens=rng.randint(1, 16),
             temperature=0.8 if sampled else 0.0,
             top_k=100 if sampled else 0,
             seed=i if sampled else None,
@@ -70,7 +70,7 @@ def make_jobs(seed: int = 0) -> list[Job]:
         leave = rng.randint(1, 3) if i % 4 == 0 else None  # a quarter leave mid-stream
         jobs.append(
             Job(
-                prompt=[rng.randrange(50257) for _ in range(rng.randint(1, 30))],
+                prompt=[rng.randrange(50257) for _ in range(rng.randint(1, 16))],
                 params=params,
                 stream=leave is not None or rng.random() < 0.5,
                 leave_after=leave,
@@ -165,7 +165,7 @@ def test_soak_ends_with_every_block_free_and_every_answer_equal_to_its_solo_run(
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(
     checkpoint: tuple[Path, GPT], tmp_path: Path
 ) -> None:
-    body = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 200, "temperature": 0,
+    body = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 100, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with running_server(checkpoint[0], tmp_path / "server.log", "--api-key", API_KEY) as server:
         with httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60) as http:
