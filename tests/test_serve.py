@@ -26,7 +26,7 @@ from serving import (
     write_test_checkpoint,
 )
 
-from roseinfer import bench_serving
+from roseinfer import bench_serving, serve
 from roseinfer.sampling import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
@@ -356,3 +356,32 @@ def test_bench_serving_latency_definitions() -> None:
     gaps = bench_serving.arrival_gaps(4000, rate=8.0, seed=0)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.05)
     assert bench_serving.arrival_gaps(3, math.inf, 0) == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--checkpoint-path", "no/such.pt"], "checkpoint not found"),
+        (["--max-waiting", "0"], "--max-waiting must be >= 1"),
+        (["--chat-template", "no/such.jinja"], "cannot read the chat template"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_serve_mistakes_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("[rose-serve] error: ") and message in err and "\n" not in err
+
+
+def test_a_busy_port_is_one_clear_line(
+    server: Server, checkpoint: tuple[Path, GPT], capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--checkpoint-path", str(checkpoint[0]), "--port", port])
+    assert exit_.value.code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
