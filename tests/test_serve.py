@@ -246,7 +246,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
             first = next(line for line in lines if line.startswith("data:"))
             assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
             during = metrics(server)
-            assert during["rose_kv_blocks_used"] > 0
+            assert during["rose_kv_blocks_used"] > 0, during
             assert during["rose_num_requests_running"] == 1
         # leaving the block closed the connection mid-stream
     after = wait_idle(server)
