@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 import uuid
@@ -45,7 +44,6 @@ from roseinfer.serving.responses import ResponseBuilder, usage
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
-log = logging.getLogger("roseinfer.serve")
 T = TypeVar("T")
 
 # Open without the API key: liveness probes and Prometheus scrapers carry no token.
