@@ -23,7 +23,7 @@ import httpx
 import torch
 
 from roseinfer.generate import generate
-from roseinfer.sampling import SamplingParams
+from roseinfer.sampling_params import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT

@@ -27,7 +27,7 @@ from serving import (
 )
 
 from roseinfer import bench_serving, serve
-from roseinfer.sampling import SamplingParams
+from roseinfer.sampling_params import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer

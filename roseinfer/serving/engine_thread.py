@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
-from roseinfer.sampling import SamplingParams
+from roseinfer.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
 
 log = logging.getLogger("roseinfer.serve")
