@@ -28,6 +28,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from pathlib import Path
 import httpx
 from tqdm.asyncio import tqdm
 
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "bench_serving"
@@ -399,11 +400,6 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")  # fmt: skip
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise RoseError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m roseinfer.bench_serving", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
@@ -437,9 +433,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

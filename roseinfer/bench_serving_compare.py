@@ -38,7 +38,7 @@ import torch
 
 from roseinfer import bench_serving
 from roseinfer.bench_serving import RateResult
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 
 PROG = "bench_serving_compare"
 # Where tiktoken reads GPT-2's BPE: the same two files Hugging Face calls
@@ -171,7 +171,7 @@ def report(results: dict[str, list[RateResult]], prefix: dict[str, list[RateResu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = bench_serving.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m roseinfer.bench_serving_compare", description=__doc__.split("\n")[0]
     )
     p.add_argument(
@@ -256,9 +256,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

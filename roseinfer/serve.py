@@ -21,20 +21,13 @@ import uvicorn
 
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.loading import load_model_and_tokenizer, pick_device, pick_dtype
+from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
-from rosetrainer.errors import RoseError, run_cli
-from rosetrainer.runtime import DTYPES
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
 PROG = "rose-serve"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """A bad flag is one `[rose-serve] error: ...` line, like every other mistake."""
-
-    def error(self, message: str) -> None:
-        raise RoseError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,10 +160,10 @@ class ReadyServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format=f"[{PROG}] %(levelname)s %(message)s")
-    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -333,9 +333,7 @@ def test_bench_serving_reports_every_rate_against_the_server(
             "--input-len", "16", "--output-len", "5", "--ignore-eos", "--request-rate", "20,inf",
             "--dataset-path", str(tinyshakespeare_path), "--json", str(out),
             "--plot", str(picture), "--quiet"]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_:
-        bench_serving.main(argv)
-    assert exit_.value.code == 0
+    assert bench_serving.main(argv) == 0
     results = json.loads(out.read_text())["results"]["server"]
     assert [r["request_rate"] for r in results] == [20, float("inf")]
     for r in results:
@@ -370,9 +368,7 @@ def test_bench_serving_latency_definitions() -> None:
 def test_serve_mistakes_are_one_line_and_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        serve.main(argv)
-    assert exit_.value.code == 2
+    assert serve.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("[rose-serve] error: ") and message in err and "\n" not in err
 
@@ -381,7 +377,5 @@ def test_a_busy_port_is_one_clear_line(
     server: Server, checkpoint: tuple[Path, GPT], capsys: pytest.CaptureFixture[str]
 ) -> None:
     port = server.url.rsplit(":", 1)[1]
-    with pytest.raises(SystemExit) as exit_:
-        serve.main(["--checkpoint-path", str(checkpoint[0]), "--port", port])
-    assert exit_.value.code == 2
+    assert serve.main(["--checkpoint-path", str(checkpoint[0]), "--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
