@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional as F
 
 from roseinfer.generate import generate_batch, model_step, prefill
-from roseinfer.loading import load_model_and_tokenizer, pick_device
+from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.quant import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_WINDOW,
@@ -49,8 +49,9 @@ from roseinfer.quant import (
 )
 from roseinfer.sampling import SamplingParams
 from rosetrainer.config import GPTConfig, TrainConfig
-from rosetrainer.errors import RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
+from rosetrainer.runtime import pick_device
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "roseinfer.eval"
@@ -271,11 +272,6 @@ def requests_that_fit(
 # ---------------------------------------------------------------------------
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise RoseError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="a rose .pt or run directory (default: the newest)")
@@ -440,9 +436,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

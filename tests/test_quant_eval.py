@@ -46,10 +46,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_main(module, capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        module.main([str(arg) for arg in args])
+    code = module.main([str(arg) for arg in args])
     out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
+    return code, out, err
 
 
 # -- rose-generate --kv-cache-dtype ----------------------------------------------------
