@@ -63,6 +63,7 @@ from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "roseinfer"
+STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
 DEFAULT_BATCH_SIZE = 32
 EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
@@ -98,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "With no prompt at all, one empty prompt: generation starts from <|endoftext|>",
     )
     p.add_argument(
-        "--prompt-file", help="a UTF-8 text file, one prompt per line; blank lines are skipped"
+        "--prompt-file",
+        help="a UTF-8 text file, one prompt per line (- reads standard input); blank lines "
+        "are skipped",
     )
     p.add_argument(
         "--batch-size",
@@ -242,6 +245,20 @@ def status(what: str, value: object) -> None:
     print(f"[{PROG}] {what}: {value}", file=sys.stderr, flush=True)
 
 
+def report_seed_and_prompts(
+    args: argparse.Namespace, params: SamplingParams, blank_lines: int
+) -> None:
+    """The seed (greedy decoding draws nothing, so none is used) and the prompt file."""
+    if params.greedy:
+        status("seed", "none (temperature 0: greedy, no random draws)")
+    else:
+        random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
+        status("seed", f"{params.seed}{random_seed}")
+    if args.prompt_file:
+        where = "standard input" if args.prompt_file in STDIN_NAMES else args.prompt_file
+        status("prompt file", f"{where} ({blank_lines} blank lines skipped)")
+
+
 # ---------------------------------------------------------------------------
 # Flags -> settings, each checked before anything slow happens
 # ---------------------------------------------------------------------------
@@ -293,10 +310,12 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
     blank_lines = 0
     if args.prompt_file:
         path = Path(args.prompt_file)
-        if not path.is_file():
+        from_stdin = args.prompt_file in STDIN_NAMES  # /dev/stdin is no regular file
+        if not from_stdin and not path.is_file():
             raise RoseError(f"prompt file not found: {path}")
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            raw = sys.stdin.buffer.read() if from_stdin else path.read_bytes()
+            lines = raw.decode("utf-8").splitlines()
         except UnicodeDecodeError:
             raise RoseError(f"prompt file {path} is not UTF-8 text") from None
         from_file = [line for line in lines if line.strip()]
@@ -595,10 +614,7 @@ def run(args: argparse.Namespace) -> int:
         # Compiling happens inside the first decode step, so tokens/s below includes it.
         how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"
         status("compiled decode", f"{args.compile} (the first step compiles: {how_long})")
-    random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
-    status("seed", f"{params.seed}{random_seed}")
-    if args.prompt_file:
-        status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
+    report_seed_and_prompts(args, params, blank_lines)
 
     if engine is not None:
         run_engine(prompts, prompt_ids, args, params, engine, tokenizer)
@@ -689,10 +705,7 @@ def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
         status("pipeline", f"{n_stages} stages ({split})")
         status("tokenizer", tokenizer.name)
         status("kv cache", f"{cache}, one per stage")
-        random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
-        status("seed", f"{params.seed}{random_seed}")
-        if args.prompt_file:
-            status("prompt file", f"{args.prompt_file} ({blank_lines} blank lines skipped)")
+        report_seed_and_prompts(args, params, blank_lines)
     if under_torchrun is not None:
         rank, world_size, init_method = under_torchrun
         if world_size != n_stages:

@@ -3,9 +3,11 @@ model and its tokenizer: shared by the CLI, the offline LLM, the server and the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from rosetrainer.checkpoint import (
     checkpoint_to_load,
@@ -60,7 +62,31 @@ def load_model_and_tokenizer(
             f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} tokens but the model's "
             f"vocabulary has {vocab_size}: use the tokenizer the model was trained with"
         )
-    return model, tokenizer, source
+    return fit_vocabulary(model, tokenizer.n_vocab), tokenizer, source
+
+
+@torch.no_grad()
+def fit_vocabulary(model: GPT, n_vocab: int) -> GPT:
+    """The model without the output rows its tokenizer has no token for.
+
+    A vocabulary padded past the tokenizer's (50,304 for GPT-2's 50,257, as nanoGPT pads
+    it for faster matmuls) has ids that could be sampled but never decoded. Cutting the
+    tied embedding / output matrix to n_vocab rows leaves every other id's logit exactly
+    as it was, and a softmax over them is the one with the padding masked out, so no
+    generation path, cached, uncached, batched, engine or exported, can draw one.
+    """
+    if model.config.vocab_size == n_vocab:
+        return model
+    wte, head = model.transformer.wte, model.lm_head
+    tied = head.weight is wte.weight
+    model.transformer.wte = nn.Embedding.from_pretrained(wte.weight[:n_vocab].clone(), freeze=False)
+    new_head = nn.Linear(model.config.n_embd, n_vocab, bias=False, device="meta")
+    new_head.weight = (
+        model.transformer.wte.weight if tied else nn.Parameter(head.weight[:n_vocab].clone())
+    )
+    model.lm_head = new_head
+    model.config = dataclasses.replace(model.config, vocab_size=n_vocab)
+    return model
 
 
 def model_config_and_tokenizer(

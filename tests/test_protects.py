@@ -30,6 +30,7 @@ from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 from rosetrainer.hf import load_hf_gpt2
+from rosetrainer.model import GPT
 from rosetrainer.run import run_lock, sign
 from rosetrainer.train import main, parse_args, resolve_configs
 
@@ -530,3 +531,113 @@ def test_a_run_directory_loads_its_best_then_its_last(finished_run: Path, tmp_pa
     assert load_checkpoint(run)["best_val_loss"] == best["best_val_loss"]
     (run / "best.pt").unlink()
     assert load_checkpoint(run)["step"] == load_checkpoint(run / "last.pt")["step"] == 4
+
+
+# ---------------------------------------------------------------------------
+# 8. Stop strings whose last character GPT-2 splits over tokens
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stop", ["你", "😀", "好😀"])
+def test_a_stop_string_ending_in_a_split_character_fires(stop: str) -> None:
+    from roseinfer.engine.outputs import request_output
+    from roseinfer.sampling import SamplingParams
+    from roseinfer.sequence import Sequence
+    from rosetrainer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer("gpt2")
+    text = "ab 你好😀 and on"
+    ids = tokenizer.encode(text)
+    params = SamplingParams(max_tokens=len(ids) + 5, stop=(stop,))
+    seq = Sequence([tokenizer.eot_id], params, decode=tokenizer.decode)
+    streamed = []
+    for token in ids:  # as a model would write them, one token at a time
+        seq.append_token(token)
+        streamed.append(request_output(seq, tokenizer).new_text)
+        if seq.finish_reason is not None:
+            break
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    # The ids end with the token that completed the stop string, not one later...
+    assert tokenizer.decode(seq.output_ids) == text[: text.index(stop) + len(stop)]
+    # ...and the streamed text, as the OpenAI API has it, ends just before the stop string.
+    assert "".join(streamed) == text[: text.index(stop)]
+
+
+# ---------------------------------------------------------------------------
+# 9, 10, 14, 17, 19. The generate CLI: a padded vocabulary, temperature, seed, stdin, status
+# ---------------------------------------------------------------------------
+
+PADDED_VOCAB = 50304  # GPT-2's 50,257 rounded up to a multiple of 64, as nanoGPT does
+
+
+@pytest.fixture(scope="module")
+def padded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose 47 padding ids have embeddings so large that, left in, they would win
+    nearly every draw and every argmax."""
+    config = GPTConfig(vocab_size=PADDED_VOCAB, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        model.transformer.wte.weight[50257:] *= 1000.0
+    path = tmp_path_factory.mktemp("padded") / "padded.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "model_config": config.to_dict()})
+    return path
+
+
+@pytest.mark.parametrize("temperature", ["0", "1.0"])
+def test_a_padded_vocabulary_never_yields_an_undecodable_id(
+    temperature: str, padded_checkpoint: Path, capsys
+) -> None:
+    from roseinfer import cli_generate
+
+    flags = ["--checkpoint-path", str(padded_checkpoint), "--json", "--max-new-tokens", "12"]
+    code = cli_generate.main(
+        [*flags, "--temperature", temperature, "--seed", "3", "--prompt", "Hi"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    [result] = [json.loads(line) for line in out.splitlines()]
+    assert len(result["token_ids"]) == 12
+    assert max(result["token_ids"]) < 50257
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "inf"], "temperature must be a finite number >= 0"),
+        (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+        (["--seed", str(2**70)], "seed must be an integer in [0, 2**64 - 1]"),
+        (["--seed", "-3"], "seed must be an integer in [0, 2**64 - 1]"),
+    ],
+)
+def test_generate_refuses_bad_sampling_flags_before_printing(
+    flags: list[str], message: str, padded_checkpoint: Path, capsys
+) -> None:
+    from roseinfer import cli_generate
+
+    code = cli_generate.main(
+        ["--checkpoint-path", str(padded_checkpoint), "--prompt", "Hi", *flags]
+    )
+    out = capsys.readouterr().out
+    assert code == 2 and out == ""  # not even the prompt
+    # (capsys was read: check the line with a second run's stderr)
+    cli_generate.main(["--checkpoint-path", str(padded_checkpoint), "--prompt", "Hi", *flags])
+    assert message in one_line_error(capsys, "[roseinfer] error: ")
+
+
+def test_prompt_file_dash_reads_standard_input(
+    padded_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import io
+
+    from roseinfer import cli_generate
+
+    stdin = io.TextIOWrapper(io.BytesIO("first\n\nsecond 你\n".encode()), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    flags = ["--checkpoint-path", str(padded_checkpoint), "--json", "--max-new-tokens", "2"]
+    assert cli_generate.main([*flags, "--temperature", "0", "--prompt-file", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["prompt"] for line in out.splitlines()] == ["first", "second 你"]
+    assert "prompt file: standard input (1 blank lines skipped)" in err
+    assert "seed: none (temperature 0: greedy, no random draws)" in err
+    assert "pass --seed to repeat" not in err
