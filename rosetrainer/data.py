@@ -72,16 +72,7 @@ def prepare_data(
     num_proc: int | None = None,
 ) -> PreparedData:
     """Tokenise a text file or dataset into data_dir/<name>-<hash>/{train,val}.bin (cached)."""
-    if not 0.0 < val_fraction < 1.0:
-        raise RoseError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if num_proc is not None and num_proc < 1:
-        raise RoseError(f"num_proc must be a positive integer, got {num_proc}")
-    tokenizer = Tokenizer(tokenizer_name)
-    if tokenizer.n_vocab > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise RoseError(
-            f"tokenizer {tokenizer_name!r} has {tokenizer.n_vocab} ids; token files store "
-            f"uint16, which holds 65,536 at most: choose a smaller vocabulary (e.g. gpt2)"
-        )
+    tokenizer = _checked_settings(tokenizer_name, val_fraction, num_proc)
     data_dir = Path(data_dir)
 
     from_hub = text_file is None and dataset != "tinyshakespeare"
@@ -108,13 +99,10 @@ def prepare_data(
         rows, add_eot = Dataset.from_dict({"text": split_at_safe_points(text, CHUNK_CHARS)}), False
     print(f"[rosetrainer.data] tokenising {source} with {tokenizer_name} into {out_dir}")
     tokenized = rows.map(
-        _tokenize_batch,
-        batched=True,
-        num_proc=_worker_count(len(rows), num_proc),
-        remove_columns=rows.column_names,
+        _tokenize_batch, batched=True, num_proc=_worker_count(len(rows), num_proc),
+        remove_columns=rows.column_names, desc="tokenising",
         fn_kwargs={"tokenizer_name": tokenizer_name, "add_eot": add_eot},
-        desc="tokenising",
-    )
+    )  # fmt: skip
     meta = {
         "tokenizer_name": tokenizer_name,
         "source": source,
@@ -126,6 +114,21 @@ def prepare_data(
         "text_sha256": _sha256(content),  # what a checkpoint remembers of its training data
     }
     return _write_splits(tokenized, out_dir, meta)
+
+
+def _checked_settings(tokenizer_name: str, val_fraction: float, num_proc: int | None) -> Tokenizer:
+    """The tokenizer, once the settings are known to be usable."""
+    if not 0.0 < val_fraction < 1.0:
+        raise RoseError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if num_proc is not None and num_proc < 1:
+        raise RoseError(f"num_proc must be a positive integer, got {num_proc}")
+    tokenizer = Tokenizer(tokenizer_name)
+    if tokenizer.n_vocab > np.iinfo(TOKEN_DTYPE).max + 1:
+        raise RoseError(
+            f"tokenizer {tokenizer_name!r} has {tokenizer.n_vocab} ids; token files store "
+            f"uint16, which holds 65,536 at most: choose a smaller vocabulary (e.g. gpt2)"
+        )
+    return tokenizer
 
 
 def split_at_safe_points(text: str, chunk_chars: int) -> list[str]:

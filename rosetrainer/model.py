@@ -7,8 +7,8 @@ model. Parameter names follow OpenAI's / Hugging Face's GPT-2 so their weights l
 with a transpose and nothing else.
 
 The model is stateless: a cache is passed in, written by each layer, and owned by the
-caller (`roseinfer.kv_cache` has a concatenating and a preallocated one; the serving
-engine a paged one). Without a cache the model sees the whole sequence at once.
+caller (the inference package's kv_cache module has a concatenating and a preallocated
+one; its serving engine a paged one). Without a cache the model sees the whole sequence at once.
 """
 
 from __future__ import annotations
