@@ -276,17 +276,37 @@ def run(args: argparse.Namespace) -> int:
     export(model, out / MODEL_FILE, opset)
     write_meta(model, out, tokenizer.eot_id, tokenizer.name, opset, source)
     status("exported", f"{out / MODEL_FILE} (opset {opset}, {time.perf_counter() - started:.1f} s)")
-    largest = check_against_torch(model, OnnxModel(out))
+    try:
+        onnx_model = OnnxModel(out)
+    except RoseError:
+        discard(out)
+        if opset == DEFAULT_OPSET:
+            raise
+        import onnxruntime
+
+        raise RoseError(
+            f"onnxruntime {onnxruntime.__version__} cannot run the graph written at opset "
+            f"{opset}: export with a lower --opset ({DEFAULT_OPSET} always works)"
+        ) from None
+    largest = check_against_torch(model, onnx_model)
     cases = ", ".join(f"batch {b} prompt {n}" for b, _, n in CHECK_CASES)
     status(
         "check", f"onnxruntime vs PyTorch ({cases}, then decode): max |logit diff| {largest:.2e}"
     )
     if largest > CHECK_ATOL:
+        discard(out)
         raise RoseError(
             f"the exported graph's logits differ from PyTorch's by {largest:.2e} "
-            f"(> {CHECK_ATOL:.0e}): the export is wrong, do not use {out / MODEL_FILE}"
+            f"(> {CHECK_ATOL:.0e}): the export is wrong and was removed"
         )
     return 0
+
+
+def discard(out: Path) -> None:
+    """Remove a graph that failed its check, so no runtime picks it up."""
+    for path in out.glob(f"{MODEL_FILE}*"):  # model.onnx and any external-data file
+        path.unlink()
+    (out / META_FILE).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
