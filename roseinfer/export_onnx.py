@@ -52,7 +52,8 @@ from rosetrainer.model import GPT, LayerPast
 
 PROG = "roseinfer.export_onnx"
 DEFAULT_OPSET = 18  # the lowest the dynamo exporter writes natively
-# The example the graph is traced with: no size 0 or 1 (torch.export would pin it).
+# The example the graph is traced with: no size 0 or 1, which torch.export has treated as
+# special (a dimension whose example is 0 or 1 could be pinned to it).
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW = 2, 3, 4
 # fp32 on CPU: onnxruntime adds the same products in another order than PyTorch.
 CHECK_ATOL = 1e-4
