@@ -20,12 +20,13 @@ tokens from the shapes (`causal_mask(T, P + T)`), adds the padding columns of
 The tracer sees sizes, not numbers, so each of these stays symbolic in the graph.
 
 The exporter is torch.onnx.export(dynamo=True): torch.export traces the model into a
-graph whose sizes are symbols (batch_size, sequence_length, past_sequence_length) and
-fails loudly if the code pins one to its example value; onnxscript translates it. The
-older TorchScript exporter (dynamo=False, dynamic_axes) records whatever Python branch the
-example took and trusts the declared axes blindly; torch 2.9+ deprecates it. torch.export
-treats sizes 0 and 1 as special (it pins a dimension whose example is 0 or 1), so the
-example has 2 rows, 3 past positions and 4 new tokens, and the export is then checked in
+graph whose sizes are symbols (batch_size, sequence_length, past_sequence_length; each
+Dim.DYNAMIC, which raises at export time if the code pins it to its example value), and
+onnxscript translates it. The older TorchScript exporter (dynamo=False, dynamic_axes)
+records whatever the example computed and trusts the declared axes, so a number it baked
+in shows up only at run time, in onnxruntime (chapter 15 shows both ways of breaking it);
+torch 2.9+ deprecates it. The example avoids sizes 0 and 1, which torch.export has
+treated as special (2 rows, 3 past, 4 new tokens), and the export is then checked in
 onnxruntime against PyTorch on other shapes: an empty past, one new token, other batches.
 """
 
