@@ -200,3 +200,11 @@ def test_eval_mistakes_are_one_line(
     assert code == 2 and out == ""
     [line] = err.splitlines()
     assert line.startswith("[roseinfer.eval] error: ") and message in line, line
+
+
+def test_the_engine_says_its_paged_cache_is_not_quantized() -> None:
+    from roseinfer.engine.config import EngineConfig
+    from rosetrainer.errors import RoseError
+
+    with pytest.raises(RoseError, match="the engine's paged cache is not quantized yet"):
+        EngineConfig(kv_cache_dtype="int8")

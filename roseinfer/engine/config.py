@@ -49,7 +49,10 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
         if self.kv_cache_dtype != "auto":
-            raise RoseError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
+            raise RoseError(
+                f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}: the engine's "
+                f"paged cache is not quantized yet (roseinfer.quant's static cache is)"
+            )
         if self.attention not in ("fast", "reference"):
             raise RoseError(f"attention must be 'fast' or 'reference', got {self.attention!r}")
 
