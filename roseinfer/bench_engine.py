@@ -100,12 +100,17 @@ def one_by_one(model: GPT, requests: list[Request]) -> list[list[int]]:
     return outputs
 
 
+def static_len(batch: list[Request]) -> int:
+    """Positions a static batch allocates: rows are left-padded to the longest prompt and
+    step together until the longest output is done (as cli_generate sizes it)."""
+    return max(len(prompt) for prompt, _ in batch) + max(n for _, n in batch)
+
+
 def static_batches(model: GPT, requests: list[Request], batch_size: int) -> list[list[int]]:
     outputs = []
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
-        max_len = max(len(prompt) + n for prompt, n in batch)
-        cache = StaticKVCache(model, batch_size=len(batch), max_len=max_len)
+        cache = StaticKVCache(model, batch_size=len(batch), max_len=static_len(batch))
         results = generate_batch(
             model, [p for p, _ in batch], [params_for(n) for _, n in batch], cache=cache
         )
@@ -157,7 +162,7 @@ def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) 
     held = live = 0
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
-        max_len = max(len(prompt) + n for prompt, n in batch)
+        max_len = static_len(batch)
         for step in range(max(n for _, n in batch)):
             held += len(batch) * max_len * per_token
             live += sum(len(prompt) + step for prompt, n in batch if step < n)
