@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-tokens", type=int, default=1008, help="0 skips the latency job")
     p.add_argument("--early-step", type=int, default=50)
     p.add_argument("--late-step", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=2, help="latency job repeats; medians reported")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=None, help="default: --stages")
@@ -93,14 +95,12 @@ def run(args: argparse.Namespace) -> dict:
         ]
         long = SamplingParams(max_tokens=max(1, args.long_tokens), ignore_eos=True)
         params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-        jobs = [
-            PipelineJob([long_prompt], long),
+        rounds = max(1, args.rounds) if args.long_tokens else 0
+        jobs = [PipelineJob([long_prompt], long) for _ in range(rounds)] + [
             PipelineJob(batch, params, dict(micro_batches=1)),
             PipelineJob(batch, params, dict(micro_batches=m)),
             PipelineJob(batch, params, dict(micro_batches=m, schedule="lockstep")),
         ]
-        if args.long_tokens == 0:
-            jobs = jobs[1:]
         setup = PipelineSetup(str(path), args.stages, threads=args.threads)
         print(
             f"[bench_pipeline] {args.stages} stages, {args.threads} thread(s) each", file=sys.stderr
@@ -111,18 +111,26 @@ def run(args: argparse.Namespace) -> dict:
 
         figures: dict = {"stages": args.stages, "launch_and_run_s": round(launch_s, 1)}
         results = pipeline.results
-        if args.long_tokens:
-            latencies = step_latencies(pipeline.stages, 0)
-            early = latency_at(latencies, args.early_step - 1)
-            late = latency_at(latencies, min(args.late_step, len(latencies)) - 1)
+        if rounds:
+            # a busy machine drifts over a minute: each round's early and late step, and
+            # the median of the rounds
+            early, late = [], []
+            for job in range(rounds):
+                latencies = step_latencies(pipeline.stages, job)
+                early.append(latency_at(latencies, args.early_step - 1))
+                late.append(latency_at(latencies, min(args.late_step, len(latencies)) - 1))
             figures["latency"] = {
                 "early_step": args.early_step,
                 "late_step": args.late_step,
-                "early_ms": round(early * 1000, 2),
-                "late_ms": round(late * 1000, 2),
-                "late_over_early": round(late / early, 3),
+                "early_ms": round(statistics.median(early) * 1000, 2),
+                "late_ms": round(statistics.median(late) * 1000, 2),
+                "late_over_early": round(statistics.median(late) / statistics.median(early), 3),
+                "rounds_ms": [
+                    [round(e * 1000, 1), round(la * 1000, 1)]
+                    for e, la in zip(early, late, strict=True)
+                ],
             }
-            results = results[1:]
+            results = results[rounds:]
         first = len(jobs) - 3
         single, micro, lockstep = results
         figures["batch"] = {
@@ -170,7 +178,8 @@ def print_figures(figures: dict) -> None:
         lat = figures["latency"]
         print(
             f"per-step latency, 1 row: step {lat['early_step']} {lat['early_ms']:.1f} ms, "
-            f"step {lat['late_step']} {lat['late_ms']:.1f} ms ({lat['late_over_early']:.2f}x)",
+            f"step {lat['late_step']} {lat['late_ms']:.1f} ms ({lat['late_over_early']:.2f}x; "
+            f"per round {lat['rounds_ms']})",
             file=out,
         )
     b = figures["batch"]
