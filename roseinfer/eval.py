@@ -410,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     memory = int(args.kv_memory_gib * GiB)
     auto_bytes = kv_bytes_per_token(config, "auto", itemsize=itemsize)
     header = (
-        f"{'KV cache':<34}{'bytes/tok':>10}{'x auto':>8}{'requests':>10}{'perplexity':>16}"
+        f"{'KV cache':<42}{'bytes/tok':>10}{'x auto':>8}{'requests':>10}{'perplexity':>16}"
         f"{'change':>9}{'top-1 agree':>13}{'first diff':>12}{'score tok/s':>13}{'greedy tok/s':>14}"
     )
     print(
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         f"tokens in {args.kv_memory_gib:g} GiB; agreement: {args.prompts} prompts x {args.steps} "
         f"greedy steps vs auto\n{header}\n{'-' * len(header)}"
     )
-    print(f"{'none (one forward pass)':<34}{'':>28}{reference.value:>16,.3f}", flush=True)
+    print(f"{'none (one forward pass)':<42}{'':>28}{reference.value:>16,.3f}", flush=True)
     for choice in choices:
         ppl = cached_perplexity(model, batches, choice)
         agree = greedy_agreement(model, prompts, references, choice)
@@ -427,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         diverged = [step for step in agree.first_divergence if step is not None]
         first = f"{min(diverged)} ({len(diverged)}/{len(prompts)})" if diverged else "none"
         print(
-            f"{choice.label:<34}{per_token:>10,.0f}{per_token / auto_bytes:>8.3f}{fits:>10,}"
+            f"{choice.label:<42}{per_token:>10,.0f}{per_token / auto_bytes:>8.3f}{fits:>10,}"
             f"{ppl.value:>16,.3f}{ppl.value / reference.value - 1:>+9.2%}"
             f"{agree.top1_agreement:>13.2%}{first:>12}{ppl.tokens_per_s:>13.1f}"
             f"{agree.tokens_per_s:>14.1f}",
