@@ -92,7 +92,9 @@ def bench(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         export(model, Path(workdir) / onnx_generate.MODEL_FILE)
         write_meta(model, Path(workdir), 50256, "gpt2", opset=18, source=f"random {args.preset}")
-        onnx_model = OnnxModel(workdir)  # the session holds the weights: the files can go
+        # The session holds the weights: the files can go. Its threads must not spin between
+        # runs, or they would slow the torch paths timed in between.
+        onnx_model = OnnxModel(workdir, spin=False)
     status(f"exported {args.preset} in {time.perf_counter() - started:.0f} s")
 
     def run_torch(prompts: list[list[int]], mode: str | None) -> list[GenerationResult]:

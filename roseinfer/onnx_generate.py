@@ -72,7 +72,9 @@ class OnnxMeta:
 class OnnxModel:
     """An exported decoder in an onnxruntime session: one call per generation step."""
 
-    def __init__(self, directory: str | Path, threads: int | None = None) -> None:
+    def __init__(
+        self, directory: str | Path, threads: int | None = None, spin: bool = True
+    ) -> None:
         try:
             import onnxruntime as ort
         except ImportError:
@@ -96,6 +98,10 @@ class OnnxModel:
         options = ort.SessionOptions()
         if threads is not None:
             options.intra_op_num_threads = threads
+        if not spin:
+            # onnxruntime's idle threads spin, waiting for the next run: fast for a loop of
+            # runs, but they take the cores from anything else this process does (torch).
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.session = ort.InferenceSession(
                 str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
