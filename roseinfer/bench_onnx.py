@@ -53,8 +53,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=[*COMPILE_MODES, "none"],
         help="the compiled path's mode; 'none' leaves it out (default: default)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="threads for torch and for onnxruntime alike (default: each library's own; "
+        "on a shared machine 1 is the steadiest comparison)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        raise RoseError(f"--threads must be >= 1, got {args.threads}")
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
@@ -81,6 +89,8 @@ def decode_tokens_per_s(results: list[GenerationResult]) -> float:
 
 def bench(args: argparse.Namespace) -> int:
     config = GPTConfig.from_preset(args.preset)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = GPT(config).eval()
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
@@ -94,7 +104,7 @@ def bench(args: argparse.Namespace) -> int:
         write_meta(model, Path(workdir), 50256, "gpt2", opset=18, source=f"random {args.preset}")
         # The session holds the weights: the files can go. Its threads must not spin between
         # runs, or they would slow the torch paths timed in between.
-        onnx_model = OnnxModel(workdir, spin=False)
+        onnx_model = OnnxModel(workdir, threads=args.threads, spin=False)
     status(f"exported {args.preset} in {time.perf_counter() - started:.0f} s")
 
     def run_torch(prompts: list[list[int]], mode: str | None) -> list[GenerationResult]:
@@ -130,8 +140,8 @@ def bench(args: argparse.Namespace) -> int:
             rows.append((batch_size, name, statistics.median(speeds[name]), same))
 
     print(
-        f"decode tokens/s, {args.preset} random weights, fp32, CPU ({torch.get_num_threads()} "
-        f"threads), prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
+        f"decode tokens/s, {args.preset} random weights, fp32, CPU (torch: "
+        f"{torch.get_num_threads()} threads, onnxruntime: {args.threads or 'its default'}), prompts {args.prompt_len // 2}..{args.prompt_len} tokens, "
         f"{args.new_tokens} new, median of {args.rounds}"
     )
     print(f"{'B':>3}  {'path':<30} {'tok/s':>9}  {'vs eager':>8}  same tokens as eager")
