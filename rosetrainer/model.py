@@ -259,8 +259,7 @@ class GPT(nn.Module):
         targets: (B, T) next-token ids (-100 is ignored) -> mean cross-entropy `loss`.
         cache: keys/values of earlier tokens; the new ones are added to it (see KVCache).
         last_only: compute logits for the last position only (generation needs no more).
-        logits_at: compute logits only at these time indices (the serving engine's flat
-            batch holds many sequences in one row, and needs each one's last token).
+        logits_at: logits only at these time indices (the engine's flat batch: each sequence's last).
         validate: check ids and positions; a decode loop feeding back its own argmax may skip it.
         """
         B, T = idx.shape
@@ -281,19 +280,26 @@ class GPT(nn.Module):
                 x = block(x, attn_mask, cache, layer)
         x = self.transformer.ln_f(x)
         if recompute and targets is not None:
-            # The (B, T, vocab) logits, their log-softmax and gradients outweigh every
-            # block's activations at GPT-2's vocabulary: recompute them too, a slice of
-            # the sequence at a time, and never hold them whole (logits are not returned).
+            # At GPT-2's vocabulary the logits outweigh every block's activations: rebuild
+            # them too, a slice of the sequence at a time (and never return them whole).
             return GPTOutput(None, self._recomputed_loss(x, targets))
+        return self._head(x, targets, last_only, logits_at)
+
+    def _head(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None,
+        last_only: bool,
+        logits_at: torch.Tensor | None,
+    ) -> GPTOutput:
+        """Final hidden states -> logits at the positions asked for (and the loss, given targets)."""
+        if targets is not None and (last_only or logits_at is not None):
+            raise RoseError("targets need logits at every position; drop last_only and logits_at")
         if logits_at is not None:
             x = x[:, logits_at, :]
-        return self._head(x, targets, last_only)
-
-    def _head(self, x: torch.Tensor, targets: torch.Tensor | None, last_only: bool) -> GPTOutput:
-        """Final hidden states -> logits (and the loss, given targets)."""
-        if targets is not None and last_only:
-            raise RoseError("targets need logits at every position; drop last_only")
-        logits = self.lm_head(x[:, -1:, :] if last_only else x)
+        elif last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
