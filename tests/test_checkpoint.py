@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from roseinfer.demo import wide_random_init
 from rosetrainer.checkpoint import (
     CHECKPOINT_FORMAT,
     find_latest_checkpoint,
@@ -97,6 +98,22 @@ def test_weights_saved_from_compiled_or_ddp_models_load(tmp_path: Path):
     save_checkpoint(tmp_path / "wrapped.pt", {**state, "model": wrapped})
     model, _ = load_model(tmp_path / "wrapped.pt")
     assert torch.equal(model.transformer.wte.weight, state["model"]["transformer.wte.weight"])
+
+
+def test_an_untied_output_matrix_stays_untied(tmp_path: Path):
+    """A model with its own output matrix loads as saved: embedding and head both kept."""
+    model = wide_random_init(
+        GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)), 0
+    )
+    save_checkpoint(
+        tmp_path / "untied.pt",
+        {**trained_state(), "model": model.state_dict(), "model_config": model.config.to_dict()},
+    )
+    loaded, _ = load_model(tmp_path / "untied.pt")
+    assert loaded.lm_head.weight is not loaded.transformer.wte.weight
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
 
 
 def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
