@@ -272,7 +272,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], device: str | torch.device = "cp
     check_weights_fit(state_dict, model, "checkpoint weights")
     head, embedding = state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]
     if not torch.equal(head, embedding):
-        # Saved with an output matrix of its own (roseinfer.demo's wide init makes one):
+        # Saved with an output matrix of its own (the chapters' wide random init makes one):
         # loading it into the tied matrix would overwrite the token embedding with it.
         model.lm_head.weight = torch.nn.Parameter(torch.empty_like(head))
     model.load_state_dict(state_dict)
