@@ -34,6 +34,7 @@ import torch
 
 from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
 from roseinfer.sampling import SamplingParams, sample_next_token
+from roseinfer.sampling_params import params_per_prompt
 from roseinfer.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -254,23 +255,7 @@ def make_sequences(
     decode: Callable[[list[int]], str] | None,
 ) -> list[Sequence]:
     """One checked Sequence per prompt."""
-    block_size = model.config.block_size
-    if not prompts:
-        raise RoseError("no prompts given: pass at least one list of token ids")
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    if len(params) != len(prompts):
-        raise RoseError(
-            f"{len(params)} SamplingParams for {len(prompts)} prompt(s): give one, or one per prompt"
-        )
-    for prompt in prompts:
-        if not prompt:
-            raise RoseError("a prompt is empty: start it from the end-of-text token instead")
-        if len(prompt) > block_size:
-            raise RoseError(
-                f"a prompt has {len(prompt)} tokens but the model's context (block_size) is "
-                f"{block_size}: shorten the prompt"
-            )
+    params = params_per_prompt(prompts, params, model.config.block_size)
     device = next(model.parameters()).device  # (a pipeline stage may hold no lm_head)
     return [
         Sequence(list(prompt), p, eos_id=eot_id, decode=decode, device=device)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, params_per_prompt
 from roseinfer.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 
@@ -266,23 +266,9 @@ def _sequences(
     decode: Callable[[list[int]], str] | None,
 ) -> list[OnnxSequence]:
     """One checked OnnxSequence per prompt."""
-    if not prompts:
-        raise RoseError("no prompts given: pass at least one list of token ids")
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    if len(params) != len(prompts):
-        raise RoseError(
-            f"{len(params)} SamplingParams for {len(prompts)} prompt(s): give one, or one per prompt"
-        )
     meta = model.meta
+    params = params_per_prompt(prompts, params, meta.block_size)
     for prompt in prompts:
-        if not prompt:
-            raise RoseError("a prompt is empty: start it from the end-of-text token instead")
-        if len(prompt) > meta.block_size:
-            raise RoseError(
-                f"a prompt has {len(prompt)} tokens but the model's context (block_size) is "
-                f"{meta.block_size}: shorten the prompt"
-            )
         if min(prompt) < 0 or max(prompt) >= meta.vocab_size:
             raise RoseError(
                 f"a prompt has a token id outside the vocabulary [0, {meta.vocab_size})"

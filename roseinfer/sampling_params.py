@@ -66,3 +66,27 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def params_per_prompt(
+    prompts: list[list[int]], params: SamplingParams | list[SamplingParams], block_size: int
+) -> list[SamplingParams]:
+    """Check a batch of prompts against the context window; one SamplingParams per prompt
+    (one given for all, or one each)."""
+    if not prompts:
+        raise RoseError("no prompts given: pass at least one list of token ids")
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise RoseError(
+            f"{len(params)} SamplingParams for {len(prompts)} prompt(s): give one, or one per prompt"
+        )
+    for prompt in prompts:
+        if not prompt:
+            raise RoseError("a prompt is empty: start it from the end-of-text token instead")
+        if len(prompt) > block_size:
+            raise RoseError(
+                f"a prompt has {len(prompt)} tokens but the model's context (block_size) is "
+                f"{block_size}: shorten the prompt"
+            )
+    return list(params)
