@@ -172,25 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
-        help="how the static cache stores keys and values: auto (the model's dtype, default), "
-        "int8 or int4 (quantized in groups, keys per channel and values per token, the latest "
-        "tokens exact; see --kv-cache-window). A quantized cache is a static one: several "
-        "prompts then run in left-padded batches, not through the engine",
+        help="how the KV cache (static, or the engine's paged pool) stores keys and values: "
+        "auto (the model's dtype, default), int8 or int4 (quantized in groups, keys per "
+        "channel and values per token, the latest tokens exact; see --kv-cache-window)",
     )
     p.add_argument(
         "--kv-cache-window",
         type=int,
         default=DEFAULT_WINDOW,
         help="with int8/int4: the latest tokens kept exact, in the model's dtype; older ones "
-        f"are quantized a group at a time (0: none but a group still filling; "
-        f"default: {DEFAULT_WINDOW})",
+        f"are quantized a group at a time (0: none but a group still filling; the engine "
+        f"rounds the window out to whole KV blocks; default: {DEFAULT_WINDOW})",
     )
     p.add_argument(
         "--kv-cache-group-size",
         type=int,
         default=DEFAULT_GROUP_SIZE,
         help="with int8/int4: numbers sharing one scale and zero point; must divide the "
-        f"head size (default: {DEFAULT_GROUP_SIZE})",
+        f"head size (the engine groups keys by KV block; default: {DEFAULT_GROUP_SIZE})",
     )
     p.add_argument(
         "--compile",
@@ -278,8 +277,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     quantized = args.kv_cache_dtype != "auto"
     if quantized and (args.no_kv_cache or args.cache == "concat" or args.onnx):
         raise RoseError(
-            f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache: drop "
-            "--no-kv-cache, --cache concat and --onnx"
+            f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache or the "
+            "engine's pool: drop --no-kv-cache, --cache concat and --onnx"
         )
     if quantized and args.compile:
         raise RoseError(
@@ -493,10 +492,9 @@ def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
 
 
 def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
-    """Several prompts go through the engine, unless a flag asks for another path (the
-    engine's paged cache has no quantized form yet: a quantized cache is a static one)."""
+    """Several prompts go through the engine, unless a flag asks for another path."""
     other_path = args.no_kv_cache or args.cache or args.compile or args.onnx
-    return num_prompts > 1 and not (other_path or args.kv_cache_dtype != "auto")
+    return num_prompts > 1 and not other_path
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -506,6 +504,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.batch_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_window=args.kv_cache_window,
+        kv_cache_group_size=args.kv_cache_group_size,
     )
 
 

@@ -207,6 +207,21 @@ class QuantizedStore:
         q = Quantized(codes, self.scale[:, :, groups], self.zero[:, :, groups])
         return dequantize(q, self.group_size, self.dim, dtype)
 
+    def write_rows(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x (len(rows), H, max_len, D) into batch rows `rows`, every slot of them
+        (the engine's pool: a row is a block)."""
+        q = quantize(x, self.bits, self.group_size, self.dim)
+        self.codes[rows] = pack_int4(q.codes) if self.bits == 4 else q.codes
+        self.scale[rows] = q.scale
+        self.zero[rows] = q.zero
+
+    def read_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Batch rows `rows` dequantized: (len(rows), H, max_len, D) in `dtype`."""
+        codes = self.codes[rows]
+        codes = unpack_int4(codes) if self.bits == 4 else codes
+        q = Quantized(codes, self.scale[rows], self.zero[rows])
+        return dequantize(q, self.group_size, self.dim, dtype)
+
     def _group_slots(self, start: int, end: int) -> slice:
         """Where the parameters of slots start .. end sit along time."""
         if self.dim == TIME_DIM:

@@ -22,6 +22,7 @@ import uvicorn
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.quant import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, KV_CACHE_DTYPES
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
@@ -61,6 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes"
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="how the pool stores keys and values: auto (the model's dtype, default), int8 or "
+        "int4 (quantized a full block at a time, the latest tokens exact)",
+    )
+    engine.add_argument(
+        "--kv-cache-window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help="with int8/int4: each request's latest tokens kept exact, rounded out to whole "
+        f"blocks, besides its filling block (default: {DEFAULT_WINDOW})",
+    )
+    engine.add_argument(
+        "--kv-cache-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="with int8/int4: value channels sharing one scale and zero point; must divide "
+        f"the head size (keys: one group per block; default: {DEFAULT_GROUP_SIZE})",
     )
     p.add_argument(
         "--max-waiting",
@@ -109,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_window=args.kv_cache_window,
+        kv_cache_group_size=args.kv_cache_group_size,
     )
     engine = LLMEngine(model, tokenizer, config)
     settings = ServerSettings(

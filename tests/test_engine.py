@@ -108,8 +108,9 @@ def random_workload(
 CASES = range(12)
 
 
-def run_case(model, tokenizer, case: int) -> dict[str, object]:
-    """One random schedule, the pool checked after every step; what happened, for the tests."""
+def run_case(model, tokenizer, case: int, **config) -> dict[str, object]:
+    """One random schedule, the pool checked after every step; what happened, for the
+    tests. config: further EngineConfig settings."""
     rng = random.Random(case)
     engine = engine_for(
         model,
@@ -119,6 +120,7 @@ def run_case(model, tokenizer, case: int) -> dict[str, object]:
         max_num_seqs=rng.randrange(1, 8),
         attention=["fast", "reference"][case % 2],
         shuffle_blocks_seed=case,
+        **config,
     )
     pending = random_workload(rng, 12)
     requests, aborted, finished = {}, set(), {}
@@ -171,6 +173,24 @@ def test_random_schedules_equal_solo_runs(model, tokenizer, case: int) -> None:
         window_full = len(prompt) + len(output.token_ids) > CONTEXT
         assert output.finish_reason == "length"
         assert window_full or len(output.token_ids) == params.max_tokens
+
+
+@pytest.mark.parametrize("case", CASES[:6])
+def test_random_schedules_on_a_quantized_pool(model, tokenizer, case: int) -> None:
+    """int8, a window of one block: its exact blocks never outgrow their pool whatever the
+    schedule (preemption, chunks, aborts, prefix hits), and every block comes back. With
+    the window over the whole context and no prefix cache (a hit would read quantized
+    blocks), the tokens are the solo runs'."""
+    quant = dict(kv_cache_group_size=8)  # head size 16
+    small_window = dict(kv_cache_window=KV_BLOCK, **quant)
+    run = run_case(model, tokenizer, case, kv_cache_dtype="int8", **small_window)
+    assert set(run["finished"]) == set(run["requests"])
+    assert run["engine"].stats().num_kv_blocks_used == 0
+    exact = dict(kv_cache_window=CONTEXT, enable_prefix_caching=False, **quant)
+    run = run_case(model, tokenizer, case, kv_cache_dtype="int4", **exact)
+    for request_id, (prompt, params) in run["requests"].items():
+        if request_id not in run["aborted"]:
+            assert run["finished"][request_id].token_ids == solo(model, tokenizer, prompt, params)
 
 
 def test_the_random_schedules_exercise_every_path(model, tokenizer) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from models import make_test_model
 
-from roseinfer import cli_generate
+from roseinfer import cli_generate, serve
 from roseinfer import eval as rose_eval
 from roseinfer.demo import wide_random_init
 from roseinfer.eval import (
@@ -202,9 +202,26 @@ def test_eval_mistakes_are_one_line(
     assert line.startswith("[roseinfer.eval] error: ") and message in line, line
 
 
-def test_the_engine_says_its_paged_cache_is_not_quantized() -> None:
-    from roseinfer.engine.config import EngineConfig
-    from rosetrainer.errors import RoseError
+def test_several_prompts_run_through_a_quantized_engine(
+    checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    common = ["--checkpoint-path", checkpoint, "--temperature", "0", "--max-new-tokens", "16"]
+    common += ["--prompt", "ROMEO:", "--prompt", "To be or not", "--no-stop-at-eot"]
+    code, auto, err = run_main(cli_generate, capsys, *common)
+    assert code == 0 and "kv cache: paged (engine)" in err
+    quant = ["--kv-cache-dtype", "int8", "--kv-cache-group-size", "16"]
+    code, out, err = run_main(cli_generate, capsys, *common, *quant, "--kv-cache-window", 32)
+    assert code == 0 and "kv cache: paged (engine)" in err
+    assert "kv cache dtype: int8 (group size 16, latest 32 tokens exact)" in err
+    assert out == auto  # the window covers every token: the engine's exact tokens
 
-    with pytest.raises(RoseError, match="the engine's paged cache is not quantized yet"):
-        EngineConfig(kv_cache_dtype="int8")
+
+def test_serve_refuses_a_bad_group_size_in_one_line(
+    checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    flags = ["--kv-cache-dtype", "int4", "--kv-cache-group-size", "5", "--port", "0"]
+    code, out, err = run_main(serve, capsys, "--checkpoint-path", checkpoint, *flags)
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith("[rose-serve] error: ")
+    assert "KV cache group size 5 does not divide the head size 16" in line

@@ -9,6 +9,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from roseinfer.quant import (
+    BITS,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_WINDOW,
+    KV_CACHE_DTYPES,
+    METADATA_BYTES_PER_GROUP,
+    check_quant_settings,
+)
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 
@@ -27,7 +35,11 @@ class EngineConfig:
     max_num_seqs: int = 64  # running sequences at most
     max_num_batched_tokens: int = 512  # tokens per step (decode tokens + prefill chunks)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8", "int4": quantized
+    # Quantized pool: tokens kept exact besides each sequence's filling block (rounded out
+    # to whole blocks), and channels per value group (keys: one group per block).
+    kv_cache_window: int = DEFAULT_WINDOW
+    kv_cache_group_size: int = DEFAULT_GROUP_SIZE
     # Tests: hand out free blocks in a random order drawn from this seed, so a logical
     # block number used where a physical one belongs cannot pass by luck. None: in order.
     shuffle_blocks_seed: int | None = None
@@ -48,33 +60,61 @@ class EngineConfig:
             raise RoseError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise RoseError(
-                f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}: the engine's "
-                f"paged cache is not quantized yet (roseinfer.quant's static cache is)"
+                f"unknown KV cache dtype {self.kv_cache_dtype!r}: choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
             )
         if self.attention not in ("fast", "reference"):
             raise RoseError(f"attention must be 'fast' or 'reference', got {self.attention!r}")
 
+    def check_model(self, model: GPTConfig) -> None:
+        """The settings that depend on the model (a quantized pool's group size)."""
+        check_quant_settings(
+            model, self.kv_cache_dtype, self.kv_cache_group_size, self.kv_cache_window, "channel"
+        )
+
     def bytes_per_block(self, model: GPTConfig, element_size: int) -> int:
-        """Keys and values of block_size tokens in every layer."""
-        return 2 * model.n_layer * model.n_embd * self.block_size * element_size
+        """Keys and values of block_size tokens in every layer (quantized: codes, and a
+        float16 scale and zero per group: keys one group per channel, values one per
+        kv_cache_group_size channels of each token)."""
+        numbers = 2 * model.n_layer * model.n_embd * self.block_size
+        if self.kv_cache_dtype == "auto":
+            return numbers * element_size
+        key_groups = model.n_layer * model.n_embd  # one per channel
+        value_groups = model.n_layer * self.block_size * model.n_embd // self.kv_cache_group_size
+        groups = key_groups + value_groups
+        return numbers * BITS[self.kv_cache_dtype] // 8 + groups * METADATA_BYTES_PER_GROUP
+
+    def exact_blocks(self) -> int:
+        """A quantized pool's exact blocks at most: each running sequence's window and
+        filling block, plus the blocks one step may start writing (see QuantizedKVPool)."""
+        if self.kv_cache_dtype == "auto":
+            return 0
+        window_blocks = -(-self.kv_cache_window // self.block_size)
+        step_blocks = -(-self.max_num_batched_tokens // self.block_size) + self.max_num_seqs
+        return self.max_num_seqs * (window_blocks + 1) + step_blocks
 
     def pool_blocks(self, model: GPTConfig, element_size: int) -> int:
-        """How many blocks the pool holds, from the user's size or the default."""
+        """How many blocks the pool holds, from the user's size or the default (a
+        quantized pool's exact blocks are paid for out of the size first)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         per_block = self.bytes_per_block(model, element_size)
+        exact_bytes = self.exact_blocks() * 2 * model.n_layer * model.n_embd * self.block_size
+        exact_bytes *= element_size
         if self.kv_cache_memory is not None:
-            budget = parse_bytes(self.kv_cache_memory)
+            budget = parse_bytes(self.kv_cache_memory) - exact_bytes
             if budget < per_block:
                 raise RoseError(
                     f"kv_cache_memory {self.kv_cache_memory!r} holds no block: one block of "
                     f"{self.block_size} tokens takes {per_block} bytes"
+                    + (f", after {exact_bytes} bytes of exact blocks" if exact_bytes else "")
                 )
             return budget // per_block
         full_context = -(-model.block_size // self.block_size)
-        return max(1, min(self.max_num_seqs * full_context, DEFAULT_POOL_CAP_BYTES // per_block))
+        cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
+        return max(1, min(self.max_num_seqs * full_context, cap))
 
 
 def parse_bytes(size: int | str) -> int:

@@ -32,7 +32,7 @@ from roseinfer.engine.outputs import (
     request_output,
     token_logprob,
 )
-from roseinfer.engine.paged_cache import KVPool
+from roseinfer.engine.paged_cache import make_pool
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.generate import sample_rows
 from roseinfer.sampling import SamplingParams
@@ -56,8 +56,9 @@ class LLMEngine:
         # positions end there (see add_request).
         self.max_model_len = model.config.block_size
         weight = model.lm_head.weight  # the pool lives where the weights do, in their dtype
+        config.check_model(model.config)
         num_blocks = config.pool_blocks(model.config, weight.element_size())
-        self.pool = KVPool(model.config, num_blocks, config.block_size, weight.dtype, weight.device)
+        self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, config.shuffle_blocks_seed
         )
@@ -142,6 +143,14 @@ class LLMEngine:
         """Schedule and run one model step; one output per request that made a token or
         finished (aborted ones included) in it."""
         started = time.perf_counter()
+        if self.pool.quantized:
+            # Blocks out of every running sequence's window go to their codes. Done first,
+            # once finished and aborted sequences are gone, so that the exact blocks are
+            # at most those of max_num_seqs windows plus what this step writes.
+            running = self.scheduler.running
+            self.pool.settle(
+                [seq.block_table for seq in running], [seq.num_computed_tokens for seq in running]
+            )
         outputs = [request_output(seq, self.tokenizer) for seq in self.aborted]
         self.aborted = []
         batch = self.scheduler.schedule()

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from roseinfer.engine.config import EngineConfig
+from roseinfer.quant import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
@@ -55,6 +57,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.n_head = config.n_head
+        self.quantized = False
         shape = (num_blocks, config.n_head, block_size, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -66,6 +69,143 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
+
+
+class QuantizedKVPool:
+    """A pool whose blocks are stored in int8 or int4 (roseinfer.quant), the recent ones exact.
+
+    Every block has quantized codes: keys per channel, one group per block (the
+    block_size tokens of a channel), values per token in groups of group_size channels.
+    A full block never changes again, so it is quantized once, when it falls out of
+    every running sequence's window. Until then it sits in the exact pool, in the
+    model's dtype: a block being written (new keys and values always go there), a
+    sequence's still-filling last block, and the blocks holding its latest `window`
+    tokens (rounded out to whole blocks). `exact_slot[b]` is block b's place in the
+    exact pool, or -1 when its codes are what it holds.
+
+    Reads (`read_blocks`) dequantize the blocks asked for and lay the exact ones over them.
+    """
+
+    quantized = True
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        kv_cache_dtype: str,
+        window: int,
+        group_size: int,
+        num_exact_blocks: int,
+    ) -> None:
+        self.num_blocks, self.block_size, self.n_head = num_blocks, block_size, config.n_head
+        self.dtype, self.window = dtype, window
+        shape = (num_blocks, config.n_head, block_size, config.head_dim)
+        bits = BITS[kv_cache_dtype]
+        self.k = [
+            QuantizedStore(shape, bits, block_size, TIME_DIM, device) for _ in range(config.n_layer)
+        ]
+        self.v = [
+            QuantizedStore(shape, bits, group_size, CHANNEL_DIM, device)
+            for _ in range(config.n_layer)
+        ]
+        exact_shape = (num_exact_blocks, config.n_head, block_size, config.head_dim)
+        self.exact_k = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
+        self.exact_v = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
+        self.exact_slot = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self.free_exact = list(range(num_exact_blocks))
+
+    @property
+    def device(self) -> torch.device:
+        return self.exact_slot.device
+
+    @property
+    def nbytes(self) -> int:
+        stores = sum(store.nbytes for store in self.k + self.v)
+        return stores + sum(t.nbytes for t in self.exact_k + self.exact_v)
+
+    def exact_blocks(self) -> list[int]:
+        return torch.nonzero(self.exact_slot >= 0).flatten().tolist()
+
+    def make_exact(self, block_ids: list[int]) -> None:
+        """Give these blocks a place in the exact pool (before a step writes to them),
+        holding what their codes hold until the writes land."""
+        new = [b for b in block_ids if self.exact_slot[b] < 0]
+        if not new:
+            return
+        if len(new) > len(self.free_exact):
+            raise RuntimeError(f"exact KV pool full: {len(new)} blocks asked for, sized too small")
+        slots = [self.free_exact.pop() for _ in new]
+        blocks = torch.tensor(new, device=self.device)
+        places = torch.tensor(slots, device=self.device)
+        for layer in range(len(self.k)):
+            self.exact_k[layer][places] = self.k[layer].read_rows(blocks, self.dtype)
+            self.exact_v[layer][places] = self.v[layer].read_rows(blocks, self.dtype)
+        self.exact_slot[blocks] = places
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New keys and values (tokens, n_head, head_dim) at pool slots `slots` (their
+        blocks made exact first): into the exact pool."""
+        exact = self.exact_slot[slots // self.block_size] * self.block_size
+        exact = exact + slots % self.block_size
+        write_slots(self.exact_k[layer], exact, k)
+        write_slots(self.exact_v[layer], exact, v)
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor) -> LayerPast:
+        """Keys and values of these blocks, (len, n_head, block_size, head_dim) each."""
+        keys = self.k[layer].read_rows(block_ids, self.dtype)
+        values = self.v[layer].read_rows(block_ids, self.dtype)
+        places = self.exact_slot[block_ids]
+        exact = places >= 0
+        keys[exact] = self.exact_k[layer][places[exact]]
+        values[exact] = self.exact_v[layer][places[exact]]
+        return keys, values
+
+    def settle(self, tables: list[list[int]], num_tokens: list[int]) -> None:
+        """After a step: quantize every exact block no running sequence keeps exact (each
+        keeps the blocks of its latest `window` tokens and its filling block), and free
+        its place in the exact pool. tables, num_tokens: the running sequences' blocks and
+        how many tokens of each the pool holds."""
+        keep: set[int] = set()
+        for table, n in zip(tables, num_tokens, strict=True):
+            first = max(0, n - self.window) // self.block_size  # the window's first block
+            keep.update(table[first : -(-n // self.block_size)])
+        drop = [b for b in self.exact_blocks() if b not in keep]
+        if not drop:
+            return
+        blocks = torch.tensor(drop, device=self.device)
+        places = self.exact_slot[blocks]
+        for layer in range(len(self.k)):
+            self.k[layer].write_rows(blocks, self.exact_k[layer][places])
+            self.v[layer].write_rows(blocks, self.exact_v[layer][places])
+        self.exact_slot[blocks] = -1
+        self.free_exact += places.tolist()
+
+
+def make_pool(
+    config: GPTConfig,
+    num_blocks: int,
+    engine: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVPool | QuantizedKVPool:
+    """The engine's pool: plain for kv_cache_dtype "auto", else quantized."""
+    if engine.kv_cache_dtype == "auto":
+        return KVPool(config, num_blocks, engine.block_size, dtype, device)
+    return QuantizedKVPool(
+        config,
+        num_blocks,
+        engine.block_size,
+        dtype,
+        device,
+        kv_cache_dtype=engine.kv_cache_dtype,
+        window=engine.kv_cache_window,
+        group_size=engine.kv_cache_group_size,
+        num_exact_blocks=min(num_blocks, engine.exact_blocks()),
+    )
 
 
 def write_slots(blocks: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -170,6 +310,8 @@ class PagedKVCache:
         positions = paged_positions(self.num_computed, self.num_new).to(device)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), self.num_new).to(device)
         self.write_slots = slot_mapping(self.tables, seq_of_token, positions, self.block_size)
+        if self.pool.quantized:  # the blocks written in this call take their exact places now
+            self.pool.make_exact(torch.unique(self.write_slots // self.block_size).tolist())
         if self.layout == "flat":
             # Every key the new tokens may read: positions 0 .. num_computed + num_new - 1
             # of each sequence, one sequence after another.
@@ -188,6 +330,8 @@ class PagedKVCache:
         return positions[:, None], mask[:, None, None, :]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
+        if self.pool.quantized:
+            return self._update_quantized(layer, k, v)
         k_blocks, v_blocks = self.pool.k[layer], self.pool.v[layer]
         # (rows, n_head, q_len, head_dim) -> one (n_head, head_dim) entry per new token,
         # in the order of write_slots (sequence by sequence, position by position).
@@ -199,6 +343,31 @@ class PagedKVCache:
                 v_blocks, self.read_slots
             )[None]
         return self._read_blocks(k_blocks), self._read_blocks(v_blocks)
+
+    def _update_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
+        """update() on a QuantizedKVPool: write to the exact pool, read the step's blocks
+        dequantized (the exact ones as they are), then pick slots as the plain path does."""
+        rows, n_head, q_len, head_dim = k.shape
+        entries = (-1, n_head, head_dim)
+        self.pool.write(
+            layer,
+            self.write_slots,
+            k.transpose(1, 2).reshape(entries),
+            v.transpose(1, 2).reshape(entries),
+        )
+        if self.layout == "flat":
+            # Only the blocks the step reads, numbered 0.. in a local copy.
+            blocks, local = torch.unique(self.read_slots // self.block_size, return_inverse=True)
+            k_blocks, v_blocks = self.pool.read_blocks(layer, blocks)
+            slots = local * self.block_size + self.read_slots % self.block_size
+            return read_slots(k_blocks, slots)[None], read_slots(v_blocks, slots)[None]
+        # Each row's blocks in table order, then (rows, n_head, max_blocks * block_size, head_dim).
+        rows, max_blocks = self.tables.shape
+        k_blocks, v_blocks = self.pool.read_blocks(layer, self.tables.flatten())
+        by_row = (rows, max_blocks, n_head, self.block_size, head_dim)
+        keys = k_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
+        values = v_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
+        return keys, values
 
     def _read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Each row's blocks, whole and in table order: (rows, n_head, max_blocks * block_size,
