@@ -25,6 +25,10 @@ Two layouts of the same call:
 * "padded" (the fast path for decoding): one row per sequence with one new token,
   shape (num_seqs, 1); each row reads its own blocks, padded to the longest table.
   Attention then costs each query only its own context, not everyone's.
+
+`QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.quant) and the blocks
+still being written, or in a sequence's recent window, exact; `PagedKVCache` reads
+either pool the same way.
 """
 
 from __future__ import annotations
