@@ -97,14 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.early_step = 4
     if args.batch_sizes is None:
         args.batch_sizes = "1,4" if args.quick else "1,4,16"
-    try:
-        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise RoseError(
-            f"--batch-sizes takes a comma list of integers, got {args.batch_sizes!r}"
-        ) from None
-    if any(b < 1 for b in args.batch_sizes):
-        raise RoseError(f"batch sizes must be >= 1, got {args.batch_sizes}")
+    args.batch_sizes = parse_batch_sizes(args.batch_sizes)
     if args.prompt_len < 1 or args.new_tokens < 2 or args.rounds < 1:
         raise RoseError("need --prompt-len >= 1, --new-tokens >= 2 and --rounds >= 1")
     args.paths = [name.strip() for name in args.paths.split(",") if name.strip()]
@@ -213,6 +206,17 @@ def run_rose(
         compile=STATIC_PATHS.get(path),
     )
     return result.token_ids
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """--batch-sizes: a comma list of integers >= 1 ('' is none)."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise RoseError(f"--batch-sizes takes a comma list of integers, got {text!r}") from None
+    if any(b < 1 for b in sizes):
+        raise RoseError(f"batch sizes must be >= 1, got {sizes}")
+    return sizes
 
 
 def ragged_prompts(

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from roseinfer import onnx_generate
-from roseinfer.bench import ragged_prompts
+from roseinfer.bench import parse_batch_sizes, ragged_prompts
 from roseinfer.export_onnx import export, write_meta
 from roseinfer.generate import COMPILE_MODES, generate_batch
 from roseinfer.kv_cache import StaticKVCache
@@ -63,14 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         raise RoseError(f"--threads must be >= 1, got {args.threads}")
-    try:
-        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise RoseError(
-            f"--batch-sizes takes a comma list of integers, got {args.batch_sizes!r}"
-        ) from None
-    if not args.batch_sizes or min(args.batch_sizes) < 1:
-        raise RoseError(f"batch sizes must be >= 1, got {args.batch_sizes}")
+    args.batch_sizes = parse_batch_sizes(args.batch_sizes)
+    if not args.batch_sizes:
+        raise RoseError("--batch-sizes is empty: give at least one batch size")
     if args.prompt_len < 2 or args.new_tokens < 2 or args.rounds < 1:
         raise RoseError("need --prompt-len >= 2, --new-tokens >= 2 and --rounds >= 1")
     return args
