@@ -12,7 +12,7 @@ the notebook. Never edit a notebook by hand: edit the chapter and build again
 Kernels start in notebooks/, the folder Jupyter starts a notebook's kernel in, so
 a notebook behaves the same built here, run by the tests, or opened by a reader.
 
-The environment decides the model (ROSE_CHAPTER_MODEL, see roseinfer/demo.py) and
+The environment decides the model (ROSE_CHAPTER_MODEL, see rosecourse/demo.py) and
 how long chapter 00 trains (ROSE_CHAPTER_FAST=1: ten steps). Build the committed
 notebooks without ROSE_CHAPTER_FAST: its run writes to a temporary folder, whose
 path would show in the outputs, and the build refuses notebooks with machine paths.

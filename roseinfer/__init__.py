@@ -15,7 +15,7 @@ def __getattr__(name: str) -> object:
 
         return LLM
     if name == "SamplingParams":
-        from roseinfer.sampling import SamplingParams
+        from roseinfer.request.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'roseinfer' has no attribute {name!r}")

@@ -26,8 +26,8 @@ from unittest import mock
 import torch
 
 import rosetrainer.model
-from roseinfer.demo import top2_margins, wide_random_init
-from roseinfer.generate import GenerationResult
+from rosecourse.demo import top2_margins, wide_random_init
+from roseinfer.loops.generate import GenerationResult
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
 
@@ -48,7 +48,7 @@ def make_test_model(
     vocab_size: int = 512,
 ) -> GPT:
     """A small GPT in eval mode whose greedy output is varied and position-sensitive
-    (the chapters' wide init, roseinfer.demo.wide_random_init)."""
+    (the chapters' wide init, rosecourse.demo.wide_random_init)."""
     config = GPTConfig(
         vocab_size=vocab_size,
         block_size=block_size,

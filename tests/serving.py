@@ -1,6 +1,6 @@
 """A real rose server for tests: a subprocess on 127.0.0.1, a free port, always stopped.
 
-`running_server` starts `python -m roseinfer.serve --port 0`, waits for its one ready
+`running_server` starts `python -m roseinfer.cli.serve --port 0`, waits for its one ready
 line (which names the port it got), yields, and on the way out (also after a failing
 test) sends SIGTERM, then SIGKILL if it has not exited.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from roseinfer.generate import generate
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
@@ -74,7 +74,7 @@ class Server:
 @contextmanager
 def running_server(checkpoint: Path, log_path: Path, *flags: str) -> Iterator[Server]:
     command = [
-        sys.executable, "-m", "roseinfer.serve", "--checkpoint-path", str(checkpoint),
+        sys.executable, "-m", "roseinfer.cli.serve", "--checkpoint-path", str(checkpoint),
         "--port", "0", "--device", "cpu", "--served-model-name", MODEL_NAME, *flags,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread is fastest

@@ -17,8 +17,9 @@ import pytest
 import torch
 from models import TEST_LOGIT_ATOL, assert_clear_margins, assert_matches_oracle, make_test_model
 
-import roseinfer.generate
-from roseinfer.generate import (
+import roseinfer.loops.generate
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import (
     GenerationResult,
     cached_steps,
     checked_keep,
@@ -26,9 +27,8 @@ from roseinfer.generate import (
     generate_batch,
     prefill,
 )
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams
-from roseinfer.sequence import Sequence
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -81,8 +81,8 @@ def test_each_row_of_a_ragged_batch_equals_its_oracle(cache_kind: str) -> None:
     assert max(map(len, RAGGED_PROMPTS)) + NEW_TOKENS > BLOCK_SIZE  # windows are crossed
     cache = make_cache(cache_kind, batch_size=len(RAGGED_PROMPTS))
     streamed: list[list[int]] = [[] for _ in RAGGED_PROMPTS]
-    real_prefill = roseinfer.generate.prefill
-    with mock.patch.object(roseinfer.generate, "prefill", side_effect=real_prefill) as spy:
+    real_prefill = roseinfer.loops.generate.prefill
+    with mock.patch.object(roseinfer.loops.generate, "prefill", side_effect=real_prefill) as spy:
         results = generate_batch(
             tiny_model(),
             RAGGED_PROMPTS,

@@ -26,7 +26,7 @@ def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFi
 def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
     paths = ["uncached", "concat", "static"]
     command = [
-        sys.executable, "-m", "roseinfer.bench", "--quick", "--json", "--plot", "",
+        sys.executable, "-m", "roseinfer.bench.decode", "--quick", "--json", "--plot", "",
         "--paths", ",".join(paths),
     ]  # fmt: skip
     # One thread: the quick model is tiny, and the CI machine has two shared cores.
@@ -54,7 +54,7 @@ def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
 
 
 def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -> None:
-    from roseinfer import bench as infer_bench
+    from roseinfer.bench import decode as infer_bench
     from rosetrainer.config import GPTConfig
     from rosetrainer.model import GPT
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from jupyter_client import KernelManager
 
-from roseinfer.demo import RANDOM_MODEL_CONFIG, demo_model, oracle_weakness
+from rosecourse.demo import RANDOM_MODEL_CONFIG, demo_model, oracle_weakness
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from roseinfer.demo import wide_random_init
+from rosecourse.demo import wide_random_init
 from rosetrainer.checkpoint import (
     CHECKPOINT_FORMAT,
     find_latest_checkpoint,

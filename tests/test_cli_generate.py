@@ -17,9 +17,9 @@ import pytest
 import torch
 from models import assert_clear_margins
 
-from roseinfer import cli_generate
-from roseinfer.generate import generate
-from roseinfer.sampling import SamplingParams
+from roseinfer.cli import generate as cli_generate
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.hf import load_hf_gpt2

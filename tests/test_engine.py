@@ -18,12 +18,13 @@ import pytest
 import torch
 from models import assert_clear_margins, make_test_model
 
-from roseinfer.engine import EngineConfig, LLMEngine, paged_cache
+from roseinfer.cache import paged as paged_cache
+from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.outputs import request_output
-from roseinfer.generate import generate
-from roseinfer.sampling import SamplingParams
-from roseinfer.sequence import Sequence
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 

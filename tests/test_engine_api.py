@@ -10,9 +10,9 @@ import torch
 from models import make_test_model
 
 import roseinfer
-from roseinfer import cli_generate
-from roseinfer.generate import generate
-from roseinfer.sampling import SamplingParams
+from roseinfer.cli import generate as cli_generate
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.errors import RoseError
 
@@ -113,7 +113,7 @@ def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
 def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    from roseinfer import bench_engine
+    from roseinfer.bench import engine as bench_engine
 
     code = bench_engine.main(["--quick"])
     out = capsys.readouterr().out

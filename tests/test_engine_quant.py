@@ -14,8 +14,8 @@ from models import assert_clear_margins, make_test_model
 
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
-from roseinfer.generate import generate
-from roseinfer.sampling import SamplingParams
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roseinfer import exercises
-from roseinfer.solutions import (
+from rosecourse import exercises
+from rosecourse.solutions import (
     ch02_concat_kv,
     ch03_causal_mask,
     ch04_position_ids,

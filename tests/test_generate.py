@@ -16,10 +16,10 @@ from models import (
     position_sensitivity,
 )
 
-import roseinfer.generate
-from roseinfer.generate import COMPILE_MODES, GenerationResult, generate, window_start
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams
+import roseinfer.loops.generate
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate, window_start
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -176,8 +176,10 @@ def test_cached_path_reprefills_each_time_the_window_fills() -> None:
     # Prompt of 1, 48 new tokens, block 16, keep 8: the sequence is cut when it reaches
     # 17 tokens, then every 9 more (26, 35, 44); the 48th token is never fed back.
     # One prefill of the prompt, then one re-prefill per cut.
-    real_prefill = roseinfer.generate.prefill
-    with mock.patch.object(roseinfer.generate, "prefill", side_effect=real_prefill) as prefill:
+    real_prefill = roseinfer.loops.generate.prefill
+    with mock.patch.object(
+        roseinfer.loops.generate, "prefill", side_effect=real_prefill
+    ) as prefill:
         generate(model, [7], greedy(48))
     assert prefill.call_count == 1 + 4
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from models import assert_clear_margins, assert_varied
 
-from roseinfer.generate import generate
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.tokenizer import Tokenizer
 

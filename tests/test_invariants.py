@@ -1,7 +1,7 @@
 """Each KV-cache invariant, broken on purpose, makes the cached output leave the oracle.
 
 The three named functions of `rosetrainer/model.py` are swapped one at a time for the
-bug of `roseinfer/naive.py` that breaks them; the oracle (no cache: no past, a plain
+bug of `rosecourse/naive.py` that breaks them; the oracle (no cache: no past, a plain
 causal mask, positions from 0) is untouched by all three, the cached path is not.
 """
 
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from models import assert_clear_margins, make_test_model
 
 import rosetrainer.model
-from roseinfer.generate import generate
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
-from roseinfer.sampling import SamplingParams
+from rosecourse.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 from rosetrainer.model import KVCache, causal_mask, one_query_attention, position_ids
 

@@ -21,10 +21,11 @@ import pytest
 import torch
 from models import assert_clear_margins, assert_varied, make_test_model
 
-from roseinfer import cli_generate, export_onnx, onnx_generate
-from roseinfer.generate import generate
-from roseinfer.onnx_generate import OnnxModel
-from roseinfer.sampling import SamplingParams, top_k_filter, top_p_filter
+from roseinfer.cli import generate as cli_generate
+from roseinfer.loops import export_onnx, onnx_generate
+from roseinfer.loops.generate import generate
+from roseinfer.loops.onnx_generate import OnnxModel
+from roseinfer.request.sampling import SamplingParams, top_k_filter, top_p_filter
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.hf import load_hf_gpt2
@@ -208,8 +209,8 @@ def test_a_hugging_face_export_equals_its_oracle(hf_onnx: OnnxModel, hf_model: G
 def test_the_loop_runs_without_torch(hf_export: Path, hf_onnx: OnnxModel) -> None:
     script = f"""
 import sys
-from roseinfer.onnx_generate import OnnxModel, generate_batch
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.loops.onnx_generate import OnnxModel, generate_batch
+from roseinfer.request.sampling_params import SamplingParams
 model = OnnxModel({str(hf_export)!r}, threads=1)
 greedy = SamplingParams(max_tokens=12, ignore_eos=True)
 [result] = generate_batch(model, [[464, 2068]], greedy)
@@ -373,4 +374,6 @@ def test_export_mistakes_are_one_line(
     stdout, err = capsys.readouterr()
     assert code == 2
     [line] = err.splitlines()
-    assert line.startswith("[roseinfer.export_onnx] error: ") and re.search(message, line), line
+    assert line.startswith("[roseinfer.loops.export_onnx] error: ") and re.search(message, line), (
+        line
+    )

@@ -22,13 +22,13 @@ import pytest
 import torch
 from models import assert_clear_margins, make_test_model
 
-from roseinfer.generate import generate, generate_batch
-from roseinfer.kv_cache import StaticKVCache
+from roseinfer.cache.dense import StaticKVCache
+from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.pipeline import PipelineJob, PipelineSetup, run_pipeline, stage_layers
 from roseinfer.pipeline import stage as stage_module
 from roseinfer.pipeline.runner import split_micro_batches
 from roseinfer.pipeline.stage import PipelineStage, new_cache
-from roseinfer.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT

@@ -234,7 +234,7 @@ def test_bytes_damaged_inside_a_tensor_fail_the_checksum(
 def test_nan_weights_are_refused_by_the_generate_cli(
     finished_run: Path, tmp_path: Path, capsys
 ) -> None:
-    from roseinfer import cli_generate
+    from roseinfer.cli import generate as cli_generate
 
     ckpt = load_checkpoint(finished_run / "last.pt")
     ckpt["model"]["transformer.wte.weight"][3, 5] = float("nan")
@@ -510,7 +510,7 @@ def test_saved_files_follow_the_umask(umask: int, tmp_path: Path) -> None:
 def test_a_pt_checkpoint_path_is_that_file_for_train_resume_and_generate(
     text_file: Path, tmp_path: Path, capsys
 ) -> None:
-    from roseinfer import cli_generate
+    from roseinfer.cli import generate as cli_generate
 
     path = tmp_path / "run" / "a.pt"
     assert main(tiny_run(text_file, path, "--max-steps", "2", "--eval-interval", "2")) == 0
@@ -541,8 +541,8 @@ def test_a_run_directory_loads_its_best_then_its_last(finished_run: Path, tmp_pa
 @pytest.mark.parametrize("stop", ["你", "😀", "好😀"])
 def test_a_stop_string_ending_in_a_split_character_fires(stop: str) -> None:
     from roseinfer.engine.outputs import request_output
-    from roseinfer.sampling import SamplingParams
-    from roseinfer.sequence import Sequence
+    from roseinfer.request.sampling import SamplingParams
+    from roseinfer.request.sequence import Sequence
     from rosetrainer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer("gpt2")
@@ -588,7 +588,7 @@ def padded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_padded_vocabulary_never_yields_an_undecodable_id(
     temperature: str, padded_checkpoint: Path, capsys
 ) -> None:
-    from roseinfer import cli_generate
+    from roseinfer.cli import generate as cli_generate
 
     flags = ["--checkpoint-path", str(padded_checkpoint), "--json", "--max-new-tokens", "12"]
     code = cli_generate.main(
@@ -613,7 +613,7 @@ def test_a_padded_vocabulary_never_yields_an_undecodable_id(
 def test_generate_refuses_bad_sampling_flags_before_printing(
     flags: list[str], message: str, padded_checkpoint: Path, capsys
 ) -> None:
-    from roseinfer import cli_generate
+    from roseinfer.cli import generate as cli_generate
 
     code = cli_generate.main(
         ["--checkpoint-path", str(padded_checkpoint), "--prompt", "Hi", *flags]
@@ -630,7 +630,7 @@ def test_prompt_file_dash_reads_standard_input(
 ) -> None:
     import io
 
-    from roseinfer import cli_generate
+    from roseinfer.cli import generate as cli_generate
 
     stdin = io.TextIOWrapper(io.BytesIO("first\n\nsecond 你\n".encode()), encoding="utf-8")
     monkeypatch.setattr("sys.stdin", stdin)

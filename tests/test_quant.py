@@ -7,8 +7,7 @@ import pytest
 import torch
 from models import TEST_LOGIT_ATOL, assert_clear_margins, make_test_model
 
-from roseinfer.generate import generate, generate_batch
-from roseinfer.quant import (
+from roseinfer.cache.quantized import (
     CHANNEL_DIM,
     TIME_DIM,
     QuantizedKVCache,
@@ -20,7 +19,8 @@ from roseinfer.quant import (
     quantize,
     unpack_int4,
 )
-from roseinfer.sampling import SamplingParams
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 

@@ -1,4 +1,4 @@
-"""The quantized cache from the command lines: rose-generate's flags and roseinfer.eval."""
+"""The quantized cache from the command lines: rose-generate's flags and roseinfer.cli.eval."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from models import make_test_model
 
-from roseinfer import cli_generate, serve
-from roseinfer import eval as rose_eval
-from roseinfer.demo import wide_random_init
-from roseinfer.eval import (
+from rosecourse.demo import wide_random_init
+from roseinfer.cli import eval as rose_eval
+from roseinfer.cli import generate as cli_generate
+from roseinfer.cli import serve
+from roseinfer.cli.eval import (
     CacheChoice,
     agreement_prompts,
     batches_of_equal_length,
@@ -99,7 +100,7 @@ def test_cli_mistakes_are_one_line(
     assert line.startswith("[roseinfer] error: ") and re.search(message, line), line
 
 
-# -- roseinfer.eval's parts ------------------------------------------------------------
+# -- roseinfer.cli.eval's parts ------------------------------------------------------------
 
 
 def test_windows_predict_every_token_once() -> None:
@@ -145,7 +146,7 @@ def test_greedy_agreement_finds_where_a_coarse_cache_departs(model: GPT) -> None
             assert all(same[:first]) and not same[first]
 
 
-# -- python -m roseinfer.eval ----------------------------------------------------------
+# -- python -m roseinfer.cli.eval ----------------------------------------------------------
 
 
 def test_eval_prints_one_row_per_cache(
@@ -199,7 +200,7 @@ def test_eval_mistakes_are_one_line(
         )
     assert code == 2 and out == ""
     [line] = err.splitlines()
-    assert line.startswith("[roseinfer.eval] error: ") and message in line, line
+    assert line.startswith("[roseinfer.cli.eval] error: ") and message in line, line
 
 
 def test_several_prompts_run_through_a_quantized_engine(

@@ -9,9 +9,9 @@ import pytest
 import torch
 from models import make_test_model
 
-from roseinfer.generate import generate
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

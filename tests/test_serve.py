@@ -27,8 +27,9 @@ from serving import (
     write_test_checkpoint,
 )
 
-from roseinfer import bench_serving, serve
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.bench import serving as bench_serving
+from roseinfer.cli import serve
+from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ from serving import (
     write_test_checkpoint,
 )
 
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 

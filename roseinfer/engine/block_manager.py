@@ -1,6 +1,6 @@
 """The KV block pool's bookkeeping: which physical block holds which tokens, for whom.
 
-The pool's memory (roseinfer/engine/paged_cache.py) is cut into blocks of
+The pool's memory (roseinfer/cache/paged.py) is cut into blocks of
 `block_size` token slots. Here only block *numbers* move: each sequence holds a block
 table (its logical block i lives in physical block `block_table[i]`), and each block
 counts the tables that hold it (`ref_count`).
@@ -26,7 +26,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from roseinfer.sequence import Sequence
+from roseinfer.request.sequence import Sequence
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from roseinfer.quant import (
+from roseinfer.cache.quantized import (
     BITS,
     DEFAULT_GROUP_SIZE,
     DEFAULT_WINDOW,

@@ -16,7 +16,7 @@ from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
 from roseinfer.loading import load_model_and_tokenizer
-from roseinfer.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype

@@ -1,7 +1,7 @@
 """The serving engine: requests in (`add_request`), one model step at a time
 (`step`), outputs out; `abort` cancels. A server drives it from one thread.
 
-Reading order for the whole engine: `Sequence` (roseinfer/sequence.py, one request's
+Reading order for the whole engine: `Sequence` (roseinfer/request/sequence.py, one request's
 state) -> `BlockManager` (which blocks hold whose tokens, the prefix cache) ->
 `KVPool` / `PagedKVCache` (the memory, and the model's view of it) -> `Scheduler`
 (who runs in the next step) -> `ModelRunner` (the step through the model) -> this
@@ -9,7 +9,7 @@ file, which ties them together and samples each request's next token with its ow
 parameters and random stream.
 
 Whatever the schedule, a request's tokens are those of its solo run
-(`roseinfer.generate.generate`): its keys and values are exactly the ones it would
+(`roseinfer.loops.generate.generate`): its keys and values are exactly the ones it would
 compute alone, its logits depend on nothing else in the batch, and it draws from its
 own generator.
 """
@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from roseinfer.cache.paged import make_pool
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.model_runner import ModelRunner
@@ -32,11 +33,10 @@ from roseinfer.engine.outputs import (
     request_output,
     token_logprob,
 )
-from roseinfer.engine.paged_cache import make_pool
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
-from roseinfer.generate import sample_rows
-from roseinfer.sampling import SamplingParams
-from roseinfer.sequence import Sequence
+from roseinfer.loops.generate import sample_rows
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from roseinfer.engine.paged_cache import KVPool, PagedKVCache
-from roseinfer.sequence import Sequence
+from roseinfer.cache.paged import KVPool, PagedKVCache
+from roseinfer.request.sequence import Sequence
 from rosetrainer.model import GPT
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roseinfer.sequence import Sequence
+from roseinfer.request.sequence import Sequence
 from rosetrainer.tokenizer import Tokenizer
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.config import EngineConfig
-from roseinfer.sequence import Sequence, SequenceStatus
+from roseinfer.request.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from roseinfer.generate import GenerationResult
+from roseinfer.loops.generate import GenerationResult
 from roseinfer.pipeline.runner import Driver, Link, StageReport, follow, peak_rss_bytes
 from roseinfer.pipeline.stage import CACHE_KINDS, load_stage
-from roseinfer.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 from rosetrainer.runtime import DTYPES
 

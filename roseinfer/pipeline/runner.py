@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from roseinfer.generate import (
+from roseinfer.cache.dense import StaticKVCache
+from roseinfer.loops.generate import (
     GenerationResult,
     TokenCallback,
     checked_keep,
@@ -46,7 +47,6 @@ from roseinfer.generate import (
     sample_rows,
     window_start,
 )
-from roseinfer.kv_cache import StaticKVCache
 from roseinfer.pipeline.stage import (
     PipelineStage,
     StageCache,
@@ -54,8 +54,8 @@ from roseinfer.pipeline.stage import (
     even_runs,
     new_cache,
 )
-from roseinfer.sampling import SamplingParams
-from roseinfer.sequence import Sequence
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
 
@@ -237,7 +237,7 @@ class Driver:
         window_keep: int | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts through the pipeline; one result per prompt, as
-        `roseinfer.generate.generate_batch` gives (each row equals its run alone)."""
+        `roseinfer.loops.generate.generate_batch` gives (each row equals its run alone)."""
         # Every check comes before the first message: a bad request stops nothing midway.
         seqs = make_sequences(self.stage, prompts, params, eot_id, decode)
         check_token_ids(prompts, self.stage.config.vocab_size)

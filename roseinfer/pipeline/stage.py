@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from rosetrainer.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server's parts (the command itself is roseinfer/serve.py).
+"""The OpenAI-compatible server's parts (the command itself is roseinfer/cli/serve.py).
 
 * protocol.py: what a request may hold (pydantic models) and OpenAI's error shape;
 * engine_thread.py: the one thread that owns the engine, and the asyncio side that

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from roseinfer.serving.engine_thread import EngineClient, EngineThread, QueueFull
 from roseinfer.serving.metrics import ServerMetrics

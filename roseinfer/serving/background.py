@@ -1,5 +1,5 @@
 """A server on a background thread of this process: for notebooks and scripts that want
-to talk to a real server and stop it themselves (`python -m roseinfer.serve` is the
+to talk to a real server and stop it themselves (`python -m roseinfer.cli.serve` is the
 command-line way)."""
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
 
-log = logging.getLogger("roseinfer.serve")
+log = logging.getLogger("roseinfer.cli.serve")
 
 # What the engine thread sends back for one request: an output, or the error that ended it.
 Sink = Callable[[RequestOutput | Exception], None]

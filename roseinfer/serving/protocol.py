@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from roseinfer.sampling_params import MAX_SEED
+from roseinfer.request.sampling_params import MAX_SEED
 
 
 class Strict(BaseModel):

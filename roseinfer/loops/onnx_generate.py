@@ -1,6 +1,6 @@
 """Generation on an exported ONNX graph with onnxruntime: numpy and onnxruntime, no torch.
 
-`python -m roseinfer.export_onnx` writes one graph (`model.onnx`) that serves every step
+`python -m roseinfer.loops.export_onnx` writes one graph (`model.onnx`) that serves every step
 and a small JSON beside it (`rose_onnx.json`: the shapes, the I/O names, the tokenizer).
 This module runs that graph the way Hugging Face's runtimes run theirs:
 
@@ -13,12 +13,12 @@ The graph computes the three cache invariants from these inputs: it concatenates
 new keys/values, cuts the causal mask's bottom rows for the new tokens and applies the
 padding columns, and embeds the positions it is given. The loop only keeps the tensors.
 
-Each prompt is a `Sequence` (roseinfer/sequence.py) with the same `SamplingParams` and
+Each prompt is a `Sequence` (roseinfer/request/sequence.py) with the same `SamplingParams` and
 stopping rules as the torch loop; sampling is the same filters written in numpy. Greedy
 decoding gives the torch path's tokens; a seed gives reproducible samples, but numpy's
 random stream is not torch's, so a seeded sample differs from the torch path's.
 The graph knows `block_size` positions: a row stops ("length") when its context is full
-(the torch loop instead re-prefills a shorter window, see roseinfer/generate.py).
+(the torch loop instead re-prefills a shorter window, see roseinfer/loops/generate.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from roseinfer.sampling_params import SamplingParams, params_per_prompt
-from roseinfer.sequence import GenerationResult, Sequence
+from roseinfer.request.sampling_params import SamplingParams, params_per_prompt
+from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 
 MODEL_FILE = "model.onnx"
@@ -86,7 +86,7 @@ class OnnxModel:
             if not (directory / name).is_file():
                 raise RoseError(
                     f"{directory / name} not found: export a model there first with "
-                    f"`python -m roseinfer.export_onnx --out {directory}`"
+                    f"`python -m roseinfer.loops.export_onnx --out {directory}`"
                 )
         try:
             self.meta = OnnxMeta.read(directory / META_FILE)
@@ -134,7 +134,7 @@ class OnnxModel:
 
 
 # ---------------------------------------------------------------------------
-# Sampling in numpy: the filters of roseinfer/sampling.py, with the same tie rules
+# Sampling in numpy: the filters of roseinfer/request/sampling.py, with the same tie rules
 # ---------------------------------------------------------------------------
 
 
@@ -218,7 +218,7 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Generate for several prompts as one left-padded batch; one result per prompt.
 
-    The same arguments and results as roseinfer.generate.generate_batch (step logits,
+    The same arguments and results as roseinfer.loops.generate.generate_batch (step logits,
     with keep_logits, are numpy arrays).
     """
     seqs = _sequences(model, prompts, params, eot_id, decode)

@@ -1,8 +1,8 @@
-"""python -m roseinfer.bench_engine: the serving engine against the other ways to run
+"""python -m roseinfer.bench.engine: the serving engine against the other ways to run
 many requests, on one workload, in one run.
 
-    python -m roseinfer.bench_engine            # GPT-2 124M, random weights, 64 requests
-    python -m roseinfer.bench_engine --quick    # a tiny model, a few requests (a smoke test)
+    python -m roseinfer.bench.engine            # GPT-2 124M, random weights, 64 requests
+    python -m roseinfer.bench.engine --quick    # a tiny model, a few requests (a smoke test)
 
 The workload (seeded): requests with prompts of 16-256 random tokens and 16-128 new
 tokens each (end-of-text ignored, so every path makes the same number of tokens).
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from roseinfer.demo import wide_random_init
+from rosecourse.demo import wide_random_init
+from roseinfer.cache.dense import StaticKVCache
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.generate import generate, generate_batch
-from roseinfer.kv_cache import StaticKVCache
-from roseinfer.sampling import SamplingParams
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -60,7 +60,7 @@ QUICK_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="python -m roseinfer.bench_engine", description=__doc__)
+    p = ArgumentParser(prog="python -m roseinfer.bench.engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
     p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
@@ -336,7 +336,7 @@ def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, c
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench_engine")
+    return run_cli(lambda: bench(argv), "roseinfer.bench.engine")
 
 
 if __name__ == "__main__":

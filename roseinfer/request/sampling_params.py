@@ -1,6 +1,6 @@
 """What one request asks for: `SamplingParams`, checked when it is made.
 
-Kept apart from the sampling itself (roseinfer/sampling.py, torch) so that the
+Kept apart from the sampling itself (roseinfer/request/sampling.py, torch) so that the
 onnxruntime loop, which runs without torch, reads the same settings and checks.
 """
 

@@ -13,7 +13,7 @@ the explanation names the mistake.
 Steps count as in the chapters: step 0 is the token the prefill chose, step 1 the
 first decode step. A run that raises is reported at the step it was on.
 
-The reference solutions live apart, in `roseinfer/solutions/`; the notebooks import
+The reference solutions live apart, in `rosecourse/solutions/`; the notebooks import
 them, so CI runs every check on a right answer, and tests/test_exercises.py feeds each
 check its known wrong answers.
 """
@@ -28,20 +28,20 @@ from unittest import mock
 
 import torch
 
-import roseinfer.generate
-import roseinfer.sampling
+import roseinfer.loops.generate
+import roseinfer.request.sampling
 import rosetrainer.model
-from roseinfer.demo import (
+from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
     RANDOM_MODEL_CONFIG,
     first_divergence,
     wide_random_init,
 )
-from roseinfer.generate import generate, generate_batch, window_start
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache, StaticLayerCache
-from roseinfer.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
-from roseinfer.sampling import SamplingParams, top_p_filter
+from rosecourse.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache, StaticLayerCache
+from roseinfer.loops.generate import generate, generate_batch, window_start
+from roseinfer.request.sampling import SamplingParams, top_p_filter
 from rosetrainer.model import GPT, causal_mask, concat_kv, padded_position_ids, position_ids
 from rosetrainer.tokenizer import Tokenizer
 
@@ -98,7 +98,7 @@ def step_name(step: int) -> str:
 
 @functools.cache
 def oracle_model() -> GPT:
-    """The chapters' random strong-oracle model (roseinfer.demo), whatever is trained here,
+    """The chapters' random strong-oracle model (rosecourse.demo), whatever is trained here,
     so a check's verdict and its step numbers are the same on every machine."""
     return wide_random_init(GPT(RANDOM_MODEL_CONFIG), 0)
 
@@ -517,7 +517,7 @@ TOP_P = Exercise(
     name="top_p_filter",
     reference=top_p_filter,
     probe=_top_p_probe,
-    swapped_in=patched(roseinfer.sampling, "top_p_filter"),
+    swapped_in=patched(roseinfer.request.sampling, "top_p_filter"),
     runs=_sampling_runs(),
     known_wrong=[
         KnownWrong(
@@ -816,7 +816,7 @@ WINDOW_START = Exercise(
     name="window_start",
     reference=window_start,
     probe=_window_probe,
-    swapped_in=patched(roseinfer.generate, "window_start"),
+    swapped_in=patched(roseinfer.loops.generate, "window_start"),
     runs=_window_runs(),
     known_wrong=[
         KnownWrong(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.request.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

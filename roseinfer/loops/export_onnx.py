@@ -1,7 +1,7 @@
-"""python -m roseinfer.export_onnx: one ONNX graph with past key/values, for every step.
+"""python -m roseinfer.loops.export_onnx: one ONNX graph with past key/values, for every step.
 
-    python -m roseinfer.export_onnx --checkpoint-path checkpoints/tiny --out onnx/tiny
-    python -m roseinfer.export_onnx --hf-model path/to/gpt2 --out onnx/gpt2
+    python -m roseinfer.loops.export_onnx --checkpoint-path checkpoints/tiny --out onnx/tiny
+    python -m roseinfer.loops.export_onnx --hf-model path/to/gpt2 --out onnx/gpt2
 
 The graph serves the first step (an empty past) and every later one, at any batch size,
 prompt length and past length. Its inputs and outputs carry the names Hugging Face's
@@ -45,13 +45,19 @@ import torch
 from torch import nn
 
 from roseinfer.loading import load_model_and_tokenizer
-from roseinfer.onnx_generate import META_FILE, MODEL_FILE, OnnxModel, input_names, output_names
+from roseinfer.loops.onnx_generate import (
+    META_FILE,
+    MODEL_FILE,
+    OnnxModel,
+    input_names,
+    output_names,
+)
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT, LayerPast
 
-PROG = "roseinfer.export_onnx"
+PROG = "roseinfer.loops.export_onnx"
 DEFAULT_OPSET = 18  # the lowest the dynamo exporter writes natively
 # The example the graph is traced with: no size 0 or 1, which torch.export has treated as
 # special (a dimension whose example is 0 or 1 could be pinned to it).

@@ -3,7 +3,7 @@
 At GPT-2 small's width a float32 cache holds 72 KiB per token, and across many
 requests and long contexts that, not the weights, is what fills memory. Storing each
 number in 8 bits (or 4) cuts it about 3.5x (or 6x), at the price of a small error in
-every key and value, which must be measured (`python -m roseinfer.eval`).
+every key and value, which must be measured (`python -m roseinfer.cli.eval`).
 
 How a group of numbers is stored (`quantize` / `dequantize`): asymmetric
 quantization. A group of G numbers keeps its smallest value `zero` and a `scale`
@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from roseinfer.kv_cache import StaticKVCache
+from roseinfer.cache.dense import StaticKVCache
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast

@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench: decode speed, side by side, on one set of weights.
+"""python -m roseinfer.bench.decode: decode speed, side by side, on one set of weights.
 
 One process times, interleaved round by round: the uncached oracle, the
 concatenating cache, the static cache, the static cache with its decode step
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.generate import generate, generate_batch
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -67,7 +67,7 @@ class BatchResult:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(prog="roseinfer.bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="roseinfer.bench.decode", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
@@ -262,7 +262,7 @@ def bench_batches(model: GPT, args: argparse.Namespace) -> list[BatchResult]:
             ]
             one_by_one_s.append(sum(map(elapsed, prompt_clocks)))
             print(
-                f"[roseinfer.bench] round {round_idx + 1}: batch of {batch_size} done",
+                f"[roseinfer.bench.decode] round {round_idx + 1}: batch of {batch_size} done",
                 file=sys.stderr,
             )
         new_tokens = sum(map(len, batched))
@@ -430,7 +430,10 @@ def bench(argv: list[str] | None = None) -> int:
         try:
             runners["hf"] = make_hf_runner(model)
         except ImportError:
-            print("[roseinfer.bench] transformers is not installed: skipping hf", file=sys.stderr)
+            print(
+                "[roseinfer.bench.decode] transformers is not installed: skipping hf",
+                file=sys.stderr,
+            )
             paths.remove("hf")
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(
@@ -454,7 +457,9 @@ def bench(argv: list[str] | None = None) -> int:
                 clock = StepClock(args.device)
                 tokens[path] = run(path, args.new_tokens, clock)
                 clocks[path].append(clock)
-                print(f"[roseinfer.bench] round {round_idx + 1}: {path} done", file=sys.stderr)
+                print(
+                    f"[roseinfer.bench.decode] round {round_idx + 1}: {path} done", file=sys.stderr
+                )
 
         batch_results = bench_batches(model, args)
 
@@ -485,12 +490,12 @@ def bench(argv: list[str] | None = None) -> int:
             print_batch_table(batch_results, args)
     if args.plot:
         plot(results, args.plot, args)
-        print(f"[roseinfer.bench] per-step latency plot: {args.plot}", file=sys.stderr)
+        print(f"[roseinfer.bench.decode] per-step latency plot: {args.plot}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench")
+    return run_cli(lambda: bench(argv), "roseinfer.bench.decode")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ its own random stream, its status, why it finished, and when each thing happened
 The stopping rules live here, in `append_token`, so the batch loop, the serving
 engine and the onnxruntime loop stop a request for the same reasons at the same token.
 This module needs no torch: the random stream is made by `new_generator`, a torch one
-here, a numpy one in the onnxruntime loop (roseinfer/onnx_generate.py).
+here, a numpy one in the onnxruntime loop (roseinfer/loops/onnx_generate.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class Sequence:
         """The request's own random stream, seeded from its params (None when greedy)."""
         import torch  # here, not at the top: the onnxruntime loop's subclass needs no torch
 
-        from roseinfer.sampling import make_generator
+        from roseinfer.request.sampling import make_generator
 
         return make_generator(self.params, torch.device(self.device))
 

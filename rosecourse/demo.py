@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from roseinfer.generate import GenerationResult, generate
-from roseinfer.kv_cache import ConcatKVCache
-from roseinfer.sampling import SamplingParams
+from roseinfer.cache.dense import ConcatKVCache
+from roseinfer.loops.generate import GenerationResult, generate
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import find_latest_checkpoint, load_model
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT

@@ -11,7 +11,7 @@ rests on three invariants, each a named function in `rosetrainer/model.py`:
 the bottom row of the full mask, not the top one) and `position_ids` (a new token's
 position continues after the past, it does not restart at 0).
 
-Each prompt is one `Sequence` (roseinfer/sequence.py): its `SamplingParams`, its own
+Each prompt is one `Sequence` (roseinfer/request/sequence.py): its `SamplingParams`, its own
 random stream, its tokens and why it stopped. What belongs to the loop rather than to
 a request (how much of the window to keep, the prefill chunk, compiling the decode
 step) is passed to `generate_batch` on its own.
@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from roseinfer.kv_cache import ConcatKVCache, StaticKVCache
-from roseinfer.sampling import SamplingParams, sample_next_token
-from roseinfer.sampling_params import params_per_prompt
-from roseinfer.sequence import GenerationResult, Sequence
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.request.sampling import SamplingParams, sample_next_token
+from roseinfer.request.sampling_params import params_per_prompt
+from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 

@@ -1,6 +1,6 @@
-"""python -m roseinfer.serve (or rose-serve): an OpenAI-compatible HTTP server.
+"""python -m roseinfer.cli.serve (or rose-serve): an OpenAI-compatible HTTP server.
 
-    python -m roseinfer.serve --checkpoint-path checkpoints/tiny --port 8000
+    python -m roseinfer.cli.serve --checkpoint-path checkpoints/tiny --port 8000
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
 
@@ -19,10 +19,10 @@ import sys
 
 import uvicorn
 
+from roseinfer.cache.quantized import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, KV_CACHE_DTYPES
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
-from roseinfer.quant import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, KV_CACHE_DTYPES
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
@@ -33,7 +33,7 @@ PROG = "rose-serve"
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="python -m roseinfer.serve",
+        prog="python -m roseinfer.cli.serve",
         description="Serve a rose checkpoint or a Hugging Face GPT-2 over OpenAI's HTTP API "
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, "
         "/detokenize).",

@@ -1,6 +1,6 @@
-"""python -m roseinfer.eval: what a KV cache's precision costs, measured.
+"""python -m roseinfer.cli.eval: what a KV cache's precision costs, measured.
 
-    python -m roseinfer.eval --checkpoint-path checkpoints/tiny \\
+    python -m roseinfer.cli.eval --checkpoint-path checkpoints/tiny \\
         --text-file ../shared/data/tinyshakespeare.txt --kv-cache-dtype auto int8 int4
 
 For each cache dtype, side by side in one run:
@@ -19,7 +19,7 @@ For each cache dtype, side by side in one run:
 * **memory**: KV bytes per token, scales and zero points included, and how many
   requests of --request-len tokens fit in --kv-memory of cache.
 
-A quantized cache here is `roseinfer.quant.QuantizedKVCache`; "auto" is the
+A quantized cache here is `roseinfer.cache.quantized.QuantizedKVCache`; "auto" is the
 unquantized `StaticKVCache`.
 """
 
@@ -35,9 +35,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from roseinfer.generate import generate_batch, model_step, prefill
-from roseinfer.loading import load_model_and_tokenizer
-from roseinfer.quant import (
+from roseinfer.cache.quantized import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_WINDOW,
     KEY_GROUPINGS,
@@ -47,14 +45,16 @@ from roseinfer.quant import (
     kv_bytes_per_token,
     make_kv_cache,
 )
-from roseinfer.sampling import SamplingParams
+from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.loops.generate import generate_batch, model_step, prefill
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device
 from rosetrainer.tokenizer import Tokenizer
 
-PROG = "roseinfer.eval"
+PROG = "roseinfer.cli.eval"
 GiB = 2**30
 
 

@@ -26,7 +26,7 @@ Two layouts of the same call:
   shape (num_seqs, 1); each row reads its own blocks, padded to the longest table.
   Attention then costs each query only its own context, not everyone's.
 
-`QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.quant) and the blocks
+`QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.cache.quantized) and the blocks
 still being written, or in a sequence's recent window, exact; `PagedKVCache` reads
 either pool the same way.
 """
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
 from roseinfer.engine.config import EngineConfig
-from roseinfer.quant import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
@@ -76,7 +76,7 @@ class KVPool:
 
 
 class QuantizedKVPool:
-    """A pool whose blocks are stored in int8 or int4 (roseinfer.quant), the recent ones exact.
+    """A pool whose blocks are stored in int8 or int4 (roseinfer.cache.quantized), the recent ones exact.
 
     Every block has quantized codes: keys per channel, one group per block (the
     block_size tokens of a channel), values per token in groups of group_size channels.

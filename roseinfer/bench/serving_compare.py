@@ -1,6 +1,6 @@
-"""python -m roseinfer.bench_serving_compare: rose's server next to `transformers serve`, one run.
+"""python -m roseinfer.bench.serving_compare: rose's server next to `transformers serve`, one run.
 
-    flock /tmp/rose-bench.lock python -m roseinfer.bench_serving_compare
+    flock /tmp/rose-bench.lock python -m roseinfer.bench.serving_compare
 
 On one randomly initialised GPT-2 small (124M) saved as a Hugging Face directory (with
 GPT-2's own tokenizer, built from tiktoken's BPE files, so it needs no download), it
@@ -36,8 +36,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from roseinfer import bench_serving
-from roseinfer.bench_serving import RateResult
+from roseinfer.bench import serving as bench_serving
+from roseinfer.bench.serving import RateResult
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 
 PROG = "bench_serving_compare"
@@ -124,7 +124,7 @@ def server_process(command: list[str], log: Path, base_url: str | None = None) -
 
 
 def rose_command(model_dir: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "roseinfer.serve", "--hf-model", str(model_dir), "--port", "0",
+    return [sys.executable, "-m", "roseinfer.cli.serve", "--hf-model", str(model_dir), "--port", "0",
             "--served-model-name", "gpt2-random", "--device", "cpu", *flags]  # fmt: skip
 
 
@@ -172,7 +172,7 @@ def report(results: dict[str, list[RateResult]], prefix: dict[str, list[RateResu
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="python -m roseinfer.bench_serving_compare", description=__doc__.split("\n")[0]
+        prog="python -m roseinfer.bench.serving_compare", description=__doc__.split("\n")[0]
     )
     p.add_argument(
         "--model-dir",

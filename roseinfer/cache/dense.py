@@ -141,7 +141,7 @@ class StaticKVCache:
         self.reset()
 
     def _init_slots(self, cfg: GPTConfig, max_len: int | None, device: torch.device) -> None:
-        """The slot bookkeeping any preallocated cache needs (roseinfer.quant's too)."""
+        """The slot bookkeeping any preallocated cache needs (roseinfer.cache.quantized's too)."""
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 0 < self.max_len <= cfg.block_size:
             raise RoseError(

@@ -1,9 +1,9 @@
-"""python -m roseinfer.bench_onnx: decode speed of the ONNX graph in onnxruntime, side by side.
+"""python -m roseinfer.bench.onnx: decode speed of the ONNX graph in onnxruntime, side by side.
 
 One process, one set of weights (random GPT-2 124M unless a model is given), exported
 once to a temporary directory; then, interleaved round by round for each batch size:
 
-* onnxruntime: the exported graph driven by roseinfer/onnx_generate.py (numpy loop);
+* onnxruntime: the exported graph driven by roseinfer/loops/onnx_generate.py (numpy loop);
 * rose eager: generate_batch on a StaticKVCache (PyTorch, no compile);
 * rose compiled: the same with the decode step compiled (--compile: inductor's "default",
   seconds to compile, or "max-autotune", minutes, the fastest).
@@ -24,19 +24,19 @@ from pathlib import Path
 
 import torch
 
-from roseinfer import onnx_generate
-from roseinfer.bench import parse_batch_sizes, ragged_prompts
-from roseinfer.export_onnx import export, write_meta
-from roseinfer.generate import COMPILE_MODES, generate_batch
-from roseinfer.kv_cache import StaticKVCache
-from roseinfer.onnx_generate import OnnxModel
-from roseinfer.sampling import SamplingParams
-from roseinfer.sequence import GenerationResult
+from roseinfer.bench.decode import parse_batch_sizes, ragged_prompts
+from roseinfer.cache.dense import StaticKVCache
+from roseinfer.loops import onnx_generate
+from roseinfer.loops.export_onnx import export, write_meta
+from roseinfer.loops.generate import COMPILE_MODES, generate_batch
+from roseinfer.loops.onnx_generate import OnnxModel
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import GenerationResult
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 
-PROG = "roseinfer.bench_onnx"
+PROG = "roseinfer.bench.onnx"
 EAGER = "rose eager (static cache)"
 
 

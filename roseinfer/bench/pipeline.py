@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench_pipeline: a split model's speed, side by side, in one run.
+"""python -m roseinfer.bench.pipeline: a split model's speed, side by side, in one run.
 
 The model (GPT-2 small with random weights unless --checkpoint-path) is written to a
 temporary checkpoint; --stages processes load their shares of it and run, in one
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.generate import generate_batch
-from roseinfer.kv_cache import StaticKVCache
+from roseinfer.cache.dense import StaticKVCache
+from roseinfer.loops.generate import generate_batch
 from roseinfer.pipeline import PipelineJob, PipelineSetup, run_pipeline
 from roseinfer.pipeline.timeline import bubble, latency_at, step_latencies, textbook_bubble
-from roseinfer.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import load_model, save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, run_cli
@@ -42,7 +42,7 @@ from rosetrainer.model import GPT
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="roseinfer.bench_pipeline", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="roseinfer.bench.pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")

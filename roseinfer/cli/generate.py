@@ -1,0 +1,741 @@
+"""python -m roseinfer.cli_generate: generate text with a rose checkpoint or a Hugging Face GPT-2.
+
+    python -m roseinfer.cli_generate --prompt "ROMEO:" --max-new-tokens 100
+    python -m roseinfer.cli_generate --onnx onnx/tiny --prompt "ROMEO:"   # onnxruntime
+
+Reading order: parse the flags (bad values fail before anything loads), pick the
+device and dtype, load the model and its tokenizer, encode the prompts, then generate
+for the prompts in batches (one left-padded batch of up to --batch-size prompts at a
+time) and report. Every check runs before the first status line, so a mistake is told
+in exactly one line (`[roseinfer] error: ...`, exit code 2).
+
+Which path runs:
+* several prompts: the serving engine (roseinfer/engine: paged KV cache, continuous
+  batching, prefix caching); --batch-size is then how many run at once, and each
+  prompt's output is printed, in prompt order, as soon as it and every prompt before
+  it are done;
+* one prompt: a static cache, its text streamed as it is made;
+* --no-kv-cache, --cache static|concat, --compile or --onnx: that path, for every
+  prompt, in left-padded batches of --batch-size (each batch printed when it is done).
+
+stdout carries only the text (the prompt, then its continuation, then a newline) or,
+with --json, one JSON object per prompt per line, in prompt order. Every status line
+goes to stderr as `[roseinfer] what: value`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.cache.quantized import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_WINDOW,
+    KV_CACHE_DTYPES,
+    check_quant_settings,
+    make_kv_cache,
+)
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
+from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
+from roseinfer.loops import onnx_generate
+from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate_batch
+from roseinfer.loops.onnx_generate import OnnxModel
+from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, torchrun_rank
+from roseinfer.pipeline.runner import Driver
+from roseinfer.pipeline.stage import stage_layers
+from roseinfer.request.sampling import SamplingParams
+from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.model import GPT
+from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
+from rosetrainer.tokenizer import Tokenizer
+
+PROG = "roseinfer"
+STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
+DEFAULT_BATCH_SIZE = 32
+EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m roseinfer.cli_generate",
+        description="Generate text with a rose checkpoint or a Hugging Face GPT-2. The text "
+        "goes to stdout (the prompt, then its continuation); status goes to stderr. One prompt "
+        "streams its text as it is made; several run through the serving engine (continuous "
+        "batching on a paged KV cache) and print in prompt order.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--checkpoint-path",
+        help="a rose .pt file, or a run directory holding best.pt or last.pt "
+        "(default: the newest checkpoint under checkpoints/)",
+    )
+    source.add_argument(
+        "--hf-model",
+        help="a local Hugging Face GPT-2 directory (config.json + weights), or a Hub id online",
+    )
+    source.add_argument(
+        "--onnx",
+        metavar="DIR",
+        help="a directory written by `python -m roseinfer.loops.export_onnx`: generate with that "
+        "graph in onnxruntime (float32, CPU) instead of PyTorch",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt; repeat the flag for several (they run together, see --batch-size). "
+        "With no prompt at all, one empty prompt: generation starts from <|endoftext|>",
+    )
+    p.add_argument(
+        "--prompt-file",
+        help="a UTF-8 text file, one prompt per line (- reads standard input); blank lines "
+        "are skipped",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="generate for at most this many prompts at once: the engine's running "
+        "sequences, or the size of each left-padded batch on the --cache/--no-kv-cache paths; "
+        f"each prompt's output equals its output alone (default: {DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="engine: the KV pool's size in blocks of --kv-block-size tokens "
+        "(default: enough for every running prompt's whole context)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        help="engine: the KV pool's size in bytes, e.g. 2GiB or 512MiB (instead of --num-kv-blocks)",
+    )
+    p.add_argument(
+        "--kv-block-size", type=int, default=16, help="engine: tokens per KV block (default: 16)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="engine: tokens per step, decode tokens plus prompt chunks (default: 512)",
+    )
+    p.add_argument(
+        "--tokenizer-name",
+        help="tiktoken encoding (default: the checkpoint's tokenizer, else gpt2)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=200, help="default: 200")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="0 = greedy (argmax); default: 0.8"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=200,
+        help="sample among the k likeliest tokens; 0 = off; default: 200",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the likeliest tokens whose probability reaches p, in (0, 1]; "
+        "1.0 = off (default)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="one seed, one output (default: a random seed, shown on stderr)",
+    )
+    p.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="rerun the model on the whole sequence each step (the slow reference path)",
+    )
+    p.add_argument(
+        "--cache",
+        choices=["static", "concat"],
+        help="run every prompt on this cache in left-padded batches instead of the engine: "
+        "static: buffers preallocated for the whole context (what one prompt uses anyway); "
+        "concat: grown by concatenation each step",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="how the KV cache (static, or the engine's paged pool) stores keys and values: "
+        "auto (the model's dtype, default), int8 or int4 (quantized in groups, keys per "
+        "channel and values per token, the latest tokens exact; see --kv-cache-window)",
+    )
+    p.add_argument(
+        "--kv-cache-window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help="with int8/int4: the latest tokens kept exact, in the model's dtype; older ones "
+        f"are quantized a group at a time (0: none but a group still filling; the engine "
+        f"rounds the window out to whole KV blocks; default: {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--kv-cache-group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="with int8/int4: numbers sharing one scale and zero point; must divide the "
+        f"head size (the engine groups keys by KV block; default: {DEFAULT_GROUP_SIZE})",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=COMPILE_MODES,
+        help="torch.compile the one-token decode step of the static cache; the first step "
+        "compiles, then every step reuses the graph. 'default' (what --compile alone asks) "
+        "compiles in seconds; 'max-autotune' freezes the weights into the graph and picks "
+        "the fastest matmul kernels, a minute or two of compiling for the fastest decode",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="split the model's layers over this many processes (stages), each holding only "
+        "its layers' weights and KV cache; the CLI starts them itself (gloo on CPU, NCCL with "
+        "one GPU per stage), or runs as one of them under torchrun; default: 1 (no split)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        help="with --pipeline-parallel-size: cut each batch into this many micro-batches, so "
+        "the stages work at the same time (default: one per stage when the batch has rows "
+        "enough, else 1)",
+    )
+    p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop once the generated text contains this string (kept in the output); repeatable",
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="cast the weights to this type (float16 only on CUDA); default: float32",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="no streaming: print one JSON object per prompt per line",
+    )
+    return p
+
+
+def status(what: str, value: object) -> None:
+    print(f"[{PROG}] {what}: {value}", file=sys.stderr, flush=True)
+
+
+def report_seed_and_prompts(
+    args: argparse.Namespace, params: SamplingParams, blank_lines: int
+) -> None:
+    """The seed (greedy decoding draws nothing, so none is used) and the prompt file."""
+    if params.greedy:
+        status("seed", "none (temperature 0: greedy, no random draws)")
+    else:
+        random_seed = " (random; pass --seed to repeat this run)" if args.seed is None else ""
+        status("seed", f"{params.seed}{random_seed}")
+    if args.prompt_file:
+        where = "standard input" if args.prompt_file in STDIN_NAMES else args.prompt_file
+        status("prompt file", f"{where} ({blank_lines} blank lines skipped)")
+
+
+# ---------------------------------------------------------------------------
+# Flags -> settings, each checked before anything slow happens
+# ---------------------------------------------------------------------------
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    if args.compile and (args.no_kv_cache or args.cache == "concat"):
+        raise RoseError(
+            "--compile compiles the static cache's decode step: drop --no-kv-cache "
+            "and --cache concat, or drop --compile"
+        )
+    if args.onnx and (args.no_kv_cache or args.cache or args.compile):
+        raise RoseError(
+            "--onnx runs the exported graph with its own past key/values: drop "
+            "--no-kv-cache, --cache and --compile"
+        )
+    quantized = args.kv_cache_dtype != "auto"
+    if quantized and (args.no_kv_cache or args.cache == "concat" or args.onnx):
+        raise RoseError(
+            f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache or the "
+            "engine's pool: drop --no-kv-cache, --cache concat and --onnx"
+        )
+    if quantized and args.compile:
+        raise RoseError(
+            "--compile needs the unquantized cache (--kv-cache-dtype auto): a quantized "
+            "cache's steps change shape when it flushes a group"
+        )
+    if quantized and (args.pipeline_parallel_size != 1 or args.micro_batches is not None):
+        raise RoseError("a split model keeps unquantized per-stage caches: drop --kv-cache-dtype")
+    if args.onnx and (args.device == "cuda" or args.dtype != "float32"):
+        raise RoseError("--onnx runs the float32 graph on the CPU: drop --device and --dtype")
+    # torch's default generator starts from the same seed in every process, so an unseeded
+    # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
+    seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=seed,
+        ignore_eos=args.no_stop_at_eot,
+        stop=tuple(args.stop),
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
+    """The prompts (--prompt ones first, then the file's), and how many blank lines were skipped."""
+    prompts = list(args.prompt or [])
+    blank_lines = 0
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        from_stdin = args.prompt_file in STDIN_NAMES  # /dev/stdin is no regular file
+        if not from_stdin and not path.is_file():
+            raise RoseError(f"prompt file not found: {path}")
+        try:
+            raw = sys.stdin.buffer.read() if from_stdin else path.read_bytes()
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise RoseError(f"prompt file {path} is not UTF-8 text") from None
+        from_file = [line for line in lines if line.strip()]
+        if not from_file:
+            raise RoseError(f"prompt file {path} holds no prompts (blank lines are skipped)")
+        prompts += from_file
+        blank_lines = len(lines) - len(from_file)
+    return prompts or [""], blank_lines
+
+
+def encode_prompts(prompts: list[str], tokenizer: Tokenizer, block_size: int) -> list[list[int]]:
+    """Token ids per prompt; an empty prompt starts from <|endoftext|>, as in training."""
+    encoded = []
+    for number, prompt in enumerate(prompts, start=1):
+        ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+        if len(ids) > block_size:
+            raise RoseError(
+                f"prompt {number} has {len(ids)} tokens but the model's context (block_size) is "
+                f"{block_size}: shorten it"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+# ---------------------------------------------------------------------------
+# Generation, streamed or as JSON
+# ---------------------------------------------------------------------------
+
+
+def write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def make_cache(
+    args: argparse.Namespace, model: GPT, batch: list[list[int]]
+) -> StaticKVCache | ConcatKVCache | None:
+    """A fresh cache for one batch (None: the uncached reference path)."""
+    if args.no_kv_cache:
+        return None
+    if args.cache == "concat":
+        return ConcatKVCache()
+    # No row ever needs more slots than the longest prompt plus its new tokens, nor more
+    # than the context (longer runs restart from a shorter window): allocate no more.
+    # A compiled step is built for one buffer shape: then always allocate the whole context.
+    longest = max(map(len, batch))
+    max_len = min(model.config.block_size, longest + args.max_new_tokens)
+    if args.compile:
+        max_len = model.config.block_size
+    return make_kv_cache(
+        model,
+        batch_size=len(batch),
+        max_len=max_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        window=args.kv_cache_window,
+        group_size=args.kv_cache_group_size,
+    )
+
+
+def generate_streaming(
+    prompt: str, generate_one: Callable[..., list[GenerationResult]], tokenizer: Tokenizer
+) -> GenerationResult:
+    """Print the prompt, each piece of text as its tokens arrive, and a final newline."""
+    decoder = tokenizer.stream_decoder()
+    write(prompt)
+    try:
+        [result] = generate_one(on_token=lambda _row, token: write(decoder.push(token)))
+        return result
+    finally:  # also on Ctrl-C: what was held back, and the line ends
+        write(decoder.flush() + "\n")
+
+
+def as_json(prompt: str, result: GenerationResult, tokenizer: Tokenizer) -> str:
+    tokens_per_s = result.tokens_per_s
+    return json.dumps(
+        {
+            "prompt": prompt,
+            "prompt_token_ids": result.prompt_ids,
+            "token_ids": result.token_ids,
+            "text": tokenizer.decode(result.token_ids),
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+            "time_to_first_token_ms": round(result.time_to_first_token_s * 1000, 3),
+            "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 3),
+            "total_time_ms": round(result.total_time_s * 1000, 3),
+        },
+        ensure_ascii=False,
+    )
+
+
+def report(result: GenerationResult) -> None:
+    """One prompt's status lines."""
+    status("prompt tokens", len(result.prompt_ids))
+    status("new tokens", len(result.token_ids))
+    status("finish reason", result.finish_reason)
+    status("time to first token", f"{result.time_to_first_token_s * 1000:.1f} ms")
+    tokens_per_s = result.tokens_per_s
+    status(
+        "tokens/s",
+        "n/a (fewer than 2 tokens)" if math.isnan(tokens_per_s) else f"{tokens_per_s:.1f}",
+    )
+
+
+def run_batch(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    args: argparse.Namespace,
+    params: SamplingParams,
+    model: GPT | OnnxModel,
+    tokenizer: Tokenizer,
+) -> None:
+    """Generate for one batch of prompts, print their outputs in order, and report."""
+    if isinstance(model, OnnxModel):
+        generate_now = functools.partial(
+            onnx_generate.generate_batch,
+            model,
+            prompt_ids,
+            params,
+            eot_id=tokenizer.eot_id,
+            decode=tokenizer.decode,
+        )
+    else:
+        cache = make_cache(args, model, prompt_ids)
+        generate_now = functools.partial(
+            generate_batch,
+            model,
+            prompt_ids,
+            params,
+            use_cache=cache is not None,
+            cache=cache,
+            eot_id=tokenizer.eot_id,
+            decode=tokenizer.decode,
+            compile=args.compile,
+        )
+    print_batch(prompts, args, tokenizer, generate_now)
+
+
+def print_batch(
+    prompts: list[str],
+    args: argparse.Namespace,
+    tokenizer: Tokenizer,
+    generate_now: Callable[..., list[GenerationResult]],
+) -> None:
+    """Run `generate_now` (on_token=... streams) for one batch, print in order, report."""
+    status("batch size", len(prompts))
+    started = time.perf_counter()
+    if args.json:
+        results = generate_now()
+        for prompt, result in zip(prompts, results, strict=True):
+            print(as_json(prompt, result, tokenizer), flush=True)
+    elif len(prompts) == 1:
+        results = [generate_streaming(prompts[0], generate_now, tokenizer)]
+    else:
+        results = generate_now()
+        for prompt, result in zip(prompts, results, strict=True):
+            write(prompt + tokenizer.decode(result.token_ids) + "\n")
+    elapsed = time.perf_counter() - started
+    for result in results:
+        report(result)
+    if len(results) > 1:
+        new_tokens = sum(len(result.token_ids) for result in results)
+        status("batched tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
+
+
+def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
+    """The exported graph in an onnxruntime session, and the tokenizer it was exported with."""
+    model = OnnxModel(args.onnx)
+    tokenizer = Tokenizer(args.tokenizer_name or model.meta.tokenizer_name)
+    if tokenizer.n_vocab > model.meta.vocab_size:
+        raise RoseError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} tokens but the model's "
+            f"vocabulary has {model.meta.vocab_size}: use the tokenizer the model was exported with"
+        )
+    return model, tokenizer
+
+
+def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
+    """Several prompts go through the engine, unless a flag asks for another path."""
+    other_path = args.no_kv_cache or args.cache or args.compile or args.onnx
+    return num_prompts > 1 and not other_path
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.kv_block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_window=args.kv_cache_window,
+        kv_cache_group_size=args.kv_cache_group_size,
+    )
+
+
+def as_result(output: RequestOutput) -> GenerationResult:
+    """An engine output in the shape the other paths report (times from its arrival)."""
+    return GenerationResult(
+        prompt_ids=output.prompt_token_ids,
+        token_ids=output.token_ids,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        step_logits=None,
+        time_to_first_token_s=(output.first_token_time or output.finish_time) - output.arrival_time,
+        total_time_s=output.finish_time - output.arrival_time,
+    )
+
+
+def run_engine(
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+    args: argparse.Namespace,
+    params: SamplingParams,
+    engine: LLMEngine,
+    tokenizer: Tokenizer,
+) -> None:
+    """Every prompt through the engine; each printed, in prompt order, once it and every
+    prompt before it are done."""
+    request_ids = [engine.add_request(ids, params) for ids in prompt_ids]
+    done: dict[str, GenerationResult] = {}
+    printed = 0
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = as_result(output)
+        while printed < len(prompts) and request_ids[printed] in done:
+            result = done[request_ids[printed]]
+            if args.json:
+                print(as_json(prompts[printed], result, tokenizer), flush=True)
+            else:
+                write(prompts[printed] + tokenizer.decode(result.token_ids) + "\n")
+            printed += 1
+    elapsed = time.perf_counter() - started
+    for request_id in request_ids:
+        report(done[request_id])
+    stats = engine.stats()
+    new_tokens = stats.generation_tokens
+    status("engine tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
+    status(
+        "engine",
+        f"{stats.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, "
+        f"{stats.num_preemptions} preemptions, prefix cache {stats.prefix_cache_hits}/"
+        f"{stats.prefix_cache_queries} blocks hit",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    if args.batch_size < 1:
+        raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.pipeline_parallel_size != 1 or args.micro_batches is not None:
+        return run_split(args, params)
+    prompts, blank_lines = read_prompts(args)
+    engine = None
+    if args.onnx:
+        model, tokenizer = load_onnx(args)
+        prompt_ids = encode_prompts(prompts, tokenizer, model.meta.block_size)
+        status("device", "cpu (onnxruntime)")
+        status("dtype", args.dtype)
+        status("model", f"{args.onnx} (ONNX, exported from {model.meta.source})")
+        status("tokenizer", tokenizer.name)
+        status("kv cache", "past_key_values in and present out of the graph")
+    else:
+        engine_settings = engine_config(args) if uses_engine(args, len(prompts)) else None
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+        model, tokenizer, source = load_model_and_tokenizer(
+            args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
+        )
+        prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        check_quant_settings(
+            model.config,
+            args.kv_cache_dtype,
+            args.kv_cache_group_size,
+            args.kv_cache_window,
+            "channel",
+        )
+        if engine_settings is not None:
+            engine = LLMEngine(model, tokenizer, engine_settings)
+        status("device", device)
+        status("dtype", args.dtype)
+        status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
+        status("tokenizer", tokenizer.name)
+        if args.no_kv_cache:
+            status("kv cache", "off (uncached reference)")
+        elif engine is not None:
+            status("kv cache", "paged (engine)")
+        else:
+            status("kv cache", args.cache or "static")
+        if args.kv_cache_dtype != "auto":
+            status(
+                "kv cache dtype",
+                f"{args.kv_cache_dtype} (group size {args.kv_cache_group_size}, latest "
+                f"{args.kv_cache_window} tokens exact)",
+            )
+    if args.compile:
+        # Compiling happens inside the first decode step, so tokens/s below includes it.
+        how_long = "a minute or two" if args.compile == "max-autotune" else "seconds"
+        status("compiled decode", f"{args.compile} (the first step compiles: {how_long})")
+    report_seed_and_prompts(args, params, blank_lines)
+
+    if engine is not None:
+        run_engine(prompts, prompt_ids, args, params, engine, tokenizer)
+        return 0
+    for start in range(0, len(prompts), args.batch_size):
+        batch = slice(start, start + args.batch_size)
+        run_batch(prompts[batch], prompt_ids[batch], args, params, model, tokenizer)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# A split model: --pipeline-parallel-size N
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SplitPrinter:
+    """Stage 0's part of the CLI: each batch generated through the pipeline, printed as
+    a single process prints it (a StageProgram, see roseinfer/pipeline/launch.py)."""
+
+    args: argparse.Namespace
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+    tokenizer_name: str
+
+    def run(self, driver: Driver) -> list[list[GenerationResult]]:
+        tokenizer = Tokenizer(self.tokenizer_name)
+        for start in range(0, len(self.prompts), self.args.batch_size):
+            batch = slice(start, start + self.args.batch_size)
+            generate_now = functools.partial(
+                driver.generate,
+                self.prompt_ids[batch],
+                self.params,
+                eot_id=tokenizer.eot_id,
+                decode=tokenizer.decode,
+                micro_batches=self.args.micro_batches,
+            )
+            print_batch(self.prompts[batch], self.args, tokenizer, generate_now)
+        return []
+
+
+def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
+    """Generate with the model's layers split over --pipeline-parallel-size processes."""
+    n_stages = args.pipeline_parallel_size
+    if n_stages < 1:
+        raise RoseError(f"--pipeline-parallel-size must be >= 1, got {n_stages}")
+    if n_stages == 1:
+        raise RoseError(
+            "--micro-batches cuts a batch for a split model: add --pipeline-parallel-size 2 or more"
+        )
+    if args.no_kv_cache or args.compile or args.onnx:
+        raise RoseError(
+            "a split model runs on per-stage KV caches (--cache static or concat): drop "
+            "--no-kv-cache, --compile and --onnx"
+        )
+    cache = args.cache or "static"
+    if args.micro_batches is not None and args.micro_batches < 1:
+        raise RoseError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    prompts, blank_lines = read_prompts(args)
+    device = pick_device(args.device)
+    pick_dtype(args.dtype, device)
+    config, tokenizer_name, source = model_config_and_tokenizer(args.checkpoint_path, args.hf_model)
+    layers = stage_layers(config.n_layer, n_stages)  # a clear error for too many stages
+    tokenizer = Tokenizer(args.tokenizer_name or tokenizer_name)
+    prompt_ids = encode_prompts(prompts, tokenizer, config.block_size)
+    if device.type == "cuda" and torch.cuda.device_count() < n_stages:
+        raise RoseError(
+            f"{n_stages} stages on CUDA need {n_stages} GPUs (one per stage), "
+            f"{torch.cuda.device_count()} visible; use fewer stages or --device cpu"
+        )
+    setup = PipelineSetup(
+        str(source),
+        n_stages,
+        hf=args.hf_model is not None,
+        device=device.type,
+        dtype=args.dtype,
+        cache=cache,
+        threads=max(1, (os.cpu_count() or 1) // n_stages),
+    )
+    program = SplitPrinter(args, prompts, prompt_ids, params, tokenizer.name)
+    under_torchrun = torchrun_rank()
+    if under_torchrun is None or under_torchrun[0] == 0:
+        status("device", f"{device} ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+        status("dtype", args.dtype)
+        status("model", f"{source} ({config.n_layer} layers)")
+        split = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in enumerate(layers))
+        status("pipeline", f"{n_stages} stages ({split})")
+        status("tokenizer", tokenizer.name)
+        status("kv cache", f"{cache}, one per stage")
+        report_seed_and_prompts(args, params, blank_lines)
+    if under_torchrun is not None:
+        rank, world_size, init_method = under_torchrun
+        if world_size != n_stages:
+            raise RoseError(
+                f"torchrun started {world_size} processes for --pipeline-parallel-size "
+                f"{n_stages}: pass --nproc_per_node={n_stages}"
+            )
+        report = stage_main(rank, setup, program, init_method)
+        if report.error is not None:
+            raise RoseError(report.error)
+        return 0
+    run_pipeline(setup, program)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: _main(argv), PROG)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        return run(build_parser().parse_args(argv))
+    except KeyboardInterrupt:
+        status("interrupted", "stopped by Ctrl-C")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout was closed early (e.g. piped into `head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
