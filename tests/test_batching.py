@@ -2,7 +2,7 @@
 
 A row of a left-padded batch, a continuation of a forked prefix, the second turn of
 a conversation and a prompt prefilled in chunks are each compared with the uncached
-run of the same token sequence alone: tokens identical, logits within TEST_LOGIT_ATOL at
+run of the same token sequence alone: tokens identical, logits within the float32 logit tolerance at
 every step. Shapes that disagree (mask, cache, positions, batch) are clear errors.
 """
 
@@ -15,7 +15,12 @@ from unittest import mock
 
 import pytest
 import torch
-from models import TEST_LOGIT_ATOL, assert_clear_margins, assert_matches_oracle, make_test_model
+from models import (
+    assert_clear_margins,
+    assert_logits_close,
+    assert_matches_oracle,
+    make_test_model,
+)
 
 import roseinfer.loops.generate
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
@@ -134,7 +139,7 @@ def test_a_row_stops_at_end_of_text_while_the_others_go_on(
             # The eot step's logits are kept too: one step more than kept tokens.
             assert len(result.step_logits) == stop_index + 1
             for got, ref in zip(result.step_logits, want.step_logits, strict=False):
-                assert torch.allclose(got, ref, atol=TEST_LOGIT_ATOL, rtol=0)
+                assert_logits_close(got, ref)
         else:
             assert result.finish_reason == "length"
             assert_matches_oracle(result, want)
@@ -213,7 +218,7 @@ def test_forks_of_a_prefix_equal_independent_runs(cache_kind: str) -> None:
         want = oracle(tuple(prompt), config.max_tokens)
         assert got_tokens == want.token_ids
         for got, ref in zip(got_logits, want.step_logits, strict=True):
-            assert torch.allclose(got, ref, atol=TEST_LOGIT_ATOL, rtol=0)
+            assert_logits_close(got, ref)
     assert_unchanged(cache, before)
 
     # The prefix cache itself still continues any suffix, through the public API.

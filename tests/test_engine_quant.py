@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import assert_clear_margins, make_test_model
+from models import assert_clear_margins, assert_logits_close, make_test_model
 
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
@@ -90,7 +90,7 @@ def test_a_window_longer_than_the_run_gives_the_full_precision_tokens(
     )
     assert [o.token_ids for o in windowed] == [o.token_ids for o in exact] == oracle
     for got, want in zip(windowed, exact, strict=True):
-        assert torch.allclose(logprobs(got), logprobs(want), atol=1e-5)
+        assert_logits_close(logprobs(got), logprobs(want))
     # Were the window quantized, the log-probabilities would move by far more:
     _, no_window = run_engine(model, tokenizer, kv_cache_dtype=kv_cache_dtype, kv_cache_window=0)
     moved = max(

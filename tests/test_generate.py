@@ -31,6 +31,9 @@ SHAPES = {
 }
 # Prompt lengths as fractions of the context: 1 token, 2, half, one short of full, full.
 PROMPT_LENGTHS = ("1", "2", "half", "full-1", "full")
+# Picked so that every oracle's top-1 wins by many logit tolerances at every step (the
+# smallest margin is 24 tolerances; seed 0 had a step at 1.2, a near-tie on some CPUs).
+PROMPT_SEED = 3000
 
 
 @functools.cache
@@ -41,7 +44,7 @@ def model_for(shape: str):
 def prompt_for(shape: str, length: str) -> list[int]:
     block_size = SHAPES[shape]["block_size"]
     n = {"1": 1, "2": 2, "half": block_size // 2, "full-1": block_size - 1, "full": block_size}
-    generator = torch.Generator().manual_seed(block_size + n[length])
+    generator = torch.Generator().manual_seed(PROMPT_SEED + block_size + n[length])
     return torch.randint(0, 512, (n[length],), generator=generator).tolist()
 
 

@@ -20,7 +20,7 @@ from unittest import mock
 import psutil
 import pytest
 import torch
-from models import assert_clear_margins, make_test_model
+from models import assert_clear_margins, assert_logits_close, make_test_model
 
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.loops.generate import generate, generate_batch
@@ -147,7 +147,7 @@ def test_a_stage_cache_indexed_by_global_layer_number_is_out_of_range(model: GPT
     got = chained_logits(model, 3, ids, steps=GREEDY.max_tokens)
     assert [int(logits.argmax()) for logits in got] == expected.token_ids
     for step, (logits, want) in enumerate(zip(got, expected.step_logits, strict=True)):
-        assert torch.allclose(logits[0], want, atol=1e-5), step
+        assert_logits_close(logits[0], want, f"step {step}: ")
 
 
 def test_a_stage_holds_only_its_share_of_the_parameters(model: GPT) -> None:
