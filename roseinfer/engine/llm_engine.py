@@ -34,8 +34,7 @@ from roseinfer.engine.outputs import (
     token_logprob,
 )
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
-from roseinfer.loops.generate import sample_rows
-from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from roseinfer.cache.export import ExportCache
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.onnx_generate import (
     META_FILE,
@@ -64,37 +65,6 @@ DEFAULT_OPSET = 18  # the lowest the dynamo exporter writes natively
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW = 2, 3, 4
 # fp32 on CPU: onnxruntime adds the same products in another order than PyTorch.
 CHECK_ATOL = 1e-4
-
-
-class ExportCache:
-    """A KVCache (rosetrainer.model) made of the graph's inputs, for one model call.
-
-    past: one (k, v) per layer, (B, n_head, P, head_dim), P may be 0;
-    attention_mask: (B, P + T), 1 for real tokens, 0 for left padding;
-    position_ids: (B, T), the new tokens' positions (counting real tokens only).
-    `present` collects each layer's past + new keys/values, the graph's outputs.
-    """
-
-    def __init__(
-        self, past: list[LayerPast], attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> None:
-        self.past = past
-        self.attention_mask = attention_mask
-        self.position_ids = position_ids
-        self.present: list[LayerPast] = []
-
-    def prepare(
-        self, batch: int, q_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv_len is a size of an input, so the mask's shape stays a symbol in the graph.
-        kv_len = self.attention_mask.size(1)
-        mask = gpt.padding_mask(gpt.causal_mask(q_len, kv_len, device), self.attention_mask)
-        return self.position_ids, mask
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        present = gpt.concat_kv(self.past[layer], k, v)
-        self.present.append(present)
-        return present
 
 
 class DecoderWithPast(nn.Module):
