@@ -169,7 +169,7 @@ def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) 
     return held / live
 
 
-def transformers_cb(model: GPT, requests: list[Request], block_size: int) -> list[list[int]]:
+def transformers_cb(model: GPT, requests: list[Request], kv_block_size: int) -> list[list[int]]:
     """transformers' own continuous batching on the same weights (its manager, so that each
     request has its own max_new_tokens; generate_batch takes one for all)."""
     from transformers import GenerationConfig
@@ -179,9 +179,9 @@ def transformers_cb(model: GPT, requests: list[Request], block_size: int) -> lis
 
     hf_model = to_hf_gpt2(model).eval()
     generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
-    blocks = sum(-(-(len(p) + n) // block_size) for p, n in requests)
+    blocks = sum(-(-(len(p) + n) // kv_block_size) for p, n in requests)
     batching = ContinuousBatchingConfig(
-        num_blocks=blocks, max_batch_tokens=512, page_size=block_size, max_requests_per_batch=64
+        num_blocks=blocks, max_batch_tokens=512, page_size=kv_block_size, max_requests_per_batch=64
     )
     done = {}
     manager_cm = hf_model.continuous_batching_context_manager(
@@ -237,7 +237,7 @@ def bench(argv: list[str] | None = None) -> int:
         f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
         f"{work.output_range[0]}-{work.output_range[1]} ({out_tokens} output tokens)"
     )
-    engine_config = dict(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
     # Warm every path up on one short request first (first calls pay one-off costs).
     warm = [(requests[0][0][:8], 2)]
@@ -321,7 +321,7 @@ def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, c
             **config,
         )
         stats = run.engine.stats()
-        computed = stats.prompt_tokens - stats.prefix_cache_hits * run.engine.config.block_size
+        computed = stats.prompt_tokens - stats.prefix_cache_hits * run.engine.config.kv_block_size
         runs[caching] = run.outputs
         say(
             f"  prefix cache {'on ' if caching else 'off'}: prompt tokens {stats.prompt_tokens}, "

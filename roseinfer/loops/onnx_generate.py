@@ -1,8 +1,8 @@
 """Generation on an exported ONNX graph with onnxruntime: numpy and onnxruntime, no torch.
 
-`python -m roseinfer.loops.export_onnx` writes one graph (`model.onnx`) that serves every step
-and a small JSON beside it (`rose_onnx.json`: the shapes, the I/O names, the tokenizer).
-This module runs that graph the way Hugging Face's runtimes run theirs:
+`rose-export-onnx` (roseinfer/cli/export_onnx.py) writes one graph (`model.onnx`) that
+serves every step and a small JSON beside it (`rose_onnx.json`: the shapes, the I/O
+names, the tokenizer). This module runs that graph the way Hugging Face's runtimes run theirs:
 
 * the first step feeds the whole left-padded prompt with an *empty* past (past length 0);
 * every later step feeds one token per row and the `present.*` the previous step returned
@@ -87,7 +87,7 @@ class OnnxModel:
             if not (directory / name).is_file():
                 raise RoseError(
                     f"{directory / name} not found: export a model there first with "
-                    f"`python -m roseinfer.loops.export_onnx --out {directory}`"
+                    f"`rose-export-onnx --out {directory}`"
                 )
         try:
             self.meta = OnnxMeta.read(directory / META_FILE)
