@@ -32,6 +32,7 @@ import torch
 
 from rosecourse.demo import wide_random_init
 from roseinfer.cache.dense import StaticKVCache
+from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loops.generate import generate, generate_batch
@@ -157,8 +158,9 @@ def run_engine(
 
 def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) -> float:
     """Bytes a static cache holds per live token, over the decode steps of its batches."""
-    cfg = model.config
-    per_token = 2 * cfg.n_layer * cfg.n_embd * model.lm_head.weight.element_size()
+    per_token = kv_bytes_per_token(
+        model.config, "auto", itemsize=model.lm_head.weight.element_size()
+    )
     held = live = 0
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]

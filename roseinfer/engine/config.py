@@ -16,6 +16,7 @@ from roseinfer.cache.quantized import (
     KV_CACHE_DTYPES,
     METADATA_BYTES_PER_GROUP,
     check_quant_settings,
+    kv_bytes_per_token,
 )
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
@@ -78,9 +79,9 @@ class EngineConfig:
         """Keys and values of kv_block_size tokens in every layer (quantized: codes, and a
         float16 scale and zero per group: keys one group per channel, values one per
         kv_cache_group_size channels of each token)."""
-        numbers = 2 * model.n_layer * model.n_embd * self.kv_block_size
         if self.kv_cache_dtype == "auto":
-            return numbers * element_size
+            return self.kv_block_size * kv_bytes_per_token(model, "auto", itemsize=element_size)
+        numbers = 2 * model.n_layer * model.n_embd * self.kv_block_size
         key_groups = model.n_layer * model.n_embd  # one per channel
         value_groups = model.n_layer * self.kv_block_size * model.n_embd // self.kv_cache_group_size
         groups = key_groups + value_groups
@@ -101,8 +102,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         per_block = self.bytes_per_block(model, element_size)
-        exact_bytes = self.exact_blocks() * 2 * model.n_layer * model.n_embd * self.kv_block_size
-        exact_bytes *= element_size
+        exact_bytes = self.exact_blocks() * self.kv_block_size
+        exact_bytes *= kv_bytes_per_token(model, "auto", itemsize=element_size)
         if self.kv_cache_memory is not None:
             budget = parse_bytes(self.kv_cache_memory) - exact_bytes
             if budget < per_block:
