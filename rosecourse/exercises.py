@@ -29,6 +29,7 @@ from unittest import mock
 import torch
 
 import roseinfer.loops.generate
+import roseinfer.request.rows
 import roseinfer.request.sampling
 import rosetrainer.model
 from rosecourse.demo import (
@@ -40,7 +41,8 @@ from rosecourse.demo import (
 )
 from rosecourse.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache, StaticLayerCache
-from roseinfer.loops.generate import generate, generate_batch, window_start
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request.rows import window_start
 from roseinfer.request.sampling import SamplingParams, top_p_filter
 from rosetrainer.model import GPT, causal_mask, concat_kv, padded_position_ids, position_ids
 from rosetrainer.tokenizer import Tokenizer
@@ -816,7 +818,7 @@ WINDOW_START = Exercise(
     name="window_start",
     reference=window_start,
     probe=_window_probe,
-    swapped_in=patched(roseinfer.loops.generate, "window_start"),
+    swapped_in=patched(roseinfer.request.rows, "window_start"),
     runs=_window_runs(),
     known_wrong=[
         KnownWrong(

@@ -27,11 +27,11 @@ from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.loops.generate import (
     GenerationResult,
     cached_steps,
-    checked_keep,
     generate,
     generate_batch,
     prefill,
 )
+from roseinfer.request.rows import checked_keep
 from roseinfer.request.sampling import SamplingParams
 from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError

@@ -18,6 +18,8 @@ import torch
 from models import assert_clear_margins
 
 from roseinfer.cli import generate as cli_generate
+from roseinfer.cli.engine_flags import engine_config
+from roseinfer.engine.config import EngineConfig
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
@@ -197,6 +199,14 @@ BAD_INPUTS = {
     "negative temperature": (["--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     "negative max_new_tokens": (["--max-new-tokens", "-1"], "max_tokens must be an integer >= 1"),
     "zero batch size": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    "batch size on the engine path": (
+        ["--prompt", "a", "--prompt", "b", "--batch-size", "4"],
+        "--batch-size sizes the left-padded batches .*: the engine .* takes --max-num-seqs",
+    ),
+    "zero running sequences": (
+        ["--prompt", "a", "--prompt", "b", "--max-num-seqs", "0"],
+        "max_num_seqs must be an integer >= 1, got 0",
+    ),
     "float16 on CPU": (
         ["--device", "cpu", "--dtype", "float16"],
         "float16 is not supported on CPU; use bfloat16 or float32",
@@ -233,6 +243,29 @@ def test_bad_input_is_one_line_and_exit_code_2(
     [line] = err.splitlines()
     assert line.startswith("[roseinfer] error: ")
     assert re.search(message, line), line
+
+
+def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> None:
+    from roseinfer.cli import serve
+
+    argv = ["--kv-block-size", "8", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
+    argv += ["--kv-cache-memory", "1MiB", "--no-prefix-caching", "--kv-cache-dtype", "int8"]
+    argv += ["--kv-cache-window", "0", "--kv-cache-group-size", "16"]
+    wanted = EngineConfig(
+        kv_block_size=8,
+        max_num_seqs=3,
+        max_num_batched_tokens=64,
+        kv_cache_memory="1MiB",
+        enable_prefix_caching=False,
+        kv_cache_dtype="int8",
+        kv_cache_window=0,
+        kv_cache_group_size=16,
+    )
+    for front_door in (serve, cli_generate):
+        assert engine_config(front_door.build_parser().parse_args(argv)) == wanted
+    # Unset, both take the engine's own defaults.
+    for front_door in (serve, cli_generate):
+        assert engine_config(front_door.build_parser().parse_args([])) == EngineConfig()
 
 
 def test_cuda_asked_for_where_there_is_none(
@@ -332,7 +365,7 @@ def test_batch_size_only_changes_how_the_text_is_printed(
         assert len(batched_rates) == sum(size != "1" for size in expected_sizes)
     # Streamed one by one (batch size 1), or printed per batch: the same text, in order;
     # and the same through the serving engine (several prompts, no --cache).
-    code, out, err = main(capsys, *common, *prompts, "--batch-size", "2")
+    code, out, err = main(capsys, *common, *prompts, "--max-num-seqs", "2")
     assert code == 0 and "[roseinfer] kv cache: paged (engine)" in err
     assert outputs["1"] == outputs["2"] == outputs[None] == out
     assert outputs[None].startswith("To be")

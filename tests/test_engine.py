@@ -47,7 +47,7 @@ def model():
 
 
 def engine_for(model, tokenizer, **config) -> LLMEngine:
-    config = {"block_size": KV_BLOCK, "shuffle_blocks_seed": 0, **config}
+    config = {"kv_block_size": KV_BLOCK, "shuffle_blocks_seed": 0, **config}
     return LLMEngine(model, tokenizer, EngineConfig(**config))
 
 
@@ -220,7 +220,7 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
     """The check has teeth: write each token at its logical slot (position alone, no
     block table) and, with a shuffled pool and two sequences, outputs go wrong."""
 
-    def logical_slots(block_tables, seq_of_token, positions, block_size):
+    def logical_slots(block_tables, seq_of_token, positions, kv_block_size):
         return positions + seq_of_token * 0
 
     rng = random.Random(1)
@@ -435,9 +435,9 @@ def test_a_stop_string_ends_the_text_before_it_and_streams_in_pieces(tokenizer) 
 
 
 def test_pool_size_from_bytes_or_blocks(model) -> None:
-    per_block = EngineConfig(block_size=4).bytes_per_block(model.config, 4)
+    per_block = EngineConfig(kv_block_size=4).bytes_per_block(model.config, 4)
     assert per_block == 2 * model.config.n_layer * model.config.n_embd * 4 * 4
-    assert EngineConfig(block_size=4, kv_cache_memory="1MiB").pool_blocks(model.config, 4) == (
+    assert EngineConfig(kv_block_size=4, kv_cache_memory="1MiB").pool_blocks(model.config, 4) == (
         2**20 // per_block
     )
     assert EngineConfig(kv_cache_memory=2**30).pool_blocks(model.config, 4) > 0

@@ -39,7 +39,7 @@ def solo_ids(llm, prompt: str, params: SamplingParams) -> list[int]:
 
 
 def test_llm_generates_in_prompt_order_with_per_prompt_params(checkpoint: Path) -> None:
-    llm = roseinfer.LLM(str(checkpoint), block_size=4, max_num_batched_tokens=8)
+    llm = roseinfer.LLM(str(checkpoint), kv_block_size=4, max_num_batched_tokens=8)
     params = [
         roseinfer.SamplingParams(max_tokens=3 + i % 4, temperature=0.8 * (i % 2), seed=i)
         for i in range(len(PROMPTS))
@@ -82,7 +82,7 @@ def test_cli_prompt_file_runs_through_the_engine_in_order(
     prompt_file.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
     common = ["--checkpoint-path", str(checkpoint), "--prompt-file", str(prompt_file)]
     common += ["--max-new-tokens", "6", "--seed", "3", "--json", "--device", "cpu"]
-    code, engine_out, engine_err = run_cli([*common, "--batch-size", "8"], capsys)
+    code, engine_out, engine_err = run_cli([*common, "--max-num-seqs", "8"], capsys)
     assert code == 0, engine_err
     assert "kv cache: paged (engine)" in engine_err
     code, static_out, static_err = run_cli([*common, "--cache", "static"], capsys)
@@ -104,7 +104,7 @@ def test_cli_engine_flags_are_checked(checkpoint: Path, capsys: pytest.CaptureFi
 
 
 def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
-    llm = roseinfer.LLM(str(checkpoint), num_kv_blocks=12, block_size=8)
+    llm = roseinfer.LLM(str(checkpoint), num_kv_blocks=12, kv_block_size=8)
     (output,) = llm.generate(["abc"], SamplingParams(max_tokens=5), use_tqdm=False)
     assert output.arrival_time <= output.first_token_time <= output.finish_time
     assert llm.engine.pool.nbytes == 12 * 8 * 2 * 2 * 32 * torch.float32.itemsize

@@ -49,7 +49,7 @@ def oracle(model) -> list[list[int]]:
 def run_engine(model, tokenizer, **config) -> tuple[LLMEngine, list]:
     """Every prompt at once; the pool's invariants checked after every step."""
     engine = LLMEngine(
-        model, tokenizer, EngineConfig(block_size=KV_BLOCK, shuffle_blocks_seed=0, **config)
+        model, tokenizer, EngineConfig(kv_block_size=KV_BLOCK, shuffle_blocks_seed=0, **config)
     )
     ids = [engine.add_request(prompt, GREEDY) for prompt in PROMPTS]
     finished = {}
@@ -117,7 +117,7 @@ def test_the_reference_attention_gives_the_same_tokens(model, tokenizer, oracle)
 
 
 def test_a_prefix_hit_equals_a_miss_with_int8(model, tokenizer, oracle) -> None:
-    config = EngineConfig(block_size=KV_BLOCK, kv_cache_dtype="int8", kv_cache_window=0)
+    config = EngineConfig(kv_block_size=KV_BLOCK, kv_cache_dtype="int8", kv_cache_window=0)
     engine = LLMEngine(model, tokenizer, config)
     prompt = PROMPTS[2]  # 20 tokens: two full blocks to share
     miss = run_one(engine, prompt)

@@ -18,7 +18,8 @@ from models import (
 
 import roseinfer.loops.generate
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
-from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate, window_start
+from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate
+from roseinfer.request.rows import window_start
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from models import assert_clear_margins, assert_logits_close, assert_varied, make_test_model
 
+from roseinfer.cli import export_onnx as export_command
 from roseinfer.cli import generate as cli_generate
 from roseinfer.loops import export_onnx, onnx_generate
 from roseinfer.loops.generate import generate
@@ -40,7 +41,7 @@ def export_cli(*args: str | Path) -> tuple[int, str]:
     """The exporter's command line, in this process: (exit code, stdout)."""
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = export_onnx.main([str(arg) for arg in args])
+        code = export_command.main([str(arg) for arg in args])
     return code, stdout.getvalue()
 
 
@@ -364,10 +365,8 @@ def test_export_mistakes_are_one_line(
         filled += ["--out", str(run_dir / "unused")]
     if "--checkpoint-path" not in filled:
         filled += ["--checkpoint-path", str(run_dir)]
-    code = export_onnx.main(filled)
+    code = export_command.main(filled)
     stdout, err = capsys.readouterr()
     assert code == 2
     [line] = err.splitlines()
-    assert line.startswith("[roseinfer.loops.export_onnx] error: ") and re.search(message, line), (
-        line
-    )
+    assert line.startswith("[rose-export-onnx] error: ") and re.search(message, line), line

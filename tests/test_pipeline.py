@@ -22,12 +22,12 @@ import pytest
 import torch
 from models import assert_clear_margins, assert_logits_close, make_test_model
 
-from roseinfer.cache.dense import StaticKVCache
+from roseinfer.cache.dense import StaticKVCache, new_cache
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.pipeline import PipelineJob, PipelineSetup, run_pipeline, stage_layers
 from roseinfer.pipeline import stage as stage_module
 from roseinfer.pipeline.runner import split_micro_batches
-from roseinfer.pipeline.stage import PipelineStage, new_cache
+from roseinfer.pipeline.stage import PipelineStage
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.errors import RoseError

@@ -58,7 +58,7 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactory) -> Server:
     log = tmp_path_factory.mktemp("serve-log") / "server.log"
-    flags = ["--api-key", API_KEY, "--max-waiting", str(MAX_WAITING), "--block-size", "8"]
+    flags = ["--api-key", API_KEY, "--max-waiting", str(MAX_WAITING), "--kv-block-size", "8"]
     with running_server(checkpoint[0], log, *flags) as running:
         yield running
 

@@ -140,7 +140,7 @@ def test_soak_ends_with_every_block_free_and_every_answer_equal_to_its_solo_run(
     jobs = make_jobs()
     # A small pool and queue: requests wait, get preempted, and some are turned away.
     flags = ["--api-key", API_KEY, "--max-num-seqs", "8", "--max-waiting", "16",
-             "--block-size", "8", "--num-kv-blocks", "48"]  # fmt: skip
+             "--kv-block-size", "8", "--num-kv-blocks", "48"]  # fmt: skip
     with running_server(path, tmp_path / "server.log", *flags) as server:
         outcomes = asyncio.run(soak(server, jobs))
         final = wait_idle(server)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
@@ -148,9 +149,9 @@ def weight_bytes(model: GPT) -> int:
 
 
 def cache_bytes(model: GPT, positions: float) -> float:
-    cfg = model.config
+    """Bytes of `positions` tokens' keys and values, every layer, in the model's dtype."""
     itemsize = model.lm_head.weight.element_size()
-    return 2 * cfg.n_layer * cfg.n_embd * positions * itemsize  # keys and values
+    return positions * kv_bytes_per_token(model.config, "auto", itemsize=itemsize)
 
 
 def decode_flops(model: GPT, kv_len: int, batch: int = 1) -> int:

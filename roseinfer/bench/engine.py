@@ -32,6 +32,7 @@ import torch
 
 from rosecourse.demo import wide_random_init
 from roseinfer.cache.dense import StaticKVCache
+from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loops.generate import generate, generate_batch
@@ -157,8 +158,9 @@ def run_engine(
 
 def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) -> float:
     """Bytes a static cache holds per live token, over the decode steps of its batches."""
-    cfg = model.config
-    per_token = 2 * cfg.n_layer * cfg.n_embd * model.lm_head.weight.element_size()
+    per_token = kv_bytes_per_token(
+        model.config, "auto", itemsize=model.lm_head.weight.element_size()
+    )
     held = live = 0
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
@@ -169,7 +171,7 @@ def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) 
     return held / live
 
 
-def transformers_cb(model: GPT, requests: list[Request], block_size: int) -> list[list[int]]:
+def transformers_cb(model: GPT, requests: list[Request], kv_block_size: int) -> list[list[int]]:
     """transformers' own continuous batching on the same weights (its manager, so that each
     request has its own max_new_tokens; generate_batch takes one for all)."""
     from transformers import GenerationConfig
@@ -179,9 +181,9 @@ def transformers_cb(model: GPT, requests: list[Request], block_size: int) -> lis
 
     hf_model = to_hf_gpt2(model).eval()
     generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
-    blocks = sum(-(-(len(p) + n) // block_size) for p, n in requests)
+    blocks = sum(-(-(len(p) + n) // kv_block_size) for p, n in requests)
     batching = ContinuousBatchingConfig(
-        num_blocks=blocks, max_batch_tokens=512, page_size=block_size, max_requests_per_batch=64
+        num_blocks=blocks, max_batch_tokens=512, page_size=kv_block_size, max_requests_per_batch=64
     )
     done = {}
     manager_cm = hf_model.continuous_batching_context_manager(
@@ -237,7 +239,7 @@ def bench(argv: list[str] | None = None) -> int:
         f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
         f"{work.output_range[0]}-{work.output_range[1]} ({out_tokens} output tokens)"
     )
-    engine_config = dict(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
     # Warm every path up on one short request first (first calls pay one-off costs).
     warm = [(requests[0][0][:8], 2)]
@@ -321,7 +323,7 @@ def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, c
             **config,
         )
         stats = run.engine.stats()
-        computed = stats.prompt_tokens - stats.prefix_cache_hits * run.engine.config.block_size
+        computed = stats.prompt_tokens - stats.prefix_cache_hits * run.engine.config.kv_block_size
         runs[caching] = run.outputs
         say(
             f"  prefix cache {'on ' if caching else 'off'}: prompt tokens {stats.prompt_tokens}, "

@@ -7,7 +7,13 @@ and answers the loop's own questions:
 * `seq_len`: how many positions it holds (per row, padding included);
 * `reset(pad_lengths)`: forget everything; rows of a batch may start with left padding,
   which is then masked out of attention and not counted in positions;
-* `fork(n)`: n independent copies (for several continuations of one prefix).
+* `fork(n)`: n independent copies (for several continuations of one prefix);
+* `nbytes`: the bytes its keys and values take; `filled_kv()`: the keys and values of
+  the positions filled so far; `check_rows(n)`: a clear error before a batch of n rows
+  that it cannot take; `compilable`: whether its decode steps all have one shape.
+
+`DenseKVCache` names that interface, so a loop or a tool asks the cache instead of
+branching on its class.
 
 `ConcatKVCache` is the teaching version: a list of per-layer (k, v) grown by
 `torch.cat` every step, so each step copies the whole past. It computes its mask and
@@ -21,21 +27,53 @@ mask, so no step allocates or copies the past.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
-from rosetrainer.model import GPT, LayerPast
+from rosetrainer.model import KVCache, LayerPast
 
-if TYPE_CHECKING:
-    from roseinfer.pipeline.stage import PipelineStage
+CACHE_KINDS = ("static", "concat")
+
+
+class DenseKVCache(KVCache, Protocol):
+    """A model cache (rosetrainer.model.KVCache) as the generation loops hold it: one
+    row of positions per sequence (concat, static, quantized)."""
+
+    compilable: bool
+    pad_lengths: torch.Tensor | None
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def reset(self, pad_lengths: torch.Tensor | None = None) -> None: ...
+
+    def fork(self, n: int) -> list[DenseKVCache]: ...
+
+    def filled_kv(self) -> list[LayerPast]: ...
+
+    def check_rows(self, rows: int) -> None: ...
+
+
+class Blocks(Protocol):
+    """What a preallocated cache is sized from: a GPT, or a pipeline stage that holds
+    only its own blocks (numbered from 0 there)."""
+
+    config: GPTConfig
+    transformer: nn.ModuleDict
 
 
 class ConcatKVCache:
     """Past keys/values as a list of per-layer (k, v), grown by concatenation."""
+
+    compilable = False  # the past grows every step: each step has a new shape
 
     def __init__(self) -> None:
         self.past_kv: list[LayerPast] = []  # one (k, v) per layer, (B, n_head, seq_len, head_dim)
@@ -82,6 +120,16 @@ class ConcatKVCache:
         self.past_kv = []
         self.pad_lengths = pad_lengths
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for pair in self.past_kv for t in pair)
+
+    def filled_kv(self) -> list[LayerPast]:
+        return list(self.past_kv)
+
+    def check_rows(self, rows: int) -> None:
+        """Any number of rows: the first prefill sets it (`prepare` checks later steps)."""
+
     def fork(self, n: int) -> list[ConcatKVCache]:
         """n caches for n continuations. They may share the past tensors: concatenation
         builds new tensors and never writes into old ones, so no copy is needed."""
@@ -121,9 +169,7 @@ class StaticKVCache:
 
     compilable = True  # every decode step has the same shapes: torch.compile can take it
 
-    def __init__(
-        self, model: GPT | PipelineStage, batch_size: int = 1, max_len: int | None = None
-    ) -> None:
+    def __init__(self, model: Blocks, batch_size: int = 1, max_len: int | None = None) -> None:
         # One buffer pair per block the model holds (a pipeline stage holds only its own,
         # and they are numbered from 0 there), where the blocks' weights live, in their dtype.
         cfg = model.config
@@ -160,6 +206,22 @@ class StaticKVCache:
     @property
     def seq_len(self) -> int:
         return int(self.filled)
+
+    @property
+    def nbytes(self) -> int:
+        """The whole buffers, filled or not: they are allocated once, up front."""
+        return sum(t.nbytes for layer in self.layers for t in (layer.k, layer.v))
+
+    def filled_kv(self) -> list[LayerPast]:
+        n = self.seq_len
+        return [(layer.k[:, :, :n], layer.v[:, :, :n]) for layer in self.layers]
+
+    def check_rows(self, rows: int) -> None:
+        if rows != self.batch_size:
+            raise RoseError(
+                f"the static cache holds {self.batch_size} row(s) but {rows} prompt(s) were "
+                f"given: build it with {type(self).__name__}(model, batch_size={rows})"
+            )
 
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
         """Forget every position; the buffers stay (stale slots are masked until rewritten)."""
@@ -213,3 +275,11 @@ class StaticKVCache:
             fork.filled = self.filled.clone()
             forks.append(fork)
         return forks
+
+
+def new_cache(model: Blocks, kind: str, rows: int, max_len: int) -> DenseKVCache:
+    """A cache of `kind` (CACHE_KINDS) for the model's blocks: `rows` rows of up to
+    `max_len` positions (a concat cache grows as it goes, so it takes neither)."""
+    if kind == "static":
+        return StaticKVCache(model, batch_size=rows, max_len=max_len)
+    return ConcatKVCache()

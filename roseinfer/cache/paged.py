@@ -1,8 +1,8 @@
 """The paged KV cache: one pool of fixed-size blocks per layer, read and written
 through block tables.
 
-`KVPool` is the memory: per layer, keys and values for num_blocks * block_size token
-slots, allocated once. Slot s is token s % block_size of physical block s // block_size.
+`KVPool` is the memory: per layer, keys and values for num_blocks * kv_block_size token
+slots, allocated once. Slot s is token s % kv_block_size of physical block s // kv_block_size.
 
 `PagedKVCache` is one model call's view of the pool. It implements
 `rosetrainer.model.KVCache` for many sequences at once, each at its own point: some
@@ -13,7 +13,7 @@ at every call (so a chapter or test can swap in a buggy one):
 * `paged_positions`: a sequence's new tokens take the positions after the ones it has
   computed (num_computed + arange), each sequence counting on its own;
 * `slot_mapping`: the token at position p of a sequence is written to slot
-  block_table[p // block_size] * block_size + p % block_size;
+  block_table[p // kv_block_size] * kv_block_size + p % kv_block_size;
 * `paged_causal_mask`: a query sees the keys of its own sequence at positions up to
   its own (the bottom-right rule, per sequence), and nothing of any other sequence.
 
@@ -33,17 +33,18 @@ either pool the same way.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
-from roseinfer.engine.config import EngineConfig
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
 
 
 class KVPool:
-    """Keys and values of every block, per layer: (num_blocks, n_head, block_size, head_dim).
+    """Keys and values of every block, per layer: (num_blocks, n_head, kv_block_size, head_dim).
 
     Heads before tokens, as in the model's own (batch, n_head, time, head_dim): a
     sequence's blocks gathered in table order are then the keys attention reads, in one
@@ -54,15 +55,15 @@ class KVPool:
         self,
         config: GPTConfig,
         num_blocks: int,
-        block_size: int,
+        kv_block_size: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self.n_head = config.n_head
         self.quantized = False
-        shape = (num_blocks, config.n_head, block_size, config.head_dim)
+        shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
 
@@ -79,7 +80,7 @@ class QuantizedKVPool:
     """A pool whose blocks are stored in int8 or int4 (roseinfer.cache.quantized), the recent ones exact.
 
     Every block has quantized codes: keys per channel, one group per block (the
-    block_size tokens of a channel), values per token in groups of group_size channels.
+    kv_block_size tokens of a channel), values per token in groups of group_size channels.
     A full block never changes again, so it is quantized once, when it falls out of
     every running sequence's window. Until then it sits in the exact pool, in the
     model's dtype: a block being written (new keys and values always go there), a
@@ -96,7 +97,7 @@ class QuantizedKVPool:
         self,
         config: GPTConfig,
         num_blocks: int,
-        block_size: int,
+        kv_block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         *,
@@ -105,18 +106,19 @@ class QuantizedKVPool:
         group_size: int,
         num_exact_blocks: int,
     ) -> None:
-        self.num_blocks, self.block_size, self.n_head = num_blocks, block_size, config.n_head
+        self.num_blocks, self.kv_block_size, self.n_head = num_blocks, kv_block_size, config.n_head
         self.dtype, self.window = dtype, window
-        shape = (num_blocks, config.n_head, block_size, config.head_dim)
+        shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
         bits = BITS[kv_cache_dtype]
         self.k = [
-            QuantizedStore(shape, bits, block_size, TIME_DIM, device) for _ in range(config.n_layer)
+            QuantizedStore(shape, bits, kv_block_size, TIME_DIM, device)
+            for _ in range(config.n_layer)
         ]
         self.v = [
             QuantizedStore(shape, bits, group_size, CHANNEL_DIM, device)
             for _ in range(config.n_layer)
         ]
-        exact_shape = (num_exact_blocks, config.n_head, block_size, config.head_dim)
+        exact_shape = (num_exact_blocks, config.n_head, kv_block_size, config.head_dim)
         self.exact_k = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
         self.exact_v = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
         self.exact_slot = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
@@ -153,13 +155,13 @@ class QuantizedKVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys and values (tokens, n_head, head_dim) at pool slots `slots` (their
         blocks made exact first): into the exact pool."""
-        exact = self.exact_slot[slots // self.block_size] * self.block_size
-        exact = exact + slots % self.block_size
+        exact = self.exact_slot[slots // self.kv_block_size] * self.kv_block_size
+        exact = exact + slots % self.kv_block_size
         write_slots(self.exact_k[layer], exact, k)
         write_slots(self.exact_v[layer], exact, v)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor) -> LayerPast:
-        """Keys and values of these blocks, (len, n_head, block_size, head_dim) each."""
+        """Keys and values of these blocks, (len, n_head, kv_block_size, head_dim) each."""
         keys = self.k[layer].read_rows(block_ids, self.dtype)
         values = self.v[layer].read_rows(block_ids, self.dtype)
         places = self.exact_slot[block_ids]
@@ -175,8 +177,8 @@ class QuantizedKVPool:
         how many tokens of each the pool holds."""
         keep: set[int] = set()
         for table, n in zip(tables, num_tokens, strict=True):
-            first = max(0, n - self.window) // self.block_size  # the window's first block
-            keep.update(table[first : -(-n // self.block_size)])
+            first = max(0, n - self.window) // self.kv_block_size  # the window's first block
+            keep.update(table[first : -(-n // self.kv_block_size)])
         drop = [b for b in self.exact_blocks() if b not in keep]
         if not drop:
             return
@@ -189,20 +191,31 @@ class QuantizedKVPool:
         self.free_exact += places.tolist()
 
 
+class PoolSettings(Protocol):
+    """What the pool takes from the engine's settings (roseinfer.engine.config.EngineConfig)."""
+
+    kv_block_size: int
+    kv_cache_dtype: str
+    kv_cache_window: int
+    kv_cache_group_size: int
+
+    def exact_blocks(self) -> int: ...
+
+
 def make_pool(
     config: GPTConfig,
     num_blocks: int,
-    engine: EngineConfig,
+    engine: PoolSettings,
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVPool | QuantizedKVPool:
     """The engine's pool: plain for kv_cache_dtype "auto", else quantized."""
     if engine.kv_cache_dtype == "auto":
-        return KVPool(config, num_blocks, engine.block_size, dtype, device)
+        return KVPool(config, num_blocks, engine.kv_block_size, dtype, device)
     return QuantizedKVPool(
         config,
         num_blocks,
-        engine.block_size,
+        engine.kv_block_size,
         dtype,
         device,
         kv_cache_dtype=engine.kv_cache_dtype,
@@ -214,15 +227,15 @@ def make_pool(
 
 def write_slots(blocks: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     """Write one (n_head, head_dim) entry per token, `new` (tokens, n_head, head_dim), at
-    pool slots `slots` (slot s: block s // block_size, offset s % block_size)."""
-    block_size = blocks.size(2)
-    blocks[slots // block_size, :, slots % block_size] = new
+    pool slots `slots` (slot s: block s // kv_block_size, offset s % kv_block_size)."""
+    kv_block_size = blocks.size(2)
+    blocks[slots // kv_block_size, :, slots % kv_block_size] = new
 
 
 def read_slots(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The entries at pool slots `slots`: (n_head, len(slots), head_dim)."""
-    block_size = blocks.size(2)
-    return blocks[slots // block_size, :, slots % block_size].transpose(0, 1)
+    kv_block_size = blocks.size(2)
+    return blocks[slots // kv_block_size, :, slots % kv_block_size].transpose(0, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -240,12 +253,15 @@ def paged_positions(num_computed: torch.Tensor, num_new: torch.Tensor) -> torch.
 
 
 def slot_mapping(
-    block_tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor, block_size: int
+    block_tables: torch.Tensor,
+    seq_of_token: torch.Tensor,
+    positions: torch.Tensor,
+    kv_block_size: int,
 ) -> torch.Tensor:
     """The pool slot of each token: its sequence's physical block for that position, and
     the offset inside the block. block_tables is (num_seqs, max_blocks)."""
-    physical_block = block_tables[seq_of_token, positions // block_size]
-    return physical_block * block_size + positions % block_size
+    physical_block = block_tables[seq_of_token, positions // kv_block_size]
+    return physical_block * kv_block_size + positions % kv_block_size
 
 
 def paged_causal_mask(
@@ -293,12 +309,12 @@ class PagedKVCache:
             raise RoseError("the padded layout feeds one new token per sequence")
         self.pool = pool
         self.layout = layout
-        self.block_size = pool.block_size
+        self.kv_block_size = pool.kv_block_size
         self.tables = padded_tables(block_tables, pool.device)
         self.num_computed = torch.tensor(num_computed, dtype=torch.long)
         self.num_new = torch.tensor(num_new, dtype=torch.long)
-        self.write_slots = torch.zeros(0, dtype=torch.long)
-        self.read_slots: torch.Tensor | None = None
+        self.written_slots = torch.zeros(0, dtype=torch.long)
+        self.key_slots: torch.Tensor | None = None
 
     # -- what the model asks of a cache (rosetrainer.model.KVCache) --
 
@@ -313,22 +329,22 @@ class PagedKVCache:
             )
         positions = paged_positions(self.num_computed, self.num_new).to(device)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), self.num_new).to(device)
-        self.write_slots = slot_mapping(self.tables, seq_of_token, positions, self.block_size)
+        self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
         if self.pool.quantized:  # the blocks written in this call take their exact places now
-            self.pool.make_exact(torch.unique(self.write_slots // self.block_size).tolist())
+            self.pool.make_exact(torch.unique(self.written_slots // self.kv_block_size).tolist())
         if self.layout == "flat":
             # Every key the new tokens may read: positions 0 .. num_computed + num_new - 1
             # of each sequence, one sequence after another.
             context = self.num_computed + self.num_new
             key_seq = torch.repeat_interleave(torch.arange(num_seqs), context).to(device)
             key_pos = paged_positions(torch.zeros_like(context), context).to(device)
-            self.read_slots = slot_mapping(self.tables, key_seq, key_pos, self.block_size)
+            self.key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
             mask = paged_causal_mask(
                 seq_of_token[:, None], positions[:, None], key_seq[None, :], key_pos[None, :]
             )
             return positions[None, :], mask[None, None, :, :]
         # Padded: row i reads all of its blocks; key j of a row stands at position j.
-        key_pos = torch.arange(self.tables.size(1) * self.block_size, device=device)
+        key_pos = torch.arange(self.tables.size(1) * self.kv_block_size, device=device)
         rows = torch.arange(num_seqs, device=device)
         mask = paged_causal_mask(rows[:, None], positions[:, None], rows[:, None], key_pos[None, :])
         return positions[:, None], mask[:, None, None, :]
@@ -338,14 +354,14 @@ class PagedKVCache:
             return self._update_quantized(layer, k, v)
         k_blocks, v_blocks = self.pool.k[layer], self.pool.v[layer]
         # (rows, n_head, q_len, head_dim) -> one (n_head, head_dim) entry per new token,
-        # in the order of write_slots (sequence by sequence, position by position).
+        # in the order of written_slots (sequence by sequence, position by position).
         rows, n_head, q_len, head_dim = k.shape
-        write_slots(k_blocks, self.write_slots, k.transpose(1, 2).reshape(-1, n_head, head_dim))
-        write_slots(v_blocks, self.write_slots, v.transpose(1, 2).reshape(-1, n_head, head_dim))
+        write_slots(k_blocks, self.written_slots, k.transpose(1, 2).reshape(-1, n_head, head_dim))
+        write_slots(v_blocks, self.written_slots, v.transpose(1, 2).reshape(-1, n_head, head_dim))
         if self.layout == "flat":  # every key of the step's sequences: (1, n_head, keys, head_dim)
-            return read_slots(k_blocks, self.read_slots)[None], read_slots(
-                v_blocks, self.read_slots
-            )[None]
+            return read_slots(k_blocks, self.key_slots)[None], read_slots(v_blocks, self.key_slots)[
+                None
+            ]
         return self._read_blocks(k_blocks), self._read_blocks(v_blocks)
 
     def _update_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
@@ -355,28 +371,28 @@ class PagedKVCache:
         entries = (-1, n_head, head_dim)
         self.pool.write(
             layer,
-            self.write_slots,
+            self.written_slots,
             k.transpose(1, 2).reshape(entries),
             v.transpose(1, 2).reshape(entries),
         )
         if self.layout == "flat":
             # Only the blocks the step reads, numbered 0.. in a local copy.
-            blocks, local = torch.unique(self.read_slots // self.block_size, return_inverse=True)
+            blocks, local = torch.unique(self.key_slots // self.kv_block_size, return_inverse=True)
             k_blocks, v_blocks = self.pool.read_blocks(layer, blocks)
-            slots = local * self.block_size + self.read_slots % self.block_size
+            slots = local * self.kv_block_size + self.key_slots % self.kv_block_size
             return read_slots(k_blocks, slots)[None], read_slots(v_blocks, slots)[None]
-        # Each row's blocks in table order, then (rows, n_head, max_blocks * block_size, head_dim).
+        # Each row's blocks in table order, then (rows, n_head, max_blocks * kv_block_size, head_dim).
         rows, max_blocks = self.tables.shape
         k_blocks, v_blocks = self.pool.read_blocks(layer, self.tables.flatten())
-        by_row = (rows, max_blocks, n_head, self.block_size, head_dim)
+        by_row = (rows, max_blocks, n_head, self.kv_block_size, head_dim)
         keys = k_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
         values = v_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
         return keys, values
 
     def _read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks, whole and in table order: (rows, n_head, max_blocks * block_size,
+        """Each row's blocks, whole and in table order: (rows, n_head, max_blocks * kv_block_size,
         head_dim), gathered in one copy (row r, head h, table entry i: blocks[tables[r, i], h])."""
         rows, max_blocks = self.tables.shape
         heads = torch.arange(blocks.size(1), device=blocks.device)
         gathered = blocks[self.tables[:, None, :], heads[None, :, None]]  # (rows, h, blocks, bs, d)
-        return gathered.view(rows, blocks.size(1), max_blocks * self.block_size, blocks.size(-1))
+        return gathered.view(rows, blocks.size(1), max_blocks * self.kv_block_size, blocks.size(-1))

@@ -276,10 +276,14 @@ class QuantizedLayerCache:
         self.n_exact = k.size(2) - n_flush
         self.exact_k[:, :, : self.n_exact] = k[:, :, n_flush:]
         self.exact_v[:, :, : self.n_exact] = v[:, :, n_flush:]
-        # What attention reads: the store dequantized, then the exact tokens.
-        k_all = torch.cat([self.keys.read(self.n_stored, self.dtype), k[:, :, n_flush:]], dim=2)
-        v_all = torch.cat([self.values.read(self.n_stored, self.dtype), v[:, :, n_flush:]], dim=2)
-        return k_all, v_all
+        return self.read()
+
+    def read(self) -> LayerPast:
+        """What attention reads: the store dequantized, then the exact tokens."""
+        n = self.n_exact
+        k = torch.cat([self.keys.read(self.n_stored, self.dtype), self.exact_k[:, :, :n]], dim=2)
+        v = torch.cat([self.values.read(self.n_stored, self.dtype), self.exact_v[:, :, :n]], dim=2)
+        return k, v
 
     def clear(self) -> None:
         self.n_stored = self.n_exact = 0
@@ -349,6 +353,10 @@ class QuantizedKVCache(StaticKVCache):
         super().reset(pad_lengths)
         for layer in self.layers:
             layer.clear()
+
+    def filled_kv(self) -> list[LayerPast]:
+        """The filled positions as attention reads them (dequantized, then exact)."""
+        return [layer.read() for layer in self.layers]
 
     def prepare(
         self, batch: int, q_len: int, device: torch.device

@@ -40,7 +40,6 @@ from roseinfer.cache.quantized import (
     DEFAULT_WINDOW,
     KEY_GROUPINGS,
     KV_CACHE_DTYPES,
-    QuantizedKVCache,
     check_quant_settings,
     kv_bytes_per_token,
     make_kv_cache,
@@ -346,24 +345,12 @@ def memory_table(args: argparse.Namespace) -> None:
     for choice in choices:
         per_token = kv_bytes_per_token(config, choice.kv_cache_dtype, choice.group_size)
         cache = choice.make(model, 1, args.request_len)
-        allocated = sum(t.nbytes for t in cache_tensors(cache)) / args.request_len
+        allocated = cache.nbytes / args.request_len
         fits = requests_that_fit(config, choice, 4, args.request_len, memory)
         print(
             f"{choice.label:<34}{per_token:>10,.0f}{per_token / auto_bytes:>8.3f}"
             f"{allocated:>15,.0f}{fits:>10,}"
         )
-
-
-def cache_tensors(cache) -> list[torch.Tensor]:
-    """Every tensor that holds a cache's keys and values (codes, scales, exact window)."""
-    if isinstance(cache, QuantizedKVCache):
-        return [
-            t
-            for layer in cache.layers
-            for store in (layer.keys, layer.values)
-            for t in (store.codes, store.scale, store.zero)
-        ] + [t for layer in cache.layers for t in (layer.exact_k, layer.exact_v)]
-    return [t for layer in cache.layers for t in (layer.k, layer.v)]
 
 
 def run(args: argparse.Namespace) -> int:

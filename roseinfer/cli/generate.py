@@ -5,15 +5,14 @@
 
 Reading order: parse the flags (bad values fail before anything loads), pick the
 device and dtype, load the model and its tokenizer, encode the prompts, then generate
-for the prompts in batches (one left-padded batch of up to --batch-size prompts at a
-time) and report. Every check runs before the first status line, so a mistake is told
+and report. Every check runs before the first status line, so a mistake is told
 in exactly one line (`[roseinfer] error: ...`, exit code 2).
 
 Which path runs:
 * several prompts: the serving engine (roseinfer/engine: paged KV cache, continuous
-  batching, prefix caching); --batch-size is then how many run at once, and each
-  prompt's output is printed, in prompt order, as soon as it and every prompt before
-  it are done;
+  batching, prefix caching; its flags are rose-serve's, roseinfer/cli/engine_flags.py):
+  --max-num-seqs of them run at once, and each prompt's output is printed, in prompt
+  order, as soon as it and every prompt before it are done;
 * one prompt: a static cache, its text streamed as it is made;
 * --no-kv-cache, --cache static|concat, --compile or --onnx: that path, for every
   prompt, in left-padded batches of --batch-size (each batch printed when it is done).
@@ -40,14 +39,8 @@ from pathlib import Path
 import torch
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
-from roseinfer.cache.quantized import (
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_WINDOW,
-    KV_CACHE_DTYPES,
-    check_quant_settings,
-    make_kv_cache,
-)
-from roseinfer.engine.config import EngineConfig
+from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
+from roseinfer.cli.engine_flags import add_engine_flags, engine_config
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
 from roseinfer.loops import onnx_generate
@@ -76,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         "streams its text as it is made; several run through the serving engine (continuous "
         "batching on a paged KV cache) and print in prompt order.",
     )
+    add_source_flags(p)
+    add_prompt_flags(p)
+    add_sampling_flags(p)
+    add_path_flags(p)
+    add_engine_flags(p)
+    add_output_flags(p)
+    return p
+
+
+def add_source_flags(p: argparse.ArgumentParser) -> None:
+    """Which model, and its tokenizer."""
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--checkpoint-path",
@@ -89,109 +93,91 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--onnx",
         metavar="DIR",
-        help="a directory written by `python -m roseinfer.loops.export_onnx`: generate with that "
-        "graph in onnxruntime (float32, CPU) instead of PyTorch",
-    )
-    p.add_argument(
-        "--prompt",
-        action="append",
-        help="a prompt; repeat the flag for several (they run together, see --batch-size). "
-        "With no prompt at all, one empty prompt: generation starts from <|endoftext|>",
-    )
-    p.add_argument(
-        "--prompt-file",
-        help="a UTF-8 text file, one prompt per line (- reads standard input); blank lines "
-        "are skipped",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=DEFAULT_BATCH_SIZE,
-        help="generate for at most this many prompts at once: the engine's running "
-        "sequences, or the size of each left-padded batch on the --cache/--no-kv-cache paths; "
-        f"each prompt's output equals its output alone (default: {DEFAULT_BATCH_SIZE})",
-    )
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        help="engine: the KV pool's size in blocks of --kv-block-size tokens "
-        "(default: enough for every running prompt's whole context)",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        help="engine: the KV pool's size in bytes, e.g. 2GiB or 512MiB (instead of --num-kv-blocks)",
-    )
-    p.add_argument(
-        "--kv-block-size", type=int, default=16, help="engine: tokens per KV block (default: 16)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="engine: tokens per step, decode tokens plus prompt chunks (default: 512)",
+        help="a directory written by `rose-export-onnx`: generate with that graph in "
+        "onnxruntime (float32, CPU) instead of PyTorch",
     )
     p.add_argument(
         "--tokenizer-name",
         help="tiktoken encoding (default: the checkpoint's tokenizer, else gpt2)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=200, help="default: 200")
-    p.add_argument(
+
+
+def add_prompt_flags(p: argparse.ArgumentParser) -> None:
+    prompts = p.add_argument_group("prompts")
+    prompts.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt; repeat the flag for several (they run together). With no prompt at "
+        "all, one empty prompt: generation starts from <|endoftext|>",
+    )
+    prompts.add_argument(
+        "--prompt-file",
+        help="a UTF-8 text file, one prompt per line (- reads standard input); blank lines "
+        "are skipped",
+    )
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """What each request asks for (its SamplingParams)."""
+    sampling = p.add_argument_group("sampling and stopping")
+    sampling.add_argument("--max-new-tokens", type=int, default=200, help="default: 200")
+    sampling.add_argument(
         "--temperature", type=float, default=0.8, help="0 = greedy (argmax); default: 0.8"
     )
-    p.add_argument(
+    sampling.add_argument(
         "--top-k",
         type=int,
         default=200,
         help="sample among the k likeliest tokens; 0 = off; default: 200",
     )
-    p.add_argument(
+    sampling.add_argument(
         "--top-p",
         type=float,
         default=1.0,
         help="sample among the likeliest tokens whose probability reaches p, in (0, 1]; "
         "1.0 = off (default)",
     )
-    p.add_argument(
+    sampling.add_argument(
         "--seed",
         type=int,
         help="one seed, one output (default: a random seed, shown on stderr)",
     )
-    p.add_argument(
+    sampling.add_argument(
+        "--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>"
+    )
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop once the generated text contains this string (kept in the output); repeatable",
+    )
+
+
+def add_path_flags(p: argparse.ArgumentParser) -> None:
+    """Which path runs instead of the engine: the teaching loop's caches, a split model."""
+    path = p.add_argument_group(
+        "other paths", "run every prompt on one of these instead of the engine"
+    )
+    path.add_argument(
         "--no-kv-cache",
         action="store_true",
         help="rerun the model on the whole sequence each step (the slow reference path)",
     )
-    p.add_argument(
+    path.add_argument(
         "--cache",
         choices=["static", "concat"],
         help="run every prompt on this cache in left-padded batches instead of the engine: "
         "static: buffers preallocated for the whole context (what one prompt uses anyway); "
         "concat: grown by concatenation each step",
     )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="how the KV cache (static, or the engine's paged pool) stores keys and values: "
-        "auto (the model's dtype, default), int8 or int4 (quantized in groups, keys per "
-        "channel and values per token, the latest tokens exact; see --kv-cache-window)",
-    )
-    p.add_argument(
-        "--kv-cache-window",
+    path.add_argument(
+        "--batch-size",
         type=int,
-        default=DEFAULT_WINDOW,
-        help="with int8/int4: the latest tokens kept exact, in the model's dtype; older ones "
-        f"are quantized a group at a time (0: none but a group still filling; the engine "
-        f"rounds the window out to whole KV blocks; default: {DEFAULT_WINDOW})",
+        help="the left-padded batches of --no-kv-cache, --cache, --compile, --onnx and a split "
+        "model: at most this many prompts at once, each output equal to its output alone "
+        f"(default: {DEFAULT_BATCH_SIZE}; the engine runs --max-num-seqs at once)",
     )
-    p.add_argument(
-        "--kv-cache-group-size",
-        type=int,
-        default=DEFAULT_GROUP_SIZE,
-        help="with int8/int4: numbers sharing one scale and zero point; must divide the "
-        f"head size (the engine groups keys by KV block; default: {DEFAULT_GROUP_SIZE})",
-    )
-    p.add_argument(
+    path.add_argument(
         "--compile",
         nargs="?",
         const="default",
@@ -201,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compiles in seconds; 'max-autotune' freezes the weights into the graph and picks "
         "the fastest matmul kernels, a minute or two of compiling for the fastest decode",
     )
-    p.add_argument(
+    path.add_argument(
         "--pipeline-parallel-size",
         type=int,
         default=1,
@@ -209,20 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
         "its layers' weights and KV cache; the CLI starts them itself (gloo on CPU, NCCL with "
         "one GPU per stage), or runs as one of them under torchrun; default: 1 (no split)",
     )
-    p.add_argument(
+    path.add_argument(
         "--micro-batches",
         type=int,
         help="with --pipeline-parallel-size: cut each batch into this many micro-batches, so "
         "the stages work at the same time (default: one per stage when the batch has rows "
         "enough, else 1)",
     )
-    p.add_argument("--no-stop-at-eot", action="store_true", help="keep going after <|endoftext|>")
-    p.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        help="stop once the generated text contains this string (kept in the output); repeatable",
-    )
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Where it runs and how the text is printed."""
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto"
     )
@@ -237,7 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no streaming: print one JSON object per prompt per line",
     )
-    return p
 
 
 def status(what: str, value: object) -> None:
@@ -491,23 +473,16 @@ def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
     return model, tokenizer
 
 
+def batches(num_prompts: int, args: argparse.Namespace) -> list[slice]:
+    """The left-padded batches of the paths other than the engine, in prompt order."""
+    size = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    return [slice(start, start + size) for start in range(0, num_prompts, size)]
+
+
 def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
     """Several prompts go through the engine, unless a flag asks for another path."""
     other_path = args.no_kv_cache or args.cache or args.compile or args.onnx
     return num_prompts > 1 and not other_path
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.kv_block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.batch_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_window=args.kv_cache_window,
-        kv_cache_group_size=args.kv_cache_group_size,
-    )
 
 
 def as_result(output: RequestOutput) -> GenerationResult:
@@ -556,7 +531,7 @@ def run_engine(
     status("engine tokens/s", f"{new_tokens / elapsed:.1f} ({new_tokens} new tokens)")
     status(
         "engine",
-        f"{stats.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, "
+        f"{stats.num_kv_blocks} KV blocks of {engine.config.kv_block_size} tokens, "
         f"{stats.num_preemptions} preemptions, prefix cache {stats.prefix_cache_hits}/"
         f"{stats.prefix_cache_queries} blocks hit",
     )
@@ -564,7 +539,7 @@ def run_engine(
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise RoseError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.pipeline_parallel_size != 1 or args.micro_batches is not None:
         return run_split(args, params)
@@ -580,6 +555,11 @@ def run(args: argparse.Namespace) -> int:
         status("kv cache", "past_key_values in and present out of the graph")
     else:
         engine_settings = engine_config(args) if uses_engine(args, len(prompts)) else None
+        if engine_settings is not None and args.batch_size is not None:
+            raise RoseError(
+                "--batch-size sizes the left-padded batches of --no-kv-cache, --cache, "
+                "--compile and --onnx: the engine (several prompts) takes --max-num-seqs"
+            )
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         model, tokenizer, source = load_model_and_tokenizer(
@@ -620,8 +600,7 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         run_engine(prompts, prompt_ids, args, params, engine, tokenizer)
         return 0
-    for start in range(0, len(prompts), args.batch_size):
-        batch = slice(start, start + args.batch_size)
+    for batch in batches(len(prompts), args):
         run_batch(prompts[batch], prompt_ids[batch], args, params, model, tokenizer)
     return 0
 
@@ -644,8 +623,7 @@ class SplitPrinter:
 
     def run(self, driver: Driver) -> list[list[GenerationResult]]:
         tokenizer = Tokenizer(self.tokenizer_name)
-        for start in range(0, len(self.prompts), self.args.batch_size):
-            batch = slice(start, start + self.args.batch_size)
+        for batch in batches(len(self.prompts), self.args):
             generate_now = functools.partial(
                 driver.generate,
                 self.prompt_ids[batch],

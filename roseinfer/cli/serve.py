@@ -19,8 +19,7 @@ import sys
 
 import uvicorn
 
-from roseinfer.cache.quantized import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, KV_CACHE_DTYPES
-from roseinfer.engine.config import EngineConfig
+from roseinfer.cli.engine_flags import add_engine_flags, engine_config
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
@@ -50,40 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="default: 8000; 0 picks a free one")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default: float32")
-    engine = p.add_argument_group("engine")
-    engine.add_argument(
-        "--kv-cache-memory", help="KV pool size in bytes, or with a unit: 512MiB, 2GiB"
-    )
-    engine.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (instead)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
-    engine.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens per model step at most"
-    )
-    engine.add_argument(
-        "--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prefixes"
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="how the pool stores keys and values: auto (the model's dtype, default), int8 or "
-        "int4 (quantized a full block at a time, the latest tokens exact)",
-    )
-    engine.add_argument(
-        "--kv-cache-window",
-        type=int,
-        default=DEFAULT_WINDOW,
-        help="with int8/int4: each request's latest tokens kept exact, rounded out to whole "
-        f"blocks, besides its filling block (default: {DEFAULT_WINDOW})",
-    )
-    engine.add_argument(
-        "--kv-cache-group-size",
-        type=int,
-        default=DEFAULT_GROUP_SIZE,
-        help="with int8/int4: value channels sharing one scale and zero point; must divide "
-        f"the head size (keys: one group per block; default: {DEFAULT_GROUP_SIZE})",
-    )
+    add_engine_flags(p)
     p.add_argument(
         "--max-waiting",
         type=int,
@@ -124,17 +90,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
-    config = EngineConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_window=args.kv_cache_window,
-        kv_cache_group_size=args.kv_cache_group_size,
-    )
+    config = engine_config(args)
     engine = LLMEngine(model, tokenizer, config)
     settings = ServerSettings(
         model_name=args.served_model_name or source,

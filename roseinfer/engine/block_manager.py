@@ -1,7 +1,7 @@
 """The KV block pool's bookkeeping: which physical block holds which tokens, for whom.
 
 The pool's memory (roseinfer/cache/paged.py) is cut into blocks of
-`block_size` token slots. Here only block *numbers* move: each sequence holds a block
+`kv_block_size` token slots. Here only block *numbers* move: each sequence holds a block
 table (its logical block i lives in physical block `block_table[i]`), and each block
 counts the tables that hold it (`ref_count`).
 
@@ -43,19 +43,19 @@ def chain_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+def blocks_for(num_tokens: int, kv_block_size: int) -> int:
+    return -(-num_tokens // kv_block_size)
 
 
 class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int,
+        kv_block_size: int,
         enable_prefix_caching: bool = True,
         shuffle_seed: int | None = None,
     ) -> None:
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # With a shuffle seed, free blocks are handed out in a random order (tests do this:
@@ -102,7 +102,7 @@ class BlockManager:
             return []
         found, parent = [], b""
         for i in range(self.lookup_blocks(len(token_ids))):
-            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
             parent = chain_hash(parent, tokens)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -112,7 +112,7 @@ class BlockManager:
 
     def lookup_blocks(self, num_tokens: int) -> int:
         """Full blocks of a num_tokens sequence that the cache may serve (not the last token)."""
-        return (num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+        return (num_tokens - 1) // self.kv_block_size if self.enable_prefix_caching else 0
 
     # -- a sequence's blocks --
 
@@ -120,7 +120,7 @@ class BlockManager:
         """Could a sequence take `cached_ids` and grow to hold num_tokens tokens?"""
         # Taking a cached block nobody holds removes it from the evictable ones.
         unheld = sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)
-        needed = blocks_for(num_tokens, self.block_size) - len(cached_ids)
+        needed = blocks_for(num_tokens, self.kv_block_size) - len(cached_ids)
         return needed <= self.num_available - unheld
 
     def start(self, seq: Sequence, cached_ids: list[int], num_tokens: int) -> None:
@@ -135,16 +135,16 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(cached_ids)
         seq.block_hashes = [self.blocks[block_id].hash for block_id in cached_ids]
-        seq.num_computed_tokens = len(cached_ids) * self.block_size
+        seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
         self.grow(seq, num_tokens)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        needed = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        needed = blocks_for(num_tokens, self.kv_block_size) - len(seq.block_table)
         return needed <= self.num_available
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append blocks to seq's table until it has slots for num_tokens tokens."""
-        while len(seq.block_table) * self.block_size < num_tokens:
+        while len(seq.block_table) * self.kv_block_size < num_tokens:
             seq.block_table.append(self._take_block())
 
     def release(self, seq: Sequence) -> None:
@@ -170,9 +170,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         ids = seq.all_ids
-        while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:
+        while len(seq.block_hashes) < seq.num_computed_tokens // self.kv_block_size:
             i = len(seq.block_hashes)
-            tokens = tuple(ids[i * self.block_size : (i + 1) * self.block_size])
+            tokens = tuple(ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
             key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens)
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_table[i]]
@@ -229,7 +229,7 @@ def check_pool(
     assert len(free) + len(cached) + len(used) == manager.num_blocks, "a block went missing"
     for block_id in cached:
         assert manager.cached.get(manager.blocks[block_id].hash) == block_id
-    for block_id in {slot // manager.block_size for slot in written_slots}:
+    for block_id in {slot // manager.kv_block_size for slot in written_slots}:
         writers = sum(block_id in table for table in writer_tables)
         assert writers == 1 and holders[block_id] <= 1, (
             f"block {block_id} was written while {writers} writer table(s) and "

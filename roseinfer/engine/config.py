@@ -16,6 +16,7 @@ from roseinfer.cache.quantized import (
     KV_CACHE_DTYPES,
     METADATA_BYTES_PER_GROUP,
     check_quant_settings,
+    kv_bytes_per_token,
 )
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
@@ -29,7 +30,7 @@ _UNITS["gb"] = 1000**3
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16  # tokens per KV block
+    kv_block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # pool size in blocks, or
     kv_cache_memory: int | str | None = None  # pool size in bytes: 2147483648 or "2GiB"
     max_num_seqs: int = 64  # running sequences at most
@@ -48,7 +49,7 @@ class EngineConfig:
     attention: str = "fast"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RoseError(f"{name} must be an integer >= 1, got {value!r}")
@@ -75,14 +76,14 @@ class EngineConfig:
         )
 
     def bytes_per_block(self, model: GPTConfig, element_size: int) -> int:
-        """Keys and values of block_size tokens in every layer (quantized: codes, and a
+        """Keys and values of kv_block_size tokens in every layer (quantized: codes, and a
         float16 scale and zero per group: keys one group per channel, values one per
         kv_cache_group_size channels of each token)."""
-        numbers = 2 * model.n_layer * model.n_embd * self.block_size
         if self.kv_cache_dtype == "auto":
-            return numbers * element_size
+            return self.kv_block_size * kv_bytes_per_token(model, "auto", itemsize=element_size)
+        numbers = 2 * model.n_layer * model.n_embd * self.kv_block_size
         key_groups = model.n_layer * model.n_embd  # one per channel
-        value_groups = model.n_layer * self.block_size * model.n_embd // self.kv_cache_group_size
+        value_groups = model.n_layer * self.kv_block_size * model.n_embd // self.kv_cache_group_size
         groups = key_groups + value_groups
         return numbers * BITS[self.kv_cache_dtype] // 8 + groups * METADATA_BYTES_PER_GROUP
 
@@ -91,8 +92,8 @@ class EngineConfig:
         filling block, plus the blocks one step may start writing (see QuantizedKVPool)."""
         if self.kv_cache_dtype == "auto":
             return 0
-        window_blocks = -(-self.kv_cache_window // self.block_size)
-        step_blocks = -(-self.max_num_batched_tokens // self.block_size) + self.max_num_seqs
+        window_blocks = -(-self.kv_cache_window // self.kv_block_size)
+        step_blocks = -(-self.max_num_batched_tokens // self.kv_block_size) + self.max_num_seqs
         return self.max_num_seqs * (window_blocks + 1) + step_blocks
 
     def pool_blocks(self, model: GPTConfig, element_size: int) -> int:
@@ -101,18 +102,18 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         per_block = self.bytes_per_block(model, element_size)
-        exact_bytes = self.exact_blocks() * 2 * model.n_layer * model.n_embd * self.block_size
-        exact_bytes *= element_size
+        exact_bytes = self.exact_blocks() * self.kv_block_size
+        exact_bytes *= kv_bytes_per_token(model, "auto", itemsize=element_size)
         if self.kv_cache_memory is not None:
             budget = parse_bytes(self.kv_cache_memory) - exact_bytes
             if budget < per_block:
                 raise RoseError(
                     f"kv_cache_memory {self.kv_cache_memory!r} holds no block: one block of "
-                    f"{self.block_size} tokens takes {per_block} bytes"
+                    f"{self.kv_block_size} tokens takes {per_block} bytes"
                     + (f", after {exact_bytes} bytes of exact blocks" if exact_bytes else "")
                 )
             return budget // per_block
-        full_context = -(-model.block_size // self.block_size)
+        full_context = -(-model.block_size // self.kv_block_size)
         cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
         return max(1, min(self.max_num_seqs * full_context, cap))
 

@@ -36,7 +36,7 @@ class LLM:
     ) -> None:
         """model: a rose .pt, a run directory, or a Hugging Face GPT-2 directory (hf=None
         tells them apart by its config.json); None takes the newest checkpoint.
-        engine_config: EngineConfig's fields (block_size, num_kv_blocks, kv_cache_memory,
+        engine_config: EngineConfig's fields (kv_block_size, num_kv_blocks, kv_cache_memory,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...)."""
         if hf is None:
             hf = model is not None and (Path(model) / "config.json").is_file()

@@ -34,8 +34,7 @@ from roseinfer.engine.outputs import (
     token_logprob,
 )
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
-from roseinfer.loops.generate import sample_rows
-from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -60,7 +59,10 @@ class LLMEngine:
         num_blocks = config.pool_blocks(model.config, weight.element_size())
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.shuffle_blocks_seed
+            num_blocks,
+            config.kv_block_size,
+            config.enable_prefix_caching,
+            config.shuffle_blocks_seed,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, self.pool, config.attention)
@@ -88,7 +90,7 @@ class LLMEngine:
         # The most tokens it will ever hold in the pool: it stops at max_tokens, or when
         # its next token could not be fed (the context window is full).
         longest = min(len(prompt_ids) + params.max_tokens - 1, self.max_model_len)
-        needed = blocks_for(longest, self.config.block_size)
+        needed = blocks_for(longest, self.config.kv_block_size)
         if needed > self.block_manager.num_blocks:
             raise RoseError(
                 f"request needs {needed} KV blocks ({longest} tokens) but the pool holds "

@@ -98,4 +98,4 @@ class ModelRunner:
             at = ends[done].to(device)
             out = self.model(idx, cache=cache, logits_at=at, validate=False)
             logits = out.logits[0]
-        return [seqs[i] for i in done], logits, cache.write_slots.cpu()
+        return [seqs[i] for i in done], logits, cache.written_slots.cpu()

@@ -90,7 +90,7 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             cached = manager.cached_prefix(seq.all_ids)
-            num_cached = len(cached) * manager.block_size
+            num_cached = len(cached) * manager.kv_block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not manager.can_start(cached, num_cached + num_new):
                 break  # first come, first served: nobody overtakes the head of the queue

@@ -1,7 +1,4 @@
-"""python -m roseinfer.loops.export_onnx: one ONNX graph with past key/values, for every step.
-
-    python -m roseinfer.loops.export_onnx --checkpoint-path checkpoints/tiny --out onnx/tiny
-    python -m roseinfer.loops.export_onnx --hf-model path/to/gpt2 --out onnx/gpt2
+"""One ONNX graph with past key/values, for every step (its command: roseinfer/cli/export_onnx.py).
 
 The graph serves the first step (an empty past) and every later one, at any batch size,
 prompt length and past length. Its inputs and outputs carry the names Hugging Face's
@@ -12,8 +9,8 @@ exporters use, so code written for those runs it unchanged:
         -> logits (B, T, vocab), present.{i}.key / .value (B, heads, P + T, head_dim)
 
 What makes one graph fit every step: nothing in it may be a number read off the example
-inputs. The model is rose's one GPT (rosetrainer/model.py), called with `ExportCache`, a
-KVCache built from the graph's inputs: `update` concatenates each layer's past and new
+inputs. The model is rose's one GPT (rosetrainer/model.py), called with `ExportCache`
+(roseinfer/cache/export.py), a KVCache built from the graph's inputs: `update` concatenates each layer's past and new
 keys/values (`concat_kv`), `prepare` cuts the causal mask's bottom rows for the new
 tokens from the shapes (`causal_mask(T, P + T)`), adds the padding columns of
 `attention_mask` (`padding_mask`), and hands the model the `position_ids` it was given.
@@ -32,11 +29,8 @@ onnxruntime against PyTorch on other shapes: an empty past, one new token, other
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -44,56 +38,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.cache.export import ExportCache
 from roseinfer.loops.onnx_generate import (
     META_FILE,
-    MODEL_FILE,
     OnnxModel,
     input_names,
     output_names,
 )
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT, LayerPast
 from rosetrainer.numerics import logit_tolerance
 
-PROG = "roseinfer.loops.export_onnx"
 DEFAULT_OPSET = 18  # the lowest the dynamo exporter writes natively
 # The example the graph is traced with: no size 0 or 1, which torch.export has treated as
 # special (a dimension whose example is 0 or 1 could be pinned to it).
 EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW = 2, 3, 4
-
-
-class ExportCache:
-    """A KVCache (rosetrainer.model) made of the graph's inputs, for one model call.
-
-    past: one (k, v) per layer, (B, n_head, P, head_dim), P may be 0;
-    attention_mask: (B, P + T), 1 for real tokens, 0 for left padding;
-    position_ids: (B, T), the new tokens' positions (counting real tokens only).
-    `present` collects each layer's past + new keys/values, the graph's outputs.
-    """
-
-    def __init__(
-        self, past: list[LayerPast], attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> None:
-        self.past = past
-        self.attention_mask = attention_mask
-        self.position_ids = position_ids
-        self.present: list[LayerPast] = []
-
-    def prepare(
-        self, batch: int, q_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv_len is a size of an input, so the mask's shape stays a symbol in the graph.
-        kv_len = self.attention_mask.size(1)
-        mask = gpt.padding_mask(gpt.causal_mask(q_len, kv_len, device), self.attention_mask)
-        return self.position_ids, mask
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        present = gpt.concat_kv(self.past[layer], k, v)
-        self.present.append(present)
-        return present
 
 
 class DecoderWithPast(nn.Module):
@@ -230,101 +190,3 @@ def write_meta(
         },
     }
     (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-
-
-# ---------------------------------------------------------------------------
-# The command line
-# ---------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog=f"python -m {PROG}",
-        description="Export a rose checkpoint or a Hugging Face GPT-2 to one ONNX graph with "
-        "past key/values (every step, any batch and length), check it in onnxruntime "
-        "against PyTorch, and write it with a small JSON beside it.",
-    )
-    source = p.add_mutually_exclusive_group()
-    source.add_argument(
-        "--checkpoint-path",
-        help="a rose .pt file or run directory (default: the newest under checkpoints/)",
-    )
-    source.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
-    p.add_argument("--out", required=True, help="directory to write model.onnx and rose_onnx.json")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"default: {DEFAULT_OPSET}")
-    p.add_argument(
-        "--tokenizer-name", help="tiktoken encoding (default: the checkpoint's, else gpt2)"
-    )
-    return p
-
-
-def checked_opset(opset: int) -> int:
-    import onnx
-
-    newest = onnx.defs.onnx_opset_version()
-    if not DEFAULT_OPSET <= opset <= newest:
-        raise RoseError(
-            f"--opset {opset} is not supported: the exporter writes opsets "
-            f"{DEFAULT_OPSET}..{newest} (onnx {onnx.__version__})"
-        )
-    return opset
-
-
-def status(what: str, value: object) -> None:
-    print(f"[{PROG}] {what}: {value}", flush=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    opset = checked_opset(args.opset)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise RoseError(f"--out {out} is a file: give a directory")
-    model, tokenizer, source = load_model_and_tokenizer(
-        args.checkpoint_path, args.hf_model, args.tokenizer_name
-    )
-    status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
-    started = time.perf_counter()
-    export(model, out / MODEL_FILE, opset)
-    write_meta(model, out, tokenizer.eot_id, tokenizer.name, opset, source)
-    status("exported", f"{out / MODEL_FILE} (opset {opset}, {time.perf_counter() - started:.1f} s)")
-    try:
-        onnx_model = OnnxModel(out)
-    except RoseError:
-        discard(out)
-        if opset == DEFAULT_OPSET:
-            raise
-        import onnxruntime
-
-        raise RoseError(
-            f"onnxruntime {onnxruntime.__version__} cannot run the graph written at opset "
-            f"{opset}: export with a lower --opset ({DEFAULT_OPSET} always works)"
-        ) from None
-    largest, tolerance = check_against_torch(model, onnx_model)
-    cases = ", ".join(f"batch {b} prompt {n}" for b, _, n in CHECK_CASES)
-    status(
-        "check",
-        f"onnxruntime vs PyTorch ({cases}, then decode): "
-        f"max |logit diff| {largest:.2e} (tolerance {tolerance:.1e})",
-    )
-    if largest > tolerance:
-        discard(out)
-        raise RoseError(
-            f"the exported graph's logits differ from PyTorch's by {largest:.2e} "
-            f"(> {tolerance:.1e}): the export is wrong and was removed"
-        )
-    return 0
-
-
-def discard(out: Path) -> None:
-    """Remove a graph that failed its check, so no runtime picks it up."""
-    for path in out.glob(f"{MODEL_FILE}*"):  # model.onnx and any external-data file
-        path.unlink()
-    (out / META_FILE).unlink(missing_ok=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

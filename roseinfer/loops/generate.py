@@ -16,9 +16,8 @@ random stream, its tokens and why it stopped. What belongs to the loop rather th
 a request (how much of the window to keep, the prefill chunk, compiling the decode
 step) is passed to `generate_batch` on its own.
 
-Past the context window both paths follow one policy, `window_start`: GPT-2's
-positions are learned only up to `block_size`, so a cache cannot slide by one token
-(every cached key was computed at a position that would have to shift). When the
+Past the context window both paths follow one policy, `window_start`
+(roseinfer/request/rows.py, with the other helpers every batched loop shares): when the
 sequence outgrows the window, the view is cut back to its last `keep` tokens, and the
 cached path re-prefills those; the uncached path reads exactly the same window.
 """
@@ -32,53 +31,18 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
-from roseinfer.request.sampling import SamplingParams, sample_next_token
-from roseinfer.request.sampling_params import params_per_prompt
+from roseinfer.cache.dense import ConcatKVCache, DenseKVCache
+from roseinfer.request import rows
+from roseinfer.request.rows import TokenCallback, checked_keep, left_pad, make_sequences
+from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
-KVCache = ConcatKVCache | StaticKVCache
-StepFn = Callable[[GPT, torch.Tensor, KVCache], torch.Tensor]
+StepFn = Callable[[GPT, torch.Tensor, DenseKVCache], torch.Tensor]
 
 
-def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
-    """Where the model's view of a `seq_len`-token sequence begins.
-
-    The view starts at `start` until it would exceed `block_size` tokens; then it is
-    cut back to the last `keep` tokens. Both paths call this at every step.
-    """
-    if seq_len - start > block_size:
-        return seq_len - keep
-    return start
-
-
-def checked_keep(model: GPT, keep: int | None = None) -> int:
-    """Tokens kept when the window is full (None: block_size // 2), checked.
-
-    keep = block_size slides the window by one token every step (nanoGPT's crop): the
-    cached path then re-prefills block_size tokens at every step past the window.
-    """
-    block_size = model.config.block_size
-    keep = block_size // 2 if keep is None else keep
-    if not 1 <= keep <= block_size:
-        raise RoseError(f"window_keep must be in [1, block_size = {block_size}], got {keep}")
-    return keep
-
-
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of (B, vocab) logits, each drawn with its own request's
-    parameters and random stream (so a row samples as its prompt would alone)."""
-    if all(seq.params.greedy for seq in seqs):
-        return torch.argmax(logits, dim=-1).tolist()
-    return [
-        int(sample_next_token(logits[i : i + 1], seq.params, seq.generator))
-        for i, seq in enumerate(seqs)
-    ]
-
-
-def model_step(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def model_step(model: GPT, ids: torch.Tensor, cache: DenseKVCache) -> torch.Tensor:
     """One model call on top of `cache`: the logits of each row's last new token (B, vocab)."""
     return model(ids, cache=cache, last_only=True, validate=False).logits[:, -1, :]
 
@@ -94,7 +58,7 @@ def uncached_steps(
     tokens = list(seq.prompt_ids)
     start = 0
     while True:
-        start = window_start(start, len(tokens), model.config.block_size, keep)
+        start = rows.window_start(start, len(tokens), model.config.block_size, keep)
         idx = torch.tensor([tokens[start:]], device=device)
         logits = model(idx).logits[:, -1, :]
         new_tokens = sample_rows(logits, [seq])
@@ -106,7 +70,7 @@ def cached_steps(
     model: GPT,
     seqs: list[Sequence],
     keep: int,
-    cache: KVCache,
+    cache: DenseKVCache,
     prefill_chunk: int | None = None,
     decode_step: StepFn = model_step,
 ) -> Iterator[tuple[list[int], torch.Tensor]]:
@@ -116,26 +80,19 @@ def cached_steps(
     Yields (one token per row, logits) per step.
     """
     device = model.lm_head.weight.device
-    rows = [list(seq.prompt_ids) for seq in seqs]
-    starts = [0] * len(rows)
-    logits = prefill(
-        model, cache, [row[s:] for row, s in zip(rows, starts, strict=True)], prefill_chunk
-    )
+    tokens = [list(seq.prompt_ids) for seq in seqs]
+    starts = [0] * len(tokens)
+    logits = prefill(model, cache, tokens, prefill_chunk)
     while True:
         new_tokens = sample_rows(logits, seqs)
         yield new_tokens, logits
-        for row, token in zip(rows, new_tokens, strict=True):
+        for row, token in zip(tokens, new_tokens, strict=True):
             row.append(token)
-        block_size = model.config.block_size
-        new_starts = [
-            window_start(s, len(r), block_size, keep) for s, r in zip(starts, rows, strict=True)
-        ]
-        if new_starts != starts:
-            # A window is full: the cached keys sit at positions that would all have to
-            # shift, so start the cache afresh from the kept tokens (re-prefill).
-            starts = new_starts
+        slid = rows.slid_starts(starts, tokens, model.config.block_size, keep)
+        if slid is not None:  # a window is full: start the cache afresh from the kept tokens
+            starts = slid
             cache.reset()
-            windows = [row[s:] for row, s in zip(rows, starts, strict=True)]
+            windows = [row[s:] for row, s in zip(tokens, starts, strict=True)]
             logits = prefill(model, cache, windows, prefill_chunk)
         else:
             step_ids = torch.tensor(new_tokens, device=device)[:, None]
@@ -143,7 +100,7 @@ def cached_steps(
 
 
 def prefill(
-    model: GPT, cache: KVCache, windows: list[list[int]], chunk: int | None = None
+    model: GPT, cache: DenseKVCache, windows: list[list[int]], chunk: int | None = None
 ) -> torch.Tensor:
     """Feed each row's tokens into the cache; return the logits of each row's last one.
 
@@ -162,20 +119,13 @@ def prefill(
         ids = torch.tensor([windows[0][cache.seq_len :]], device=device)
         model._check_ids(ids)
     else:
-        longest = max(map(len, windows))
-        pads = [longest - len(w) for w in windows]
-        # Padding ids are never attended to; any id in the vocabulary will do.
-        ids = torch.tensor(
-            [[0] * pad + w for pad, w in zip(pads, windows, strict=True)], device=device
-        )
+        padded, pads = left_pad(windows)
+        ids = torch.tensor(padded, device=device)
         cache.reset(torch.tensor(pads, device=device) if max(pads) > 0 else None)
     chunk = chunk or ids.size(1)
     for i in range(0, ids.size(1), chunk):
         out = model(ids[:, i : i + chunk], cache=cache, last_only=True)
     return out.logits[:, -1, :]
-
-
-TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
 
 
 def generate(
@@ -195,7 +145,7 @@ def generate_batch(
     params: SamplingParams | list[SamplingParams],
     *,
     use_cache: bool = True,
-    cache: KVCache | None = None,
+    cache: DenseKVCache | None = None,
     eot_id: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
     on_token: TokenCallback | None = None,
@@ -231,36 +181,16 @@ def generate_batch(
             results += _run(uncached_steps(model, seq, keep), [seq], callback, keep_logits)
         return results
     cache = ConcatKVCache() if cache is None else cache
-    if isinstance(cache, StaticKVCache) and cache.batch_size != len(prompts):
-        raise RoseError(
-            f"the static cache holds {cache.batch_size} row(s) but {len(prompts)} prompt(s) "
-            f"were given: build it with StaticKVCache(model, batch_size={len(prompts)})"
-        )
+    cache.check_rows(len(prompts))
     decode_step = model_step
     if compile is not None:
-        if not isinstance(cache, StaticKVCache) or not cache.compilable:
+        if not cache.compilable:
             raise RoseError(
                 "compile needs an unquantized StaticKVCache: its decode steps have one shape"
             )
         decode_step = compiled_step(compile)
     steps = cached_steps(model, seqs, keep, cache, prefill_chunk, decode_step)
     return _run(steps, seqs, on_token, keep_logits)
-
-
-def make_sequences(
-    model: GPT,
-    prompts: list[list[int]],
-    params: SamplingParams | list[SamplingParams],
-    eot_id: int | None,
-    decode: Callable[[list[int]], str] | None,
-) -> list[Sequence]:
-    """One checked Sequence per prompt."""
-    params = params_per_prompt(prompts, params, model.config.block_size)
-    device = next(model.parameters()).device  # (a pipeline stage may hold no lm_head)
-    return [
-        Sequence(list(prompt), p, eos_id=eot_id, decode=decode, device=device)
-        for prompt, p in zip(prompts, params, strict=True)
-    ]
 
 
 def _on_row(on_token: TokenCallback, row: int, _: int, token: int) -> None:

@@ -1,8 +1,8 @@
 """Generation on an exported ONNX graph with onnxruntime: numpy and onnxruntime, no torch.
 
-`python -m roseinfer.loops.export_onnx` writes one graph (`model.onnx`) that serves every step
-and a small JSON beside it (`rose_onnx.json`: the shapes, the I/O names, the tokenizer).
-This module runs that graph the way Hugging Face's runtimes run theirs:
+`rose-export-onnx` (roseinfer/cli/export_onnx.py) writes one graph (`model.onnx`) that
+serves every step and a small JSON beside it (`rose_onnx.json`: the shapes, the I/O
+names, the tokenizer). This module runs that graph the way Hugging Face's runtimes run theirs:
 
 * the first step feeds the whole left-padded prompt with an *empty* past (past length 0);
 * every later step feeds one token per row and the `present.*` the previous step returned
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from roseinfer.request.rows import TokenCallback, left_pad
 from roseinfer.request.sampling_params import SamplingParams, params_per_prompt
 from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
@@ -86,7 +87,7 @@ class OnnxModel:
             if not (directory / name).is_file():
                 raise RoseError(
                     f"{directory / name} not found: export a model there first with "
-                    f"`python -m roseinfer.loops.export_onnx --out {directory}`"
+                    f"`rose-export-onnx --out {directory}`"
                 )
         try:
             self.meta = OnnxMeta.read(directory / META_FILE)
@@ -191,16 +192,12 @@ class OnnxSequence(Sequence):
 # The loop
 # ---------------------------------------------------------------------------
 
-TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
-
 
 def left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The first step's inputs: ids, attention mask (0 on padding) and positions per row."""
-    longest = max(map(len, prompts))
-    pads = np.array([longest - len(p) for p in prompts])
-    # Padding ids are never attended to; any id in the vocabulary will do.
-    ids = np.array([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)], dtype=np.int64)
-    attention_mask = (np.arange(longest)[None, :] >= pads[:, None]).astype(np.int64)
+    padded, pads = left_pad(prompts)
+    ids = np.array(padded, dtype=np.int64)
+    attention_mask = (np.arange(ids.shape[1])[None, :] >= np.array(pads)[:, None]).astype(np.int64)
     # Positions count real tokens only: a row's first real token stands at 0.
     position_ids = np.maximum(attention_mask.cumsum(-1) - 1, 0)
     return ids, attention_mask, position_ids

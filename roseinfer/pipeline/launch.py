@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from roseinfer.loops.generate import GenerationResult
+from roseinfer.cache.dense import CACHE_KINDS
 from roseinfer.pipeline.runner import Driver, Link, StageReport, follow, peak_rss_bytes
-from roseinfer.pipeline.stage import CACHE_KINDS, load_stage
+from roseinfer.pipeline.stage import load_stage
 from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import GenerationResult
 from rosetrainer.errors import RoseError
 from rosetrainer.runtime import DTYPES
 

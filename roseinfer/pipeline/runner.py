@@ -38,24 +38,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from roseinfer.cache.dense import StaticKVCache
-from roseinfer.loops.generate import (
-    GenerationResult,
+from roseinfer.cache.dense import DenseKVCache, new_cache
+from roseinfer.pipeline.stage import PipelineStage, even_runs
+from roseinfer.request.rows import (
     TokenCallback,
     checked_keep,
+    left_pad,
     make_sequences,
-    sample_rows,
-    window_start,
+    slid_starts,
 )
-from roseinfer.pipeline.stage import (
-    PipelineStage,
-    StageCache,
-    cache_bytes,
-    even_runs,
-    new_cache,
-)
-from roseinfer.request.sampling import SamplingParams
-from roseinfer.request.sequence import Sequence
+from roseinfer.request.sampling import SamplingParams, sample_rows
+from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
 
@@ -154,13 +147,9 @@ class Link:
             self.pending.popleft()[0].wait()
 
 
-def cache_contents(cache: StageCache) -> tuple[list[LayerPast], list[int]]:
+def cache_contents(cache: DenseKVCache) -> tuple[list[LayerPast], list[int]]:
     """A cache's keys/values per layer (filled positions only, copied) and its rows' padding."""
-    n = cache.seq_len
-    if isinstance(cache, StaticKVCache):
-        pairs = [(layer.k[:, :, :n].clone(), layer.v[:, :, :n].clone()) for layer in cache.layers]
-    else:
-        pairs = [(k.clone(), v.clone()) for k, v in cache.past_kv]
+    pairs = [(k.clone(), v.clone()) for k, v in cache.filled_kv()]
     pads = [] if cache.pad_lengths is None else cache.pad_lengths.tolist()
     return pairs, pads
 
@@ -191,7 +180,7 @@ class Timed:
         self.stage, self.report = stage, report
 
     def __call__(
-        self, x: torch.Tensor, cache: StageCache, job: int, group: int, kind: str
+        self, x: torch.Tensor, cache: DenseKVCache, job: int, group: int, kind: str
     ) -> torch.Tensor:
         start = time.perf_counter()
         with torch.inference_mode():
@@ -210,7 +199,7 @@ class Group:
     max_len: int
     tokens: list[list[int]]
     starts: list[int]
-    cache: StageCache | None = None
+    cache: DenseKVCache | None = None
 
 
 class Driver:
@@ -280,9 +269,7 @@ class Driver:
         self.in_job = False
         if keep_caches:
             self.report.caches[job] = [cache_contents(g.cache) for g in groups]
-        self.report.cache_bytes = max(
-            self.report.cache_bytes, sum(cache_bytes(g.cache) for g in groups)
-        )
+        self.report.cache_bytes = max(self.report.cache_bytes, sum(g.cache.nbytes for g in groups))
         return [seq.result(started) for seq in seqs]
 
     def stop(self) -> None:
@@ -292,11 +279,10 @@ class Driver:
 
     def _prefill(self, job: int, index: int, group: Group) -> None:
         windows = [row[s:] for row, s in zip(group.tokens, group.starts, strict=True)]
-        longest = max(map(len, windows))
-        pads = torch.tensor([longest - len(w) for w in windows], device=self.stage.device)
-        ids = torch.tensor(
-            [[0] * (longest - len(w)) + w for w in windows], device=self.stage.device
-        )  # padding ids are never attended to; any id in the vocabulary will do
+        padded, pad_lengths = left_pad(windows)
+        ids = torch.tensor(padded, device=self.stage.device)
+        pads = torch.tensor(pad_lengths, device=self.stage.device)
+        longest = ids.size(1)
         group.cache = new_cache(self.stage, self.cache_kind, len(windows), group.max_len)
         group.cache.reset(pads if int(pads.max()) > 0 else None)
         hidden = self.run_stage(ids, group.cache, job, index, "prefill")
@@ -307,15 +293,11 @@ class Driver:
         self.link.send(hidden, self.link.rank + 1)
 
     def _next_step(self, job: int, index: int, group: Group, keep: int) -> None:
-        block_size = self.stage.config.block_size
-        new_starts = [
-            window_start(s, len(t), block_size, keep)
-            for s, t in zip(group.starts, group.tokens, strict=True)
-        ]
-        if new_starts != group.starts:
+        slid = slid_starts(group.starts, group.tokens, self.stage.config.block_size, keep)
+        if slid is not None:
             # A window is full: start the caches afresh from the kept tokens (as the
             # single-process loop does), on every stage.
-            group.starts = new_starts
+            group.starts = slid
             self._prefill(job, index, group)
             return
         ids = torch.tensor([t[-1] for t in group.tokens], device=self.stage.device)[:, None]
@@ -356,12 +338,12 @@ def follow(stage: PipelineStage, link: Link, cache_kind: str, report: StageRepor
                 for prompt, params in objects[0]
             ]
         if header.kind == JOB:
-            caches: dict[int, StageCache] = {}
+            caches: dict[int, DenseKVCache] = {}
             keep_caches = bool(header.keep_caches)
         elif header.kind == END:
             if keep_caches:
                 report.caches[header.job] = [cache_contents(caches[g]) for g in sorted(caches)]
-            report.cache_bytes = max(report.cache_bytes, sum(map(cache_bytes, caches.values())))
+            report.cache_bytes = max(report.cache_bytes, sum(c.nbytes for c in caches.values()))
         elif header.kind in (PREFILL, DECODE):
             if header.kind == PREFILL:
                 cache = new_cache(stage, cache_kind, header.rows, header.max_len)

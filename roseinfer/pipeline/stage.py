@@ -26,15 +26,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from rosetrainer.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.model import GPT, KVCache
 
-StageCache = StaticKVCache | ConcatKVCache
-CACHE_KINDS = ("static", "concat")
 BLOCK_NAME = re.compile(r"transformer\.h\.(\d+)\.")
 
 
@@ -140,22 +137,6 @@ class PipelineStage(nn.Module):
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
-
-
-def new_cache(stage: PipelineStage, kind: str, rows: int, max_len: int) -> StageCache:
-    """A cache for this stage's layers only: `rows` rows of up to `max_len` positions."""
-    if kind == "static":
-        return StaticKVCache(stage, batch_size=rows, max_len=max_len)
-    return ConcatKVCache()
-
-
-def cache_bytes(cache: StageCache) -> int:
-    """Bytes held by a cache's keys and values."""
-    if isinstance(cache, StaticKVCache):
-        pairs = [(layer.k, layer.v) for layer in cache.layers]
-    else:
-        pairs = cache.past_kv
-    return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
 
 class NoRandomFill(TorchFunctionMode):

@@ -82,9 +82,14 @@ class Sequence:
         """The request's own random stream, seeded from its params (None when greedy)."""
         import torch  # here, not at the top: the onnxruntime loop's subclass needs no torch
 
-        from roseinfer.request.sampling import make_generator
-
-        return make_generator(self.params, torch.device(self.device))
+        if self.params.greedy:
+            return None  # nothing is drawn
+        generator = torch.Generator(device=torch.device(self.device))
+        if self.params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.params.seed)
+        return generator
 
     # -- what the loops read --
 
