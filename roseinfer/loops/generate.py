@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
-from roseinfer.request.sampling import SamplingParams, sample_next_token
+from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sampling_params import params_per_prompt
 from roseinfer.request.sequence import GenerationResult, Sequence
+from roseinfer.request.token_step import TokenCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
@@ -65,17 +66,6 @@ def checked_keep(model: GPT, keep: int | None = None) -> int:
     if not 1 <= keep <= block_size:
         raise RoseError(f"window_keep must be in [1, block_size = {block_size}], got {keep}")
     return keep
-
-
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of (B, vocab) logits, each drawn with its own request's
-    parameters and random stream (so a row samples as its prompt would alone)."""
-    if all(seq.params.greedy for seq in seqs):
-        return torch.argmax(logits, dim=-1).tolist()
-    return [
-        int(sample_next_token(logits[i : i + 1], seq.params, seq.generator))
-        for i, seq in enumerate(seqs)
-    ]
 
 
 def model_step(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -173,9 +163,6 @@ def prefill(
     for i in range(0, ids.size(1), chunk):
         out = model(ids[:, i : i + chunk], cache=cache, last_only=True)
     return out.logits[:, -1, :]
-
-
-TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
 
 
 def generate(
@@ -280,16 +267,9 @@ def _run(
         # The loop asks for the next step only while a row is still going, so the last
         # token is never fed back through the model for nothing.
         for tokens, logits in steps:
-            now = time.perf_counter()
-            for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-                if seq.is_finished:
-                    continue  # this row stopped; the batch runs on for the others
+            for row in take_tokens(seqs, tokens, on_token=on_token):
                 if keep_logits:
                     step_logits[row].append(logits[row].float().cpu())
-                kept = len(seq.output_ids)
-                seq.append_token(token, now)
-                if on_token is not None and len(seq.output_ids) > kept:
-                    on_token(row, token)
             if all(seq.is_finished for seq in seqs):
                 break
     steps.close()

@@ -3,7 +3,7 @@
 Every generation path (the uncached oracle, the cached loop, the serving engine)
 calls `sample_next_token` on the logits of the last position, with the request's own
 `torch.Generator`, so under one seed a request draws the same tokens on every path
-and in any batch.
+and in any batch; `sample_rows` does that for each row of a batch.
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ from __future__ import annotations
 import torch
 
 from roseinfer.request.sampling_params import SamplingParams
-
-
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """The request's own random stream (None when greedy: nothing is drawn)."""
-    if params.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator
+from roseinfer.request.sequence import Sequence
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -71,3 +60,14 @@ def sample_next_token(
     logits = top_p_filter(logits, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of (B, vocab) logits, each drawn with its own request's
+    parameters and random stream (so a row samples as its prompt would alone)."""
+    if all(seq.params.greedy for seq in seqs):
+        return torch.argmax(logits, dim=-1).tolist()
+    return [
+        int(sample_next_token(logits[i : i + 1], seq.params, seq.generator))
+        for i, seq in enumerate(seqs)
+    ]
