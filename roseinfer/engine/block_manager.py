@@ -168,9 +168,12 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def advance(self, seq: EngineSequence, num_new: int) -> None:
-        """The step computed num_new more of seq's tokens into its blocks: key every
-        block that is now full, so others can find it."""
+        """A step computed num_new more of seq's tokens into its blocks."""
         seq.num_computed_tokens += num_new
+        self.register_full_blocks(seq)
+
+    def register_full_blocks(self, seq: EngineSequence) -> None:
+        """Key every block of seq that is now full and computed, so others can find it."""
         if not self.enable_prefix_caching:
             return
         ids = seq.all_ids
