@@ -145,7 +145,7 @@ class LLMEngine:
         if not batch.seqs:
             return outputs
         sampling, logits = self.run(batch)
-        return outputs + self.postprocess(batch, sampling, logits)
+        return outputs + self.postprocess(sampling, logits)
 
     def schedule(self) -> ScheduledBatch:
         """Who runs in this step, and how many tokens each feeds."""
@@ -170,7 +170,7 @@ class LLMEngine:
         return sampling, logits
 
     def postprocess(
-        self, batch: ScheduledBatch, sampling: list[EngineSequence], logits: torch.Tensor
+        self, sampling: list[EngineSequence], logits: torch.Tensor
     ) -> list[RequestOutput]:
         """Each sampling sequence takes its token; the finished ones leave (their blocks
         go back). A request whose handling raises fails alone: it finishes as "abort"
