@@ -42,6 +42,15 @@ def tiktoken_cache(shared_dir: Path) -> Iterator[str]:
         yield cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def check_invariants() -> Iterator[None]:
+    """Every engine the tests build (chapters' kernels and servers' processes included)
+    checks its block pool's invariants after every step (EngineConfig.check_invariants)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROSE_CHECK_INVARIANTS", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""

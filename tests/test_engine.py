@@ -18,13 +18,13 @@ import pytest
 import torch
 from models import assert_clear_margins, make_test_model
 
+import roseinfer
 from roseinfer.cache import paged as paged_cache
-from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.engine import EngineConfig, LLMEngine, llm_engine
 from roseinfer.engine.block_manager import check_pool
-from roseinfer.engine.outputs import request_output
+from roseinfer.engine.sequence import EngineSequence
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
-from roseinfer.request.sequence import Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
@@ -349,11 +349,12 @@ def test_stop_token_ids_logprobs_and_the_window(model, tokenizer) -> None:
 
 def test_text_is_utf8_safe_and_held_back_while_it_could_become_a_stop_string(tokenizer) -> None:
     ids = tokenizer.encode("a😀b STOP! c")
-    seq = Sequence([1], SamplingParams(max_tokens=50, stop=("STOP",)), decode=tokenizer.decode)
+    params = SamplingParams(max_tokens=50, stop=("STOP",))
+    seq = EngineSequence([1], params, decode=tokenizer.decode)
     pieces, texts = [], []
     for token in ids:
         seq.append_token(token)
-        output = request_output(seq, tokenizer)
+        output = seq.report()
         pieces.append(output.new_text)
         texts.append(output.text)
         assert "\ufffd" not in output.text
@@ -447,3 +448,108 @@ def test_pool_size_from_bytes_or_blocks(model) -> None:
             EngineConfig(kv_cache_memory=bad)
     with pytest.raises(RoseError, match="not both"):
         EngineConfig(num_kv_blocks=4, kv_cache_memory="1MiB")
+
+
+# ---------------------------------------------------------------------------
+# One request that breaks inside a step fails alone
+# ---------------------------------------------------------------------------
+# A request joins a running batch, then breaks where the engine handles it alone: its
+# sampling (parameters the sampler cannot compute, or a sampler that raises) or its
+# log-probabilities. It finishes as "abort" with an `error` and gives its blocks back;
+# every other request's tokens equal their solo runs; the same engine (and the same
+# `LLM`) serves later requests as before.
+
+BAD_SEED = 666  # marks the request that breaks
+
+
+def slip_past_validation(params: SamplingParams, **values: object) -> SamplingParams:
+    """A SamplingParams holding values a validator might let through (the engine must
+    not rely on every such value being caught before it)."""
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def breaking_request(how: str, monkeypatch: pytest.MonkeyPatch) -> SamplingParams:
+    """The params of a request that breaks in its third step, one way or another."""
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=BAD_SEED)
+    if how == "temperature":
+        # float32(1e-300) is 0: its logits become 0/0 = nan, and multinomial raises.
+        return slip_past_validation(params, temperature=1e-300)
+    if how == "logprobs":
+        return slip_past_validation(params, logprobs=10**6)  # more than the vocabulary
+    real = llm_engine.sample_rows
+    calls = {"bad": 0}
+
+    def sampler(logits, seqs):
+        tokens = real(logits, seqs)  # the others' streams have moved on: they go back
+        calls["bad"] += any(seq.params.seed == BAD_SEED for seq in seqs)
+        if calls["bad"] >= 3 and any(seq.params.seed == BAD_SEED for seq in seqs):
+            raise RuntimeError("the sampler broke")
+        return tokens
+
+    monkeypatch.setattr(llm_engine, "sample_rows", sampler)
+    return params
+
+
+@pytest.mark.parametrize("how", ["temperature", "logprobs", "sampler"])
+def test_a_request_that_breaks_mid_batch_fails_alone(model, tokenizer, how, monkeypatch) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 30))] for _ in range(5)]
+    good = [
+        SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=1),
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=2),
+        SamplingParams(max_tokens=16, logprobs=2),
+    ]
+    engine = engine_for(model, tokenizer, num_kv_blocks=60, max_num_batched_tokens=16)
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, good, strict=False)]
+    engine.step()
+    engine.step()  # the batch is running
+    bad = engine.add_request(prompts[4], breaking_request(how, monkeypatch))
+    finished = run_to_end(engine)  # the pool's invariants checked after every step
+
+    failed = finished[bad]
+    assert failed.finished and failed.finish_reason == "abort"
+    assert failed.error and "\n" not in failed.error
+    if how == "sampler":
+        assert failed.error == "RuntimeError: the sampler broke"
+        assert len(failed.token_ids) == 2  # it made two tokens before it broke
+    for request_id, prompt, params in zip(ids, prompts[:4], good, strict=True):
+        assert finished[request_id].error is None
+        assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)
+    # Nothing is left behind: no request, no block held.
+    assert not engine.has_unfinished() and engine.stats().num_kv_blocks_used == 0
+
+    # The same engine goes on serving.
+    monkeypatch.undo()
+    again = engine.add_request(prompts[0], good[1])
+    assert run_to_end(engine)[again].token_ids == solo(model, tokenizer, prompts[0], good[1])
+
+
+def test_the_same_llm_serves_after_a_request_failed(model, tokenizer) -> None:
+    llm = roseinfer.LLM.from_model(model, tokenizer, num_kv_blocks=40)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    good = SamplingParams(max_tokens=8)
+    bad = slip_past_validation(SamplingParams(max_tokens=8, temperature=0.5), temperature=1e-300)
+    outputs = llm.generate(prompts, [good, bad, good], use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == ["length", "abort", "length"]
+    assert outputs[1].error.startswith("RuntimeError: ")
+    assert outputs[0].error is None and outputs[2].error is None
+    for prompt, output in zip(prompts[::2], outputs[::2], strict=True):
+        assert output.token_ids == solo(model, tokenizer, prompt, good)
+    # Later calls work on the same LLM, and every block came back.
+    (later,) = llm.generate([prompts[1]], good, use_tqdm=False)
+    assert later.token_ids == solo(model, tokenizer, prompts[1], good)
+    assert llm.engine.stats().num_kv_blocks_used == 0
+
+
+def test_pool_bookkeeping_is_recorded_only_when_invariants_are_checked(model, tokenizer) -> None:
+    """The tests turn the checks on (ROSE_CHECK_INVARIANTS=1); a server's hot path keeps
+    no copies of block tables and reads no written slots back from the device."""
+    for check in (True, False):
+        engine = engine_for(model, tokenizer, num_kv_blocks=40, check_invariants=check)
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+        engine.step()
+        recorded = (engine.runner.written_slots, engine.runner.writer_tables)
+        assert all(recorded) if check else not any(recorded)

@@ -540,20 +540,19 @@ def test_a_run_directory_loads_its_best_then_its_last(finished_run: Path, tmp_pa
 
 @pytest.mark.parametrize("stop", ["你", "😀", "好😀"])
 def test_a_stop_string_ending_in_a_split_character_fires(stop: str) -> None:
-    from roseinfer.engine.outputs import request_output
+    from roseinfer.engine.sequence import EngineSequence
     from roseinfer.request.sampling import SamplingParams
-    from roseinfer.request.sequence import Sequence
     from rosetrainer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer("gpt2")
     text = "ab 你好😀 and on"
     ids = tokenizer.encode(text)
     params = SamplingParams(max_tokens=len(ids) + 5, stop=(stop,))
-    seq = Sequence([tokenizer.eot_id], params, decode=tokenizer.decode)
+    seq = EngineSequence([tokenizer.eot_id], params, decode=tokenizer.decode)
     streamed = []
     for token in ids:  # as a model would write them, one token at a time
         seq.append_token(token)
-        streamed.append(request_output(seq, tokenizer).new_text)
+        streamed.append(seq.report().new_text)
         if seq.finish_reason is not None:
             break
     assert (seq.finish_reason, seq.stop_reason) == ("stop", stop)

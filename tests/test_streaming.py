@@ -65,3 +65,40 @@ def is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_a_4000_token_generations_text_work_is_linear(tokenizer: Tokenizer) -> None:
+    """Each token decodes only its own ids (a split character's few, together), so the
+    decode work per token is bounded, however long the output; the text, what a client
+    sees along the way, and a stop string that straddles tokens at the very end are
+    exactly what decoding everything at once gives."""
+    from roseinfer.request.sampling_params import SamplingParams
+    from roseinfer.request.sequence import Sequence
+
+    stop = "终了😀"  # several characters GPT-2 splits over tokens, only at the end
+    body = tokenizer.encode(" ".join(TEXTS * 200))[:4000]
+    ids = body + tokenizer.encode(f" {stop} and more")
+    decoded: list[int] = []  # ids passed to decode, call by call
+
+    def decode(part: list[int]) -> str:
+        decoded.append(len(part))
+        return tokenizer.decode(part)
+
+    params = SamplingParams(max_tokens=len(ids), stop=("never written", stop))
+    seq = Sequence([tokenizer.eot_id], params, decode=decode)
+    seen = ""
+    for token in ids:
+        seq.append_token(token)
+        visible = seq.visible_text
+        assert visible.startswith(seen)  # what a client was shown is never taken back
+        seen = visible
+        if seq.is_finished:
+            break
+    assert len(seq.output_ids) > 4000
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    text = tokenizer.decode(seq.output_ids)
+    assert text.endswith(stop) and seq.text == text
+    assert seen == text[: -len(stop)]
+    # Linear: one decode call per token at most, each of at most one character's ids.
+    assert len(decoded) <= len(seq.output_ids) and max(decoded) <= 4
+    assert sum(decoded) <= 2 * len(seq.output_ids)

@@ -1,6 +1,6 @@
 """The serving engine: a paged KV cache, continuous batching, prefix caching.
 
-Read it in this order: block_manager.py, ../cache/paged.py, scheduler.py,
+Read it in this order: sequence.py, block_manager.py, ../cache/paged.py, scheduler.py,
 model_runner.py, llm_engine.py, llm.py (config.py and outputs.py hold settings and
 results).
 """

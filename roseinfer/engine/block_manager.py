@@ -26,7 +26,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from roseinfer.request.sequence import Sequence
+from roseinfer.engine.sequence import EngineSequence
 
 
 @dataclass(eq=False)
@@ -123,7 +123,7 @@ class BlockManager:
         needed = blocks_for(num_tokens, self.kv_block_size) - len(cached_ids)
         return needed <= self.num_available - unheld
 
-    def start(self, seq: Sequence, cached_ids: list[int], num_tokens: int) -> None:
+    def start(self, seq: EngineSequence, cached_ids: list[int], num_tokens: int) -> None:
         """Give a sequence with no blocks its cached prefix, then room for num_tokens."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         self.prefix_cache_queries += self.lookup_blocks(seq.num_tokens)
@@ -136,18 +136,20 @@ class BlockManager:
         seq.block_table = list(cached_ids)
         seq.block_hashes = [self.blocks[block_id].hash for block_id in cached_ids]
         seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
+        if not seq.output_ids:  # a first start, not a recompute after preemption
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.grow(seq, num_tokens)
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def can_grow(self, seq: EngineSequence, num_tokens: int) -> bool:
         needed = blocks_for(num_tokens, self.kv_block_size) - len(seq.block_table)
         return needed <= self.num_available
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: EngineSequence, num_tokens: int) -> None:
         """Append blocks to seq's table until it has slots for num_tokens tokens."""
         while len(seq.block_table) * self.kv_block_size < num_tokens:
             seq.block_table.append(self._take_block())
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: EngineSequence) -> None:
         """Drop every block the sequence holds (finished, aborted or preempted).
 
         Blocks go back last first, so that when the pool runs short the end of a
@@ -165,7 +167,12 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
-    def register_full_blocks(self, seq: Sequence) -> None:
+    def advance(self, seq: EngineSequence, num_new: int) -> None:
+        """A step computed num_new more of seq's tokens into its blocks."""
+        seq.num_computed_tokens += num_new
+        self.register_full_blocks(seq)
+
+    def register_full_blocks(self, seq: EngineSequence) -> None:
         """Key every block of seq that is now full and computed, so others can find it."""
         if not self.enable_prefix_caching:
             return
@@ -201,7 +208,7 @@ class BlockManager:
 
 def check_pool(
     manager: BlockManager,
-    live: list[Sequence],
+    live: list[EngineSequence],
     written_slots: list[int] = (),
     writer_tables: list[list[int]] = (),
 ) -> None:

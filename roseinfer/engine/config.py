@@ -6,8 +6,9 @@ memory is cut into blocks, how large the pool is, and how much work one step may
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from roseinfer.cache.quantized import (
     BITS,
@@ -47,6 +48,13 @@ class EngineConfig:
     # "fast": decode sequences attend in one padded batch (one query per row), prefill
     # chunks in one flat row; "reference": every token of the step in one flat row.
     attention: str = "fast"
+    # Tests and chapters check the pool's invariants after every step (check_pool); that
+    # needs each step's written slots and the writers' block tables recorded (runner.
+    # written_slots / writer_tables): work a server does not need, so it is off unless
+    # asked for here or by the environment (ROSE_CHECK_INVARIANTS=1: the tests set it).
+    check_invariants: bool = field(
+        default_factory=lambda: os.environ.get("ROSE_CHECK_INVARIANTS", "") == "1"
+    )
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -1,8 +1,9 @@
 """The serving engine: requests in (`add_request`), one model step at a time
 (`step`), outputs out; `abort` cancels. A server drives it from one thread.
 
-Reading order for the whole engine: `Sequence` (roseinfer/request/sequence.py, one request's
-state) -> `BlockManager` (which blocks hold whose tokens, the prefix cache) ->
+Reading order for the whole engine: `Sequence` (roseinfer/request/sequence.py, one
+request's state) and `EngineSequence` (engine/sequence.py, the engine's bookkeeping of
+it) -> `BlockManager` (which blocks hold whose tokens, the prefix cache) ->
 `KVPool` / `PagedKVCache` (the memory, and the model's view of it) -> `Scheduler`
 (who runs in the next step) -> `ModelRunner` (the step through the model) -> this
 file, which ties them together and samples each request's next token with its own
@@ -16,9 +17,11 @@ own generator.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -26,16 +29,11 @@ from roseinfer.cache.paged import make_pool
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.model_runner import ModelRunner
-from roseinfer.engine.outputs import (
-    EngineStats,
-    RequestOutput,
-    TokenLogprob,
-    request_output,
-    token_logprob,
-)
+from roseinfer.engine.outputs import EngineStats, RequestOutput, TokenLogprob, token_logprob
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
+from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
-from roseinfer.request.sequence import Sequence
+from roseinfer.request.token_step import ErrorCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -65,9 +63,9 @@ class LLMEngine:
             config.shuffle_blocks_seed,
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.pool, config.attention)
-        self.requests: dict[str, Sequence] = {}  # unfinished, by id
-        self.aborted: list[Sequence] = []  # aborted since the last step (reported by it)
+        self.runner = ModelRunner(model, self.pool, config.attention, config.check_invariants)
+        self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
+        self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
         self.last_batch = ScheduledBatch()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -96,7 +94,7 @@ class LLMEngine:
                 f"request needs {needed} KV blocks ({longest} tokens) but the pool holds "
                 f"{self.block_manager.num_blocks}: lower max_tokens or give the pool more memory"
             )
-        seq = Sequence(
+        seq = EngineSequence(
             prompt_ids,
             params,
             request_id=request_id,
@@ -139,56 +137,112 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.aborted.append(seq)
 
-    # -- one step --
+    # -- one step: schedule -> run -> postprocess --
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one model step; one output per request that made a token or
-        finished (aborted ones included) in it."""
-        started = time.perf_counter()
-        if self.pool.quantized:
-            # Blocks out of every running sequence's window go to their codes. Done first,
-            # once finished and aborted sequences are gone, so that the exact blocks are
-            # at most those of max_num_seqs windows plus what this step writes.
-            running = self.scheduler.running
-            self.pool.settle(
-                [seq.block_table for seq in running], [seq.num_computed_tokens for seq in running]
-            )
-        outputs = [request_output(seq, self.tokenizer) for seq in self.aborted]
+        finished (aborted and failed ones included) in it."""
+        outputs = [seq.report() for seq in self.aborted]
         self.aborted = []
-        batch = self.scheduler.schedule()
-        self.last_batch = batch
-        scheduled = time.perf_counter()
-        self.step_seconds["schedule"] += scheduled - started
+        batch = self.schedule()
         if not batch.seqs:
             return outputs
+        sampling, logits = self.run(batch)
+        return outputs + self.postprocess(sampling, logits)
+
+    def schedule(self) -> ScheduledBatch:
+        """Who runs in this step, and how many tokens each feeds."""
+        with self._timed("schedule"):
+            if self.pool.quantized:
+                # Blocks out of every running sequence's window go to their codes. Done
+                # first, once finished and aborted sequences are gone, so that the exact
+                # blocks are at most those of max_num_seqs windows plus this step's.
+                running = self.scheduler.running
+                tables = [seq.block_table for seq in running]
+                self.pool.settle(tables, [seq.num_computed_tokens for seq in running])
+            self.last_batch = self.scheduler.schedule()
+        return self.last_batch
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[EngineSequence], torch.Tensor]:
+        """The model step: the sequences that sample now, and their next-token logits."""
         sampling, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
         for phase, seconds in self.runner.seconds.items():
             self.step_seconds[phase] += seconds
-        ran = time.perf_counter()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += num_new
-            self.block_manager.register_full_blocks(seq)
-        if sampling:
-            tokens = sample_rows(logits, sampling)
-            now = time.perf_counter()
-            for row, (seq, token) in enumerate(zip(sampling, tokens, strict=True)):
-                self._append(seq, token, logits[row], now)
-                outputs.append(request_output(seq, self.tokenizer))
-        self.step_seconds["sample"] += time.perf_counter() - ran
-        return outputs
+            self.block_manager.advance(seq, num_new)
+        return sampling, logits
 
-    def _append(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> None:
-        kept = len(seq.output_ids)
-        seq.append_token(token, now)
-        self.generation_tokens += 1
-        if seq.params.logprobs is not None and len(seq.output_ids) > kept:
-            seq.logprobs.append(token_logprob(logits, token, seq.params.logprobs))
-        if not seq.is_finished and seq.num_tokens > self.max_model_len:
-            # Its newest token would stand at position block_size: no learned position left.
-            seq.finish("length")
-        if seq.is_finished:
-            self.scheduler.finish(seq)
-            del self.requests[seq.request_id]
+    def postprocess(
+        self, sampling: list[EngineSequence], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Each sampling sequence takes its token; the finished ones leave (their blocks
+        go back). A request whose handling raises fails alone: it finishes as "abort"
+        with its `error`, and every other request keeps its token."""
+        with self._timed("sample"):
+            errors: dict[int, str] = {}
+
+            def failed(row: int, error: Exception) -> None:
+                errors.setdefault(row, one_line(error))
+
+            tokens = self._sample(logits, sampling, failed)
+            took = take_tokens(sampling, tokens, max_len=self.max_model_len, on_error=failed)
+            self.generation_tokens += len(took)
+            self._add_logprobs(sampling, took, logits, failed)
+            for row, error in errors.items():
+                sampling[row].fail(error)
+            for seq in sampling:
+                if seq.is_finished:
+                    self.scheduler.finish(seq)
+                    del self.requests[seq.request_id]
+            return [seq.report() for seq in sampling]
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[EngineSequence], failed: ErrorCallback
+    ) -> list[int | None]:
+        """One token per row; a row whose sampling raises gets None (and `failed`).
+
+        The rows sample together; if that raises, each random stream goes back to where
+        it was and each row samples alone, so a row draws the same token either way.
+        """
+        streams = [seq.generator for seq in seqs if seq.generator is not None]
+        states = [stream.get_state() for stream in streams]
+        try:
+            return sample_rows(logits, seqs)
+        except Exception:
+            for stream, state in zip(streams, states, strict=True):
+                stream.set_state(state)
+        tokens: list[int | None] = []
+        for row, seq in enumerate(seqs):
+            try:
+                tokens += sample_rows(logits[row : row + 1], [seq])
+            except Exception as error:
+                failed(row, error)
+                tokens.append(None)
+        return tokens
+
+    def _add_logprobs(
+        self,
+        seqs: list[EngineSequence],
+        rows: list[int],
+        logits: torch.Tensor,
+        failed: ErrorCallback,
+    ) -> None:
+        """A TokenLogprob for each token that joined an output, where asked for."""
+        for row in rows:
+            seq = seqs[row]
+            if seq.params.logprobs is None or len(seq.logprobs) == len(seq.output_ids):
+                continue  # not asked for, or the token was end-of-text (not kept)
+            try:
+                token = seq.output_ids[-1]
+                seq.logprobs.append(token_logprob(logits[row], token, seq.params.logprobs))
+            except Exception as error:
+                failed(row, error)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.step_seconds[phase] += time.perf_counter() - started
 
     # -- state --
 
@@ -208,3 +262,9 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
         )
+
+
+def one_line(error: Exception) -> str:
+    """What failed, in one line: the exception's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -17,34 +17,41 @@ import time
 import torch
 
 from roseinfer.cache.paged import KVPool, PagedKVCache
-from roseinfer.request.sequence import Sequence
+from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, pool: KVPool, attention: str = "fast") -> None:
+    def __init__(
+        self, model: GPT, pool: KVPool, attention: str = "fast", record_writes: bool = False
+    ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
-        # For checks: the pool slots the last step wrote, and the block tables of the
-        # sequences that wrote them, as they were then.
+        # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
+        # and the block tables of the sequences that wrote them, as they were then. Off,
+        # a step copies no table and never waits for the device to hand the slots back.
+        self.record_writes = record_writes
         self.written_slots: list[int] = []
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[Sequence], torch.Tensor]:
+    def run(
+        self, seqs: list[EngineSequence], num_new: list[int]
+    ) -> tuple[list[EngineSequence], torch.Tensor]:
         """Feed each sequence its next num_new tokens; return the sequences that reached
         their last token (they sample next) and their logits, (len(those), vocab)."""
         written: list[torch.Tensor] = []
-        self.writer_tables = [list(seq.block_table) for seq in seqs]
+        if self.record_writes:
+            self.writer_tables = [list(seq.block_table) for seq in seqs]
         if self.attention == "fast":
             decode = [i for i, n in enumerate(num_new) if n == 1]
             prefill = [i for i, n in enumerate(num_new) if n != 1]
             groups = [(decode, "padded"), (prefill, "flat")]
         else:
             groups = [(list(range(len(seqs))), "flat")]
-        sampled: list[Sequence] = []
+        sampled: list[EngineSequence] = []
         logits: list[torch.Tensor] = []
         self.seconds = {}
         for rows, layout in groups:
@@ -64,12 +71,13 @@ class ModelRunner:
                 else {"padded": "decode"}.get(layout, "prefill")
             )
             self.seconds[phase] = time.perf_counter() - started
-        self.written_slots = torch.cat(written).tolist()
+        if self.record_writes:
+            self.written_slots = torch.cat(written).tolist()
         return sampled, torch.cat(logits)
 
     def _forward(
-        self, seqs: list[Sequence], num_new: list[int], layout: str
-    ) -> tuple[list[Sequence], torch.Tensor, torch.Tensor]:
+        self, seqs: list[EngineSequence], num_new: list[int], layout: str
+    ) -> tuple[list[EngineSequence], torch.Tensor, torch.Tensor]:
         device = self.pool.device
         cache = PagedKVCache(
             self.pool,
@@ -98,4 +106,4 @@ class ModelRunner:
             at = ends[done].to(device)
             out = self.model(idx, cache=cache, logits_at=at, validate=False)
             logits = out.logits[0]
-        return [seqs[i] for i in done], logits, cache.written_slots.cpu()
+        return [seqs[i] for i in done], logits, cache.written_slots

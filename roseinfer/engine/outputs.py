@@ -1,15 +1,12 @@
 """What the engine reports: per request (`RequestOutput`, `TokenLogprob`) and for
-itself (`EngineStats`), and how a request's text is made safe to stream."""
+itself (`EngineStats`). A request's output is made by `EngineSequence.output`
+(roseinfer/engine/sequence.py); its text by the request's `Detokenizer`."""
 
 from __future__ import annotations
 
-import codecs
 from dataclasses import dataclass
 
 import torch
-
-from roseinfer.request.sequence import Sequence
-from rosetrainer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -35,6 +32,9 @@ class RequestOutput:
     arrival_time: float  # time.perf_counter() clock
     first_token_time: float | None
     finish_time: float | None
+    # Set when handling this request raised inside a step (its sampling, stop check,
+    # text): it finished then with finish_reason "abort"; the other requests went on.
+    error: str | None = None
 
 
 @dataclass
@@ -56,57 +56,3 @@ def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogpr
     top = torch.topk(logprobs, top_n) if top_n > 0 else None
     pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
     return TokenLogprob(token_id, float(logprobs[token_id]), pairs)
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could still begin a stop string."""
-    longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return longest
-
-
-def visible_text(seq: Sequence, tokenizer: Tokenizer) -> str:
-    """The text a client may see now.
-
-    While the request runs, a trailing character whose bytes have not all arrived is
-    left out (GPT-2 splits some characters over several tokens), and so is any tail
-    that could still grow into a stop string. Once it stopped on a stop string, the
-    text ends just before that string.
-    """
-    if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
-        return seq.text[: seq.text.find(seq.stop_reason)]
-    data = tokenizer.encoding.decode_bytes(seq.output_ids)
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(
-        data, final=seq.is_finished
-    )
-    if not seq.is_finished:
-        text = text[: len(text) - held_back(text, seq.params.stop)]
-    return text
-
-
-def request_output(seq: Sequence, tokenizer: Tokenizer) -> RequestOutput:
-    """The request's state now; what it had not reported before is its `new_` part."""
-    text = visible_text(seq, tokenizer)
-    new_text, seq.sent_text = text[len(seq.sent_text) :], text
-    new_token_ids = seq.output_ids[seq.num_sent_tokens :]
-    seq.num_sent_tokens = len(seq.output_ids)
-    return RequestOutput(
-        request_id=seq.request_id,
-        prompt_token_ids=list(seq.prompt_ids),
-        token_ids=list(seq.output_ids),
-        new_token_ids=new_token_ids,
-        text=text,
-        new_text=new_text,
-        logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        finished=seq.is_finished,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        num_cached_tokens=seq.num_cached_tokens,
-        arrival_time=seq.arrival_time,
-        first_token_time=seq.first_token_time,
-        finish_time=seq.finish_time,
-    )

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.config import EngineConfig
-from roseinfer.request.sequence import Sequence, SequenceStatus
+from roseinfer.engine.sequence import EngineSequence
 
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[EngineSequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each feeds this step
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[EngineSequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,13 +48,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first
-        self.arrival_order: dict[Sequence, int] = {}
+        self.waiting: deque[EngineSequence] = deque()
+        self.running: list[EngineSequence] = []  # oldest first
+        self.arrival_order: dict[EngineSequence, int] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: EngineSequence) -> None:
         self.arrival_order[seq] = next(self._counter)
         self.waiting.append(seq)
 
@@ -96,9 +96,6 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             manager.start(seq, cached, num_cached + num_new)
-            if not seq.output_ids:  # a first start, not a recompute after preemption
-                seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
@@ -106,10 +103,9 @@ class Scheduler:
         self.running.sort(key=self.arrival_order.__getitem__)
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: EngineSequence) -> None:
         """Give back all of seq's blocks; it recomputes them when it runs again."""
         self.block_manager.release(seq)
-        seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         # Back into the waiting queue at its place by arrival: ahead of every newer request.
         position = 0
@@ -120,9 +116,9 @@ class Scheduler:
             position += 1
         self.waiting.insert(position, seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: EngineSequence) -> None:
         """seq finished or was aborted: out of the queues, its blocks back at once."""
-        assert seq.status is SequenceStatus.FINISHED, f"{seq.request_id} is not finished"
+        assert seq.is_finished, f"{seq.request_id} is not finished"
         self.arrival_order.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)

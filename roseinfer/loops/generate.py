@@ -33,9 +33,10 @@ import torch
 
 from roseinfer.cache.dense import ConcatKVCache, DenseKVCache
 from roseinfer.request import rows
-from roseinfer.request.rows import TokenCallback, checked_keep, left_pad, make_sequences
+from roseinfer.request.rows import checked_keep, left_pad, make_sequences
 from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import GenerationResult, Sequence
+from roseinfer.request.token_step import TokenCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
@@ -210,16 +211,9 @@ def _run(
         # The loop asks for the next step only while a row is still going, so the last
         # token is never fed back through the model for nothing.
         for tokens, logits in steps:
-            now = time.perf_counter()
-            for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-                if seq.is_finished:
-                    continue  # this row stopped; the batch runs on for the others
+            for row in take_tokens(seqs, tokens, on_token=on_token):
                 if keep_logits:
                     step_logits[row].append(logits[row].float().cpu())
-                kept = len(seq.output_ids)
-                seq.append_token(token, now)
-                if on_token is not None and len(seq.output_ids) > kept:
-                    on_token(row, token)
             if all(seq.is_finished for seq in seqs):
                 break
     steps.close()

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from roseinfer.request.rows import TokenCallback, left_pad
+from roseinfer.request.rows import left_pad
 from roseinfer.request.sampling_params import SamplingParams, params_per_prompt
 from roseinfer.request.sequence import GenerationResult, Sequence
+from roseinfer.request.token_step import TokenCallback, take_tokens
 from rosetrainer.errors import RoseError
 
 MODEL_FILE = "model.onnx"
@@ -230,18 +231,10 @@ def generate_batch(
         tokens = [
             sample_next_token(last[row], seq.params, seq.generator) for row, seq in enumerate(seqs)
         ]
-        now = time.perf_counter()
-        for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-            if seq.is_finished:
-                continue  # this row stopped; the batch runs on for the others
+        # A row stops ("length") when its context is full: no position left for its token.
+        for row in take_tokens(seqs, tokens, on_token=on_token, max_len=block_size):
             if keep_logits:
                 step_logits[row].append(last[row].copy())
-            kept = len(seq.output_ids)
-            seq.append_token(token, now)
-            if on_token is not None and len(seq.output_ids) > kept:
-                on_token(row, token)
-            if not seq.is_finished and position_ids[row, -1] + 1 >= block_size:
-                seq.finish("length")  # the context is full: no position left for the token
         if all(seq.is_finished for seq in seqs):
             break
         # The next step: each row's new token, one more real column, the next position

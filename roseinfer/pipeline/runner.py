@@ -41,7 +41,6 @@ import torch.distributed as dist
 from roseinfer.cache.dense import DenseKVCache, new_cache
 from roseinfer.pipeline.stage import PipelineStage, even_runs
 from roseinfer.request.rows import (
-    TokenCallback,
     checked_keep,
     left_pad,
     make_sequences,
@@ -49,6 +48,7 @@ from roseinfer.request.rows import (
 )
 from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import GenerationResult, Sequence
+from roseinfer.request.token_step import TokenCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
 
@@ -313,16 +313,11 @@ class Driver:
         message = self.link.recv((1 + len(group.rows),), torch.long, self.link.last).tolist()
         if message[0] != index:
             raise RuntimeError(f"stage 0 expected micro-batch {index}'s tokens, got {message[0]}'s")
-        now = time.perf_counter()
-        for row, token, tokens in zip(group.rows, message[1:], group.tokens, strict=True):
-            tokens.append(token)
-            seq = seqs[row]
-            if seq.is_finished:
-                continue  # this row stopped; its micro-batch runs on for the others
-            kept = len(seq.output_ids)
-            seq.append_token(token, now)
-            if on_token is not None and len(seq.output_ids) > kept:
-                on_token(row, token)
+        tokens = message[1:]
+        for row_tokens, token in zip(group.tokens, tokens, strict=True):
+            row_tokens.append(token)  # every row rides along, stopped ones too
+        stream = None if on_token is None else lambda i, token: on_token(group.rows[i], token)
+        take_tokens([seqs[row] for row in group.rows], tokens, on_token=stream)
 
 
 def follow(stage: PipelineStage, link: Link, cache_kind: str, report: StageReport) -> None:

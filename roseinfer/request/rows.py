@@ -26,8 +26,6 @@ from rosetrainer.errors import RoseError
 if TYPE_CHECKING:
     from torch import nn
 
-TokenCallback = Callable[[int, int], None]  # on_token(row, token), for streaming
-
 
 def make_sequences(
     model: nn.Module,
