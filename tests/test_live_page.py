@@ -13,6 +13,7 @@ No browser is a failure, not a skip: `.ci/run` installs one.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from serving import API_KEY, Server, running_server, write_test_checkpoint
 
+from roseinfer.bench import live_page as bench_live_page
 from roseinfer.engine.block_manager import blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
@@ -214,7 +216,7 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
     try:
         assert started.wait(WAIT_S) and not failures, f"the long request failed: {failures}"
         # A burst from the page beside it, for the screenshot.
-        fill(browser, prompt="To be, or not to be", max_tokens="48", temperature="0.8", copies="3")
+        fill(browser, prompt="To be, or not to be", max_tokens="200", temperature="0.8", copies="3")
         by_testid(browser, "send")[0].click()
 
         def shown() -> dict | None:
@@ -225,6 +227,11 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
         pool = wait_for(browser, shown, "the long request running")
         assert len(pool["blocks"]) >= blocks_for(len(prompt_ids) + 1, KV_BLOCK_SIZE)
         assert all(pool["states"][b] == "used" for b in pool["blocks"]), pool
+
+        def burst() -> bool:
+            return len(browser.execute_script(READ_POOL)["running"]) >= 3
+
+        wait_for(browser, burst, "the burst running beside the long request")
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "live-page.png"))
     finally:
@@ -236,7 +243,11 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
         return not pool["running"] and "used" not in pool["states"]
 
     wait_for(browser, idle, "no request running and no used block")
-    assert len(by_testid(browser, "request", '[data-state="done"]')) == 3
+
+    def replied() -> bool:
+        return len(by_testid(browser, "request", '[data-state="done"]')) == 3
+
+    wait_for(browser, replied, "the burst's three replies")
 
 
 def test_the_page_asks_nothing_of_any_other_origin(
@@ -276,6 +287,22 @@ def test_without_javascript_one_line_says_why(server: Server) -> None:
         assert not by_testid(browser, "kv-block")
     finally:
         browser.quit()
+
+
+def test_bench_live_page_runs_the_load_with_the_page_closed_and_open(
+    server: Server, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--base-url", server.base_url, "--api-key", API_KEY, "--rounds", "1",
+            "--num-prompts", "4", "--input-len", "8", "--output-len", "24", "--random",
+            "--ignore-eos"]  # fmt: skip
+    assert bench_live_page.main(argv) == 0
+    out = capsys.readouterr().out
+    closed, opened = (
+        re.search(rf"page {mode}\s.*\s([\d.]+) snapshots/s", out) for mode in ("closed", "open")
+    )
+    assert closed and float(closed.group(1)) == 0, out
+    assert opened and float(opened.group(1)) > 0, out  # the open page was sent snapshots
+    assert "open/closed = " in out
 
 
 def test_no_live_page_turns_the_page_and_its_endpoints_off(checkpoint: Path) -> None:
