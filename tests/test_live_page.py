@@ -290,7 +290,7 @@ def test_without_javascript_one_line_says_why(server: Server) -> None:
 
 
 def test_bench_live_page_runs_the_load_with_the_page_closed_and_open(
-    server: Server, capsys: pytest.CaptureFixture
+    server: Server, checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:
     argv = ["--base-url", server.base_url, "--api-key", API_KEY, "--rounds", "1",
             "--num-prompts", "4", "--input-len", "8", "--output-len", "24", "--random",
@@ -303,6 +303,12 @@ def test_bench_live_page_runs_the_load_with_the_page_closed_and_open(
     assert closed and float(closed.group(1)) == 0, out
     assert opened and float(opened.group(1)) > 0, out  # the open page was sent snapshots
     assert "open/closed = " in out
+
+    # Without a server: the hook's share of the steps' CPU time, in an in-process engine.
+    argv = ["--checkpoint-path", str(checkpoint), *argv[4:]]
+    assert bench_live_page.main(argv) == 0
+    shares = re.findall(r"page (\w+) .* hook +([\d.]+)% of step CPU time", capsys.readouterr().out)
+    assert [mode for mode, _ in shares] == ["closed", "open"], shares
 
 
 def test_no_live_page_turns_the_page_and_its_endpoints_off(checkpoint: Path) -> None:

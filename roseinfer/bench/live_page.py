@@ -12,6 +12,14 @@ open, each read and parsed event by event as the page does. Alternating lets a m
 whose speed drifts (a shared one) drift for both alike. It prints each round's output
 tokens/s and the ratio of the medians, open over closed. The browser's drawing is not
 measured: it runs in the browser's process, usually on another machine.
+
+On a busy machine two runs of one load differ by more than the page costs, so
+`--checkpoint-path` measures the cost itself, with no server: the engine runs the load
+in this process, and the live page's hook (and the serializing of each snapshot, which
+the server does on its event loop) is timed beside the steps, watched and not:
+
+    python -m roseinfer.bench.live_page --checkpoint-path checkpoints/tiny --rounds 3 \
+        --num-prompts 32 --input-len 64 --output-len 64 --random --ignore-eos
 """
 
 from __future__ import annotations
@@ -96,6 +104,53 @@ async def compare(args: argparse.Namespace) -> dict[str, list[float]]:
     return throughput
 
 
+def hook_share(args: argparse.Namespace) -> None:
+    """The load through an in-process engine: per round, watched and not, the steps'
+    tokens/s and the CPU time in the live page's hook as a share of the steps' (torch on
+    one thread: OMP_NUM_THREADS=1, or the steps' other threads go uncounted)."""
+    import time
+
+    from roseinfer.engine.config import EngineConfig
+    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.loading import load_model_and_tokenizer
+    from roseinfer.request.sampling_params import SamplingParams
+    from roseinfer.serving.live import LiveState
+
+    model, tokenizer, _ = load_model_and_tokenizer(args.checkpoint_path)
+    engine = LLMEngine(model, tokenizer, EngineConfig())
+    live = LiveState(engine)
+    prompts, _ = bench_serving.load_prompts(args)
+    params = SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos
+    )
+    # Round 0 is a warm-up (it also fills the prefix cache, as it stays for later rounds).
+    for number in range(args.rounds + 1):
+        for watched in (False, True):
+            for prompt in prompts:
+                engine.add_request(prompt, params)
+            tokens, step_s, hook_s, sent = engine.generation_tokens, 0.0, 0.0, live.version()
+            began = time.perf_counter()
+            while engine.has_unfinished():
+                started = time.thread_time()  # CPU time: a busy machine's waits left out
+                engine.step()
+                stepped = time.thread_time()
+                if watched:
+                    live.watch()  # what an open page's stream does every tenth of a second
+                live.after_step()
+                if watched and live.version() != sent:
+                    sent = live.version()
+                    live.snapshot_json()
+                hook_s += time.thread_time() - stepped
+                step_s += stepped - started
+            if number:
+                tps = (engine.generation_tokens - tokens) / (time.perf_counter() - began)
+                print(
+                    f"round {number}  page {'open' if watched else 'closed':<6}  {tps:9.1f} "
+                    f"output tokens/s  hook {100 * hook_s / step_s:6.3f}% of step CPU time",
+                    flush=True,
+                )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m roseinfer.bench.live_page", description=__doc__.split("\n")[0]
@@ -103,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--model", help="the model name to send (default: the server's first)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--checkpoint-path", help="no server: time the live page's hook in an in-process engine"
+    )
     p.add_argument("--rounds", type=int, default=3, help="closed/open pairs (default: 3)")
     p.add_argument("--watchers", type=int, default=1, help="pages open in a round (default: 1)")
     bench_serving.add_load_arguments(p)
@@ -115,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         raise RoseError("--rounds and --watchers must be >= 1")
     if len(args.request_rate) != 1:
         raise RoseError(f"give one --request-rate, got {len(args.request_rate)}")
+    if args.checkpoint_path:
+        hook_share(args)
+        return 0
     args.quiet = True  # one line per round instead of progress bars
     throughput = asyncio.run(compare(args))
     closed, open_ = (statistics.median(throughput[m]) for m in ("closed", "open"))
