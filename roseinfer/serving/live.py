@@ -15,7 +15,9 @@ plus once whenever the engine runs out of work, so that the last picture of a bu
 is the idle pool. Nobody watching costs one comparison per step.
 
 A block's state in `blocks` is one letter: f (free), u (used: some live sequence holds
-it) or c (cached: nobody holds it, but the prefix cache can still hand it out).
+it) or c (cached: nobody holds it, but the prefix cache can still hand it out). The
+`timeline` holds [step, prefill tokens, decode tokens, preemptions] for each step
+since the snapshot before the last one.
 """
 
 from __future__ import annotations
@@ -40,25 +42,19 @@ ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/", *(f"/page/{name}" for name in ASSETS))
 SNAPSHOTS_PER_S = 10
 WATCH_S = 2.0  # snapshots stop this long after the last watcher stopped asking
-TIMELINE_STEPS = 240  # steps kept for the page's timeline
+TIMELINE_STEPS = 240  # step records one snapshot carries at most
 
 
-def step_record(step: int, batch: ScheduledBatch) -> dict:
-    """What one step did: tokens fed to prompts (prefill) and to decoding rows, rows,
-    preemptions. A row is decoding when it fed one token and sampled its second or later
-    one (token_times counts every sample, an end-of-text included)."""
+def step_record(step: int, batch: ScheduledBatch) -> tuple[int, int, int, int]:
+    """What one step did: (step, tokens fed to prompts (prefill), tokens fed to decoding
+    rows, preemptions). A row is decoding when it fed one token and sampled its second or
+    later one (token_times counts every sample, an end-of-text included)."""
     decode = sum(
         1
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         if n == 1 and len(seq.token_times) >= 2
     )
-    return {
-        "step": step,
-        "prefill": batch.num_tokens - decode,
-        "decode": decode,
-        "seqs": len(batch.seqs),
-        "preempted": len(batch.preempted),
-    }
+    return step, batch.num_tokens - decode, decode, len(batch.preempted)
 
 
 def request_view(seq: Sequence, running: bool) -> dict:
@@ -79,7 +75,7 @@ def request_view(seq: Sequence, running: bool) -> dict:
     }
 
 
-def take_snapshot(engine: LLMEngine, step: int, timeline: list[dict]) -> dict:
+def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
     """The engine's state as plain JSON-able data. Call it from the engine's thread."""
     manager, scheduler = engine.block_manager, engine.scheduler
     states = ["u"] * manager.num_blocks
@@ -109,7 +105,10 @@ class LiveState:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.steps = 0
-        self.timeline: deque[dict] = deque(maxlen=TIMELINE_STEPS)
+        # Step records since the last snapshot, and those it carried. A snapshot carries
+        # both, so a stream that skips one snapshot misses no step.
+        self.timeline: deque[tuple] = deque(maxlen=TIMELINE_STEPS)
+        self.carried: list[tuple] = []
         self.watch_until = 0.0  # monotonic time; snapshots are taken until then
         self.last_taken = 0.0
         # (version, snapshot), replaced as one object so a reader never sees a mix.
@@ -127,7 +126,10 @@ class LiveState:
             self.timeline.append(step_record(self.steps, self.engine.last_batch))
         idle = not self.engine.has_unfinished()
         if idle or (watched and now - self.last_taken >= 1 / SNAPSHOTS_PER_S):
-            snapshot = take_snapshot(self.engine, self.steps, list(self.timeline))
+            records = list(self.timeline)
+            self.timeline.clear()
+            snapshot = take_snapshot(self.engine, self.steps, self.carried + records)
+            self.carried = records
             self.latest = (self.latest[0] + 1, snapshot)
             self.last_taken = now
 

@@ -96,8 +96,10 @@ function colour(requestId) {
 
 function draw(snapshot) {
   latest = snapshot;
-  for (const record of snapshot.timeline) {
-    if (!steps.length || record.step > steps[steps.length - 1].step) steps.push(record);
+  for (const [step, prefill, decode, preempted] of snapshot.timeline) {
+    if (!steps.length || step > steps[steps.length - 1].step) {
+      steps.push({ step, prefill, decode, preempted });
+    }
   }
   steps.splice(0, Math.max(0, steps.length - 400));
   drawPool(snapshot);
