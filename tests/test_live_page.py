@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from selenium import webdriver
 from selenium.common.exceptions import TimeoutException, WebDriverException
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from serving import API_KEY, Server, running_server, write_test_checkpoint
@@ -53,6 +54,7 @@ const cells = [...document.querySelectorAll('[data-testid="kv-block"]')];
 return {
   running: rows.map((r) => ({id: r.dataset.requestId, blocks: r.dataset.blocks})),
   states: cells.map((c) => c.dataset.state),
+  outlined: cells.filter((c) => c.classList.contains("outlined")).map((c) => +c.dataset.block),
 };
 """
 
@@ -227,6 +229,12 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
         pool = wait_for(browser, shown, "the long request running")
         assert len(pool["blocks"]) >= blocks_for(len(prompt_ids) + 1, KV_BLOCK_SIZE)
         assert all(pool["states"][b] == "used" for b in pool["blocks"]), pool
+        # Hovering its row outlines exactly its blocks.
+        row = f'[data-request-id="{request_id[0]}"]'
+        ActionChains(browser).move_to_element(
+            by_testid(browser, "running-request", row)[0]
+        ).perform()
+        wait_for(browser, lambda: (p := shown()) and p["outlined"] == p["blocks"], "its outline")
 
         def burst() -> bool:
             return len(browser.execute_script(READ_POOL)["running"]) >= 3

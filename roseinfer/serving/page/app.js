@@ -153,27 +153,23 @@ function stateText(request) {
 
 const MAX_ROWS = 50;
 
+// A queue's rows, one per request, kept across snapshots (updated in place, so a row
+// under the pointer stays the same element).
 function drawQueue(body, requests, running) {
+  const old = new Map([...body.children].map((row) => [row.dataset.requestId, row]));
   const rows = requests.slice(0, MAX_ROWS).map((request) => {
-    const row = document.createElement("tr");
-    row.dataset.requestId = request.id;
+    const row = old.get(request.id) ?? newRow(request, running ? 5 : 4);
     row.classList.toggle("hovered", request.id === hovered);
-    const cells = [request.id, request.prompt_tokens, request.generated, stateText(request)];
+    const values = [request.prompt_tokens, request.generated, stateText(request)];
     if (running) {
-      row.dataset.testid = "running-request";
       row.dataset.state = request.state;
       row.dataset.blocks = request.blocks.join(" ");
-      cells.push(request.blocks.length);
+      values.push(request.blocks.length);
     }
-    for (const value of cells) {
-      const cell = document.createElement("td");
-      cell.textContent = String(value);
-      row.append(cell);
-    }
-    const dot = document.createElement("span");
-    dot.className = "dot";
-    dot.style.background = colour(request.id);
-    row.firstChild.prepend(dot);
+    values.forEach((value, i) => {
+      const cell = row.children[i + 1];
+      if (cell.textContent !== String(value)) cell.textContent = String(value);
+    });
     return row;
   });
   if (requests.length > MAX_ROWS) {
@@ -182,6 +178,18 @@ function drawQueue(body, requests, running) {
     rows.push(more);
   }
   body.replaceChildren(...rows);
+}
+
+function newRow(request, columns) {
+  const row = document.createElement("tr");
+  row.dataset.requestId = request.id;
+  if (columns === 5) row.dataset.testid = "running-request";
+  for (let i = 0; i < columns; i++) row.append(document.createElement("td"));
+  const dot = document.createElement("span");
+  dot.className = "dot";
+  dot.style.background = colour(request.id);
+  row.firstChild.append(dot, request.id);
+  return row;
 }
 
 // Hovering a running request outlines its blocks (rows are redrawn, so listen on the body).
