@@ -327,3 +327,10 @@ def test_no_live_page_turns_the_page_and_its_endpoints_off(checkpoint: Path) -> 
         with TestClient(app) as client:
             assert client.get("/").status_code == status
             assert client.get("/live/snapshot").status_code == status
+            if live_page:  # after a request: nothing runs, its blocks are cached or free
+                body = {"prompt": list(range(40)), "max_tokens": 4, "temperature": 0}
+                assert client.post("/v1/completions", json=body).status_code == 200
+                snapshot = client.get("/live/snapshot").json()
+                assert len(snapshot["blocks"]) == 8 and set(snapshot["blocks"]) == {"f", "c"}
+                assert snapshot["running"] == snapshot["waiting"] == []
+                assert snapshot["generation_tokens"] == 4

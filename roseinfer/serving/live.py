@@ -42,6 +42,7 @@ ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 OPEN_PATHS = ("/", *(f"/page/{name}" for name in ASSETS))
 SNAPSHOTS_PER_S = 10
 WATCH_S = 2.0  # snapshots stop this long after the last watcher stopped asking
+FRESH_TIMEOUT_S = 5.0  # /live/snapshot waits this long at most for a busy engine's next one
 TIMELINE_STEPS = 240  # step records one snapshot carries at most
 
 
@@ -111,6 +112,7 @@ class LiveState:
         self.carried: list[tuple] = []
         self.watch_until = 0.0  # monotonic time; snapshots are taken until then
         self.last_taken = 0.0
+        self.idle = True  # nothing to run at the last step boundary
         # (version, snapshot), replaced as one object so a reader never sees a mix.
         # The first is taken here, before the engine thread starts.
         self.latest = (0, take_snapshot(engine, 0, []))
@@ -124,7 +126,7 @@ class LiveState:
         watched = now < self.watch_until
         if watched:
             self.timeline.append(step_record(self.steps, self.engine.last_batch))
-        idle = not self.engine.has_unfinished()
+        self.idle = idle = not self.engine.has_unfinished()
         if idle or (watched and now - self.last_taken >= 1 / SNAPSHOTS_PER_S):
             records = list(self.timeline)
             self.timeline.clear()
@@ -147,15 +149,13 @@ class LiveState:
             self._json = (version, json.dumps(snapshot, separators=(",", ":")))
         return self._json[1]
 
-    async def fresh_json(self) -> str:
-        """A snapshot taken after this call, if the engine steps within two intervals;
-        else (the engine is idle, so nothing changed since its last one) the latest."""
-        self.watch()
-        seen = self.version()
-        for _ in range(2):
-            await asyncio.sleep(1 / SNAPSHOTS_PER_S)
-            if self.version() != seen:
-                break
+    async def fresh_json(self, timeout: float = FRESH_TIMEOUT_S) -> str:
+        """The state at a step boundary: the latest snapshot when the engine was idle at
+        its last step (nothing has moved since), else the next one it takes."""
+        seen, deadline = self.version(), time.monotonic() + timeout
+        while not self.idle and self.version() == seen and time.monotonic() < deadline:
+            self.watch()
+            await asyncio.sleep(1 / (2 * SNAPSHOTS_PER_S))
         return self.snapshot_json()
 
 

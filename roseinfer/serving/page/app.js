@@ -267,7 +267,8 @@ setInterval(() => {
   if (!latest) return;
   const t = performance.now() / 1000;
   const count = latest.generation_tokens;
-  const tps = lastCount === null ? 0 : (count - lastCount.count) / (t - lastCount.t);
+  // (a restarted server counts from zero again: no negative rate)
+  const tps = lastCount === null ? 0 : Math.max(0, count - lastCount.count) / (t - lastCount.t);
   lastCount = { t, count };
   const n = latest.blocks.length;
   const used = [...latest.blocks].filter((s) => s === "u").length / n;
