@@ -28,7 +28,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
-from serving import API_KEY, Server, running_server, write_test_checkpoint
+from serving import API_KEY, WINDOW, Server, running_server, write_test_checkpoint
 
 from roseinfer.bench import live_page as bench_live_page
 from roseinfer.engine.block_manager import blocks_for
@@ -60,6 +60,10 @@ return {
 
 
 def start_browser(javascript: bool = True) -> webdriver.Chrome:
+    install = "install them: apt-get update && apt-get install -y chromium chromium-driver"
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not Path(path).is_file()]
+    if missing:  # (and selenium must not go looking for a driver on the network)
+        pytest.fail(f"no headless Chromium here: {', '.join(missing)} missing; {install}")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
@@ -77,10 +81,7 @@ def start_browser(javascript: bool = True) -> webdriver.Chrome:
     try:
         return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     except (WebDriverException, OSError) as err:
-        pytest.fail(
-            f"cannot start headless Chromium ({CHROMIUM} with {CHROMEDRIVER}): {err}\n"
-            "install it: apt-get update && apt-get install -y chromium chromium-driver"
-        )
+        pytest.fail(f"cannot start headless Chromium ({CHROMIUM} with {CHROMEDRIVER}): {err}")
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,8 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
 ) -> None:
     open_page(browser, server, API_KEY)
     prompt_ids = list(range(1000, 1040))  # 40 tokens: three blocks before any output
-    body = {"prompt": prompt_ids, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    max_tokens = WINDOW - len(prompt_ids)  # as long as the model's window allows
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     started, request_id, failures = threading.Event(), [], []
 
     def long_request() -> None:
