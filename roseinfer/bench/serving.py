@@ -269,8 +269,8 @@ def benchmark(args: argparse.Namespace) -> list[RateResult]:
     return asyncio.run(run_benchmark(args))
 
 
-async def run_benchmark(args: argparse.Namespace) -> list[RateResult]:
-    """`benchmark` for code already inside an event loop (a notebook: `await` it)."""
+def load_prompts(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The load's prompts and their token counts, from the load flags."""
     tokenizer = Tokenizer("gpt2")
     dataset = None if args.random else Path(args.dataset_path or DEFAULT_DATASET)
     if dataset is not None and args.dataset_path is None and not dataset.is_file():
@@ -279,7 +279,12 @@ async def run_benchmark(args: argparse.Namespace) -> list[RateResult]:
         tokenizer, args.num_prompts, args.input_len, args.range_ratio, args.prefix_len,
         dataset, args.seed,
     )  # fmt: skip
-    prompt_tokens = [len(tokenizer.encode(p)) for p in prompts]
+    return prompts, [len(tokenizer.encode(p)) for p in prompts]
+
+
+async def run_benchmark(args: argparse.Namespace) -> list[RateResult]:
+    """`benchmark` for code already inside an event loop (a notebook: `await` it)."""
+    prompts, prompt_tokens = load_prompts(args)
     base_url = args.base_url.rstrip("/")
     try:
         model = args.model or await served_model(base_url, args)

@@ -24,6 +24,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
+from roseinfer.serving.live import end_streams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         "stay open)",
     )
     p.add_argument(
+        "--no-live-page",
+        action="store_true",
+        help="do not serve the live page at / (nor its /live/snapshot and /live/events)",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a Jinja2 chat template (sees `messages` and `add_generation_prompt`); default: "
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         api_key=args.api_key,
         chat_template=chat_template,
+        live_page=not args.no_live_page,
     )
     app = build_app(engine, tokenizer, settings)
 
@@ -139,6 +146,7 @@ class ReadyServer(uvicorn.Server):
         # would end "killed by SIGTERM"; a server that stopped cleanly exits 0 instead.
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        end_streams(self.config.app)  # the live page's, so that shutdown need not wait
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
 from roseinfer.request.sampling_params import SamplingParams
+from roseinfer.serving import live
 from roseinfer.serving.chat_template import ChatTemplate
 from roseinfer.serving.engine_thread import EngineClient, EngineThread, QueueFull
 from roseinfer.serving.metrics import ServerMetrics
@@ -46,8 +47,9 @@ from rosetrainer.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
-# Open without the API key: liveness probes and Prometheus scrapers carry no token.
-OPEN_PATHS = ("/health", "/metrics")
+# Open without the API key: liveness probes and Prometheus scrapers carry no token; the
+# live page's files hold no data (it asks for the key, then sends it).
+OPEN_PATHS = ("/health", "/metrics", *live.OPEN_PATHS)
 # How often a handler waiting for the engine checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
@@ -59,6 +61,7 @@ class ServerSettings:
     max_waiting: int = 256  # choices admitted but without a first token, at most
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
+    live_page: bool = True  # the page at / and its /live/* state endpoints
 
 
 class BadRequest(Exception):
@@ -87,6 +90,10 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         engine_thread.stop()
 
     app = FastAPI(title="rose", lifespan=lifespan)
+    if settings.live_page:
+        app.state.live = live.LiveState(engine)
+        engine_thread.on_step = app.state.live.after_step
+        app.include_router(live.live_router(app.state.live))
 
     # -- errors, all in OpenAI's shape --
 

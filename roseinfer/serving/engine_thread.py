@@ -53,6 +53,7 @@ class EngineThread:
     ) -> None:
         self.engine = engine
         self.on_finished = on_finished  # e.g. record latencies in the metrics
+        self.on_step: Callable[[], None] | None = None  # e.g. the live page's snapshots
         self.commands: queue.Queue[Add | Abort | Stop] = queue.Queue()
         self.sinks: dict[str, Sink] = {}  # touched by the engine thread only
         self.stats = engine.stats()  # a fresh snapshot after every step, for /metrics
@@ -98,6 +99,8 @@ class EngineThread:
             # Stats first: a client that has seen its request finish must not then read
             # /metrics from before the step (its blocks still counted as used).
             self.stats = self.engine.stats()
+            if self.on_step is not None:
+                self.on_step()
             for output in outputs:
                 self._deliver(output)
 
