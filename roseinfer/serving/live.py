@@ -87,7 +87,7 @@ def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
     return {
         "t": time.monotonic(),
         "step": step,
-        "kv_block_size": manager.block_size,
+        "kv_block_size": manager.kv_block_size,
         "max_num_seqs": engine.config.max_num_seqs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "blocks": "".join(states),
