@@ -478,6 +478,8 @@ def breaking_request(how: str, monkeypatch: pytest.MonkeyPatch) -> SamplingParam
         return slip_past_validation(params, temperature=1e-300)
     if how == "logprobs":
         return slip_past_validation(params, logprobs=10**6)  # more than the vocabulary
+    if how == "text":
+        return params  # its detokenizer breaks (break_text)
     real = llm_engine.sample_rows
     calls = {"bad": 0}
 
@@ -492,7 +494,20 @@ def breaking_request(how: str, monkeypatch: pytest.MonkeyPatch) -> SamplingParam
     return params
 
 
-@pytest.mark.parametrize("how", ["temperature", "logprobs", "sampler"])
+def break_text(seq) -> None:
+    """Its text breaks at its third token (a decode that raises)."""
+    decode, calls = seq.detokenizer.decode, []
+
+    def broken(ids: list[int]) -> str:
+        calls.append(ids)
+        if len(calls) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return decode(ids)
+
+    seq.detokenizer.decode = broken
+
+
+@pytest.mark.parametrize("how", ["temperature", "logprobs", "sampler", "text"])
 def test_a_request_that_breaks_mid_batch_fails_alone(model, tokenizer, how, monkeypatch) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(3, 30))] for _ in range(5)]
@@ -507,14 +522,16 @@ def test_a_request_that_breaks_mid_batch_fails_alone(model, tokenizer, how, monk
     engine.step()
     engine.step()  # the batch is running
     bad = engine.add_request(prompts[4], breaking_request(how, monkeypatch))
+    if how == "text":
+        break_text(engine.requests[bad])
     finished = run_to_end(engine)  # the pool's invariants checked after every step
 
     failed = finished[bad]
     assert failed.finished and failed.finish_reason == "abort"
     assert failed.error and "\n" not in failed.error
-    if how == "sampler":
-        assert failed.error == "RuntimeError: the sampler broke"
-        assert len(failed.token_ids) == 2  # it made two tokens before it broke
+    if how in ("sampler", "text"):
+        assert failed.error.startswith(("RuntimeError: the sampler", "UnicodeDecodeError: "))
+        assert len(failed.token_ids) == 2 + (how == "text")  # made before it broke
     for request_id, prompt, params in zip(ids, prompts[:4], good, strict=True):
         assert finished[request_id].error is None
         assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)

@@ -155,6 +155,8 @@ class Sequence:
 
     def fail(self, error: str) -> None:
         """Something raised while handling this request: it ends now, as "abort"."""
+        if self.detokenizer is not None:
+            self.detokenizer.pending.clear()  # not decoded: the decode may be what broke
         self.finish("abort")
         self.finish_reason, self.stop_reason, self.error = "abort", None, error
 
