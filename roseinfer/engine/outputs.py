@@ -35,6 +35,7 @@ class RequestOutput:
     arrival_time: float  # time.perf_counter() clock
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None  # what failed, when the engine finished this request on an error
 
 
 @dataclass
