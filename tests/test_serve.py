@@ -20,6 +20,7 @@ from serving import (
     MODEL_NAME,
     WINDOW,
     Server,
+    leave_a_non_streamed_request,
     metrics,
     running_server,
     solo_text,
@@ -258,6 +259,10 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
     assert after.get(aborted, 0) == before.get(aborted, 0) + 1
     generated = after["rose_generation_tokens_total"] - before["rose_generation_tokens_total"]
     assert 1 <= generated < long
+
+
+def test_a_non_streamed_client_that_leaves_is_aborted_behind_the_api_key(server: Server) -> None:
+    leave_a_non_streamed_request(server, {"Authorization": f"Bearer {API_KEY}"})
 
 
 ERROR_CASES = [
