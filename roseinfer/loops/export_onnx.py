@@ -55,6 +55,7 @@ from roseinfer.loops.onnx_generate import (
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.files import ensure_writable_dir
 from rosetrainer.model import GPT, LayerPast
 
 PROG = "roseinfer.loops.export_onnx"
@@ -276,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RoseError(f"--out {out} is a file: give a directory")
+    ensure_writable_dir(out, "--out")  # before the slow part: /proc/x, a file's "child"
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name
     )
