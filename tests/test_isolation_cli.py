@@ -4,10 +4,14 @@ Real CLIs (in-process `main`, or a subprocess where the OS must limit it), real 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,85 @@ def test_a_full_disk_while_training_is_one_line_and_leaves_no_temp_file(
     assert result.returncode == 2 and "Traceback" not in err, err
     assert "cannot write" in err and "File too large" in err, err
     assert not list(run_dir.rglob("*.tmp"))
+
+
+# -- class 6: a split model's stages go with their launcher --
+
+
+def live_members(group: int) -> list[int]:
+    """Processes of a process group that are still running (zombies are gone already)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we looked
+        if int(fields[2]) == group and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def stages(group: int) -> list[int]:
+    def cmdline(pid: int) -> bytes:
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b""
+
+    return [pid for pid in live_members(group) if b"spawn_main" in cmdline(pid)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc to find the stage processes")
+@pytest.mark.parametrize(
+    ("sent", "background", "code"),
+    [(signal.SIGTERM, True, 128 + signal.SIGTERM), (signal.SIGTERM, False, 128 + signal.SIGTERM),
+     (signal.SIGKILL, True, -signal.SIGKILL)],
+)  # fmt: skip
+def test_the_stages_of_a_split_model_go_with_their_launcher(
+    sent: int, background: bool, code: int, tmp_path: Path
+) -> None:
+    """Started in the background (SIGINT ignored, as `cmd &` leaves it) or not, stopped
+    politely or killed: no stage outlives the launcher, and no stage prints a traceback."""
+    from serving import write_test_checkpoint  # a 1,024-token window: a long generation
+
+    checkpoint = tmp_path / "long.pt"
+    write_test_checkpoint(checkpoint)
+
+    def like_a_shell() -> None:
+        if background:  # what `cmd &` does in a non-interactive shell
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    command = [sys.executable, "-m", "roseinfer.cli_generate", "--checkpoint-path",
+               str(checkpoint), "--pipeline-parallel-size", "2", *["--prompt", "Hi"] * 4,
+               "--batch-size", "1", "--max-new-tokens", "1000", "--no-stop-at-eot",
+               "--temperature", "0"]  # fmt: skip
+    launcher = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own group: the stages are found, and stopped, by it
+        preexec_fn=like_a_shell,
+    )
+    group = launcher.pid
+    try:
+        deadline = time.monotonic() + 120
+        printed = b""  # stage 0 prints the prompt, then each token as it comes
+        while len(printed) < 20:
+            assert launcher.poll() is None and time.monotonic() < deadline, printed
+            if select.select([launcher.stdout], [], [], 0.2)[0]:
+                printed += os.read(launcher.stdout.fileno(), 1024)
+        assert len(stages(group)) == 2  # both stages are generating
+        launcher.send_signal(sent)
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 5  # the stages had seconds of work left
+        while live_members(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = live_members(group)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)  # whatever a failure left behind
+        err = launcher.communicate(timeout=60)[1].decode()
+    assert left == [], err
+    assert launcher.returncode == code, err
+    assert "Traceback" not in err, err
