@@ -28,7 +28,11 @@ from serving import (
 )
 
 from roseinfer.cli import serve
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.request.sampling_params import SamplingParams
+from roseinfer.serving.app import ServerSettings, build_app
+from roseinfer.serving.background import BackgroundServer
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -342,3 +346,77 @@ def test_mixed_soak_good_answers_equal_solo_runs_and_bad_ones_are_4xx(
     assert "Traceback" not in log, log
     assert final["rose_num_requests_running"] == final["rose_num_requests_waiting"] == 0
     assert final["rose_kv_blocks_used"] == 0  # every block free or cached-unreferenced
+
+
+# -- class 1, the serving side: a request the engine fails --
+
+POISON = [464, 2068]  # the prompt of the request that fails inside the engine's step
+
+
+def events_of(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("everyone", [False, True])
+def test_a_request_the_engine_fails_gets_a_whole_error_and_the_others_their_tokens(
+    checkpoint: tuple[Path, GPT], everyone: bool
+) -> None:
+    """One request failed as the engine reports it (CONTRACT 1: finished, "abort", `error`
+    set, its blocks freed), or, as a bug would, a step that raises for everyone: each
+    failed client gets an OpenAI-shaped error (a 500, or an error event then [DONE] on a
+    stream); the others' tokens equal their solo runs; the server goes on."""
+    model, tokenizer = checkpoint[1], Tokenizer("gpt2")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256))
+    step, failed = engine.step, []
+
+    def step_that_fails() -> list:
+        outputs = step()
+        # A poisoned request fails at its third token: a stream has sent text by then.
+        poisoned = [o for o in outputs if o.prompt_token_ids == POISON and len(o.token_ids) == 3]
+        if everyone and poisoned and not failed:
+            failed.append(True)
+            raise RuntimeError("injected: the step broke")
+        for out in poisoned:
+            if not out.finished and not everyone:
+                engine.abort(out.request_id)
+                out.finished, out.finish_reason = True, "abort"
+                out.error = "sampling failed: injected"
+        return outputs
+
+    engine.step = step_that_fails
+    app = build_app(engine, tokenizer, ServerSettings(model_name="tiny"))
+    goods = [[15496, 11], [40, 716, 257]]
+
+    async def send(http: httpx.AsyncClient, prompt: list[int], stream: bool) -> httpx.Response:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream}
+        return await http.post("/v1/completions", json=body)
+
+    async def together(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            jobs = [(POISON, False), (POISON, True)] + [(g, s) for g in goods for s in (0, 1)]
+            return await asyncio.gather(*(send(http, p, bool(s)) for p, s in jobs))
+
+    with BackgroundServer(app) as server:
+        poisoned, poisoned_stream, *answers = asyncio.run(together(server.url))
+        after = httpx.post(
+            server.url + "/v1/completions", json={"prompt": goods[0], "max_tokens": 2}
+        )
+    assert is_openai_error(poisoned, 500)["type"] == "server_error"
+    events = events_of(poisoned_stream)
+    # some text came, then the error, then [DONE]
+    assert any(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+    assert after.status_code == 200
+    assert engine.stats().num_kv_blocks_used == 0
+    if everyone:
+        return  # the step that broke failed every request in it
+    for prompt, response in zip([g for g in goods for _ in (0, 1)], answers, strict=True):
+        text, _, reason = solo_text(model, tokenizer, prompt, SamplingParams(max_tokens=8))
+        assert response.status_code == 200
+        if response.headers["content-type"].startswith("text/event-stream"):
+            chunks = [json.loads(e)["choices"][0] for e in events_of(response)[:-1]]
+            got = ("".join(c["text"] for c in chunks), chunks[-1]["finish_reason"])
+        else:
+            choice = response.json()["choices"][0]
+            got = (choice["text"], choice["finish_reason"])
+        assert got == (text, reason)

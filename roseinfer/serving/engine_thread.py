@@ -134,7 +134,7 @@ class EngineThread:
         return isinstance(command, Stop)
 
     def _deliver(self, output: RequestOutput) -> None:
-        sink = self.sinks.pop(output.request_id) if output.finished else None
+        sink = self.sinks.pop(output.request_id, None) if output.finished else None
         sink = sink or self.sinks.get(output.request_id)
         if output.finished and self.on_finished is not None:
             self.on_finished(output)

@@ -60,6 +60,9 @@ async def answer(
             finals = await unless_disconnected(request, last_outputs(outputs, len(jobs)))
             return JSONResponse(builder.response(finals, prompt_tokens))
         first = await unless_disconnected(request, anext(outputs))
+        if first[1].error is not None:  # nothing sent yet: the error can be the whole answer
+            await outputs.aclose()
+            raise EngineFailed(first[1].error)
     except QueueFull as err:
         metrics.rejected.inc()
         return error_response(
