@@ -28,6 +28,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
+from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with Retry-After (default: 256)",
     )
     p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="a request body larger than this gets 413 before it is parsed (default: 1 MiB)",
+    )
+    p.add_argument(
         "--served-model-name", help="the model's name in the API (default: the source's path)"
     )
     p.add_argument(
@@ -124,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise RoseError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_body_bytes < 1:
+        raise RoseError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
         raise RoseError(f"--port must be in [0, 65535] (0 picks a free one), got {args.port}")
     if not 0 <= args.shutdown_timeout < math.inf:
@@ -151,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         api_key=args.api_key,
         chat_template=chat_template,
+        max_body_bytes=args.max_body_bytes,
     )
     app = build_app(engine, tokenizer, settings)
 
