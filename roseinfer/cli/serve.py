@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests (choices) admitted but without a first token, at most; more get 503 "
-        "with Retry-After (default: 256)",
+        "with Retry-After, and a request holding more choices than this a 400 (default: 256)",
     )
     p.add_argument(
         "--max-body-bytes",
