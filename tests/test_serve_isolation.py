@@ -92,6 +92,15 @@ def test_a_body_over_the_bound_is_413_and_the_server_goes_on(server: Server) -> 
     body = {"prompt": "Hi", "stop": ["x" * 4000] * 1000, "max_tokens": 2}  # ~4 MB
     error = is_openai_error(httpx.post(server.base_url + "/completions", json=body), 413)
     assert "1048576 bytes" in error["message"]
+    # chunked, with no Content-Length to refuse up front: counted as it arrives
+    raw = json.dumps(body).encode()
+    chunks = (raw[i : i + 65536] for i in range(0, len(raw), 65536))
+    chunked = httpx.post(
+        server.base_url + "/completions",
+        content=chunks,
+        headers={"content-type": "application/json"},
+    )
+    is_openai_error(chunked, 413)
     ok = httpx.post(server.base_url + "/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
 

@@ -17,6 +17,8 @@ Job = tuple[list[int], SamplingParams]  # one engine request: prompt ids and its
 
 
 class RequestChecks:
+    """The checks that need this server's model, tokenizer and limits."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,

@@ -25,7 +25,10 @@ class BadRequest(Exception):
 
 
 def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code=None
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
 ) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

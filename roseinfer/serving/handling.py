@@ -54,6 +54,7 @@ async def answer(
     prompt_tokens: int,
     builder: ResponseBuilder,
 ) -> Response:
+    """Run the request's jobs (one per prompt and choice) and answer: JSON, or a stream."""
     outputs = client.generate(builder.request_id, jobs)
     try:
         if not body.stream:
