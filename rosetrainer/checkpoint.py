@@ -18,7 +18,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -104,7 +104,31 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {**state, "format": CHECKPOINT_FORMAT}
-    write_atomically(path, lambda f: torch.save(state, f))
+    write_atomically(path, lambda f: _torch_save(state, f))
+
+
+def _torch_save(state: dict[str, Any], f: BinaryIO) -> None:
+    """torch.save, with the OSError of a failed write (a full disk, a file size limit)
+    raised as itself: torch's zip writer would report it as an opaque RuntimeError."""
+    failed: list[OSError] = []
+
+    class Recorded:
+        def write(self, data: bytes) -> int:
+            try:
+                return f.write(data)
+            except OSError as err:
+                failed.append(err)
+                raise
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(f, name)
+
+    try:
+        torch.save(state, Recorded())
+    except RuntimeError:
+        if failed:
+            raise failed[0] from None
+        raise
 
 
 def load_checkpoint(
@@ -160,9 +184,13 @@ def load_checkpoint(
 
 def _check_archive(path: Path) -> None:
     """The zip archive torch.save wrote is whole, and every member matches its CRC-32."""
-    with open(path, "rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            raise RoseError(f"{path} is not a PyTorch checkpoint file; pass a .pt file rose saved")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(ZIP_MAGIC))
+    except OSError as err:  # a file that cannot be read as one: /proc/self/mem, a device
+        raise RoseError(f"checkpoint {path} cannot be read: {err.strerror}") from None
+    if magic != ZIP_MAGIC:
+        raise RoseError(f"{path} is not a PyTorch checkpoint file; pass a .pt file rose saved")
     if not zipfile.is_zipfile(path):  # the archive's index is written last, so it is missing
         raise RoseError(
             f"checkpoint {path} is truncated (a save or copy was cut short); "

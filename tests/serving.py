@@ -150,3 +150,26 @@ def solo_text(
     if isinstance(result.stop_reason, str):  # the API leaves a matched stop string out
         text = text[: text.index(result.stop_reason)]
     return text, result.token_ids, result.finish_reason
+
+
+def leave_a_non_streamed_request(server: Server, headers: dict[str, str]) -> int:
+    """Send a long non-streamed request, leave (close the connection) while it runs, and
+    return how many tokens the server generated for it before it was aborted."""
+    before = wait_idle(server)
+    long = WINDOW - 24  # seconds of work: still running when the client leaves
+    body = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": long, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, headers=headers) as http:
+        try:
+            http.post("/completions", json=body, timeout=1.0)
+        except httpx.ReadTimeout:
+            pass  # the client gave up: httpx closes the connection
+        else:
+            raise AssertionError("the request finished before its client left")
+    after = wait_idle(server)
+    assert after["rose_kv_blocks_used"] == 0
+    aborted = 'rose_requests_finished_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1, "not aborted"
+    generated = after["rose_generation_tokens_total"] - before["rose_generation_tokens_total"]
+    assert generated < long
+    return int(generated)

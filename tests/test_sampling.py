@@ -12,6 +12,7 @@ from models import make_test_model
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams, sample_next_token, top_k_filter, top_p_filter
+from roseinfer.request.sampling_params import FLOAT32_TINY
 from rosetrainer.errors import RoseError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -105,8 +106,10 @@ def test_sampling_follows_the_distribution() -> None:
     frequencies = torch.bincount(draws, minlength=4) / len(draws)
     # Each frequency's standard error is at most sqrt(0.25 / 4000) = 0.008; allow 5 of them.
     assert torch.allclose(frequencies, probs, atol=0.04)
-    # logits of ~10 over a temperature of 1e-38 overflow float32: the shift keeps them finite.
-    cold = sample_next_token(logits[:10] + 10, SamplingParams(temperature=1e-38), generator)
+    # logits of ~10 over the smallest temperature allowed (float32's smallest normal number)
+    # overflow float32: the shift keeps them finite.
+    cold = SamplingParams(temperature=FLOAT32_TINY)
+    cold = sample_next_token(logits[:10] + 10, cold, generator)
     assert cold.tolist() == [0] * 10
 
 
@@ -122,7 +125,7 @@ def test_sampling_follows_the_distribution() -> None:
         ("seed", 2**64, "seed"),
         ("stop", ["ok", ""], "stop strings must be non-empty"),
         ("stop_token_ids", [-3], "stop_token_ids"),
-        ("logprobs", -1, "logprobs must be an integer >= 0"),
+        ("logprobs", -1, r"logprobs must be an integer in \[0, 20\]"),
         ("top_k", -1, "top_k must be an integer >= 0"),
         ("top_k", 2.5, "top_k"),
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),

@@ -20,6 +20,7 @@ from serving import (
     MODEL_NAME,
     WINDOW,
     Server,
+    leave_a_non_streamed_request,
     metrics,
     running_server,
     solo_text,
@@ -260,6 +261,10 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
     assert 1 <= generated < long
 
 
+def test_a_non_streamed_client_that_leaves_is_aborted_behind_the_api_key(server: Server) -> None:
+    leave_a_non_streamed_request(server, {"Authorization": f"Bearer {API_KEY}"})
+
+
 ERROR_CASES = [
     # (what is wrong, request body changes, status, param)
     ("prompt over the window", {"prompt": [1] * (WINDOW + 1)}, 400, "prompt"),
@@ -272,7 +277,14 @@ ERROR_CASES = [
     ("an unknown field", {"best_of_three": 1}, 400, "best_of_three"),
     ("token ids outside the vocabulary", {"prompt": [50257]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-4"}, 404, "model"),
-    ("more choices than the queue holds", {"prompt": ["a", "b"], "n": 16}, 503, None),
+    # issue 21: what could never be admitted is the client's to fix (a 503 would be retried
+    # forever), and values the sampler cannot compute or the stop check must not carry
+    ("more choices than the queue ever holds", {"prompt": ["a", "b"], "n": 16}, 400, "n"),
+    ("more prompts than the queue ever holds", {"prompt": ["a"] * 17}, 400, "prompt"),
+    ("a temperature that underflows float32", {"temperature": 1e-50}, 400, "temperature"),
+    ("a top_p that underflows float32", {"top_p": 1e-300}, 400, "top_p"),
+    ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("a stop string of 4,000 characters", {"stop": "x" * 4000}, 400, "stop"),
 ]
 
 

@@ -26,6 +26,7 @@ from roseinfer.loops.export_onnx import (
 )
 from roseinfer.loops.onnx_generate import META_FILE, MODEL_FILE, OnnxModel
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.files import ensure_writable_dir
 
 PROG = "rose-export-onnx"
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RoseError(f"--out {out} is a file: give a directory")
+    ensure_writable_dir(out, "--out")  # before the slow part: /proc/x, a file's "child"
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name
     )

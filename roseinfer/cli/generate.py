@@ -46,7 +46,13 @@ from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokeniz
 from roseinfer.loops import onnx_generate
 from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate_batch
 from roseinfer.loops.onnx_generate import OnnxModel
-from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, torchrun_rank
+from roseinfer.pipeline.launch import (
+    PipelineSetup,
+    Terminated,
+    run_pipeline,
+    stage_main,
+    torchrun_rank,
+)
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
@@ -707,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         return run(build_parser().parse_args(argv))
+    except Terminated as signal:  # a split model's launcher stopped its stages first
+        status("interrupted", f"stopped by {signal}")
+        return 128 + signal.signum
     except KeyboardInterrupt:
         status("interrupted", "stopped by Ctrl-C")
         return EXIT_INTERRUPTED

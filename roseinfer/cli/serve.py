@@ -13,9 +13,12 @@ seconds, then aborts them) and exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
@@ -24,11 +27,15 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
+from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES
 from roseinfer.serving.live import end_streams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
 PROG = "rose-serve"
+# After --shutdown-timeout the requests left are aborted; this long more for their last
+# answers to leave before uvicorn cancels what still runs.
+ABORT_GRACE_S = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests (choices) admitted but without a first token, at most; more get 503 "
-        "with Retry-After (default: 256)",
+        "with Retry-After, and a request holding more choices than this a 400 (default: 256)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="a request body larger than this gets 413 before it is parsed (default: 1 MiB)",
     )
     p.add_argument(
         "--served-model-name", help="the model's name in the API (default: the source's path)"
@@ -90,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise RoseError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_body_bytes < 1:
+        raise RoseError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not 0 <= args.port <= 65535:
+        raise RoseError(f"--port must be in [0, 65535] (0 picks a free one), got {args.port}")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise RoseError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     chat_template = ChatTemplate.from_file(args.chat_template)
@@ -104,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         chat_template=chat_template,
         live_page=not args.no_live_page,
+        max_body_bytes=args.max_body_bytes,
     )
     app = build_app(engine, tokenizer, settings)
 
@@ -120,26 +140,47 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Config(
             app,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            # uvicorn cancels what is still running after this: a last resort, since the
+            # requests are aborted through the engine first (ReadyServer.shutdown).
+            timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
         ),
         ready_line=f"[{PROG}] serving {settings.model_name} at {url}/v1 (device {device}, "
         f"{args.dtype})",
+        drain_timeout=args.shutdown_timeout,
+        abort_all=app.state.engine_thread.abort_all,
     )
     server.run(sockets=[sock])
     return 0
 
 
 class ReadyServer(uvicorn.Server):
-    """uvicorn's server, printing one line once it accepts connections."""
+    """uvicorn's server, printing one line once it accepts connections, and ending
+    requests through the engine when a shutdown's drain time is up."""
 
-    def __init__(self, config: uvicorn.Config, ready_line: str) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        ready_line: str,
+        drain_timeout: float,
+        abort_all: Callable[[], None],
+    ) -> None:
         super().__init__(config)
-        self.ready_line = ready_line
+        self.ready_line, self.drain_timeout, self.abort_all = ready_line, drain_timeout, abort_all
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
             print(self.ready_line, flush=True)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Requests still running when the drain time is up are aborted in the engine: each
+        # client then gets a complete answer (finish_reason "abort", a stream's [DONE]),
+        # where uvicorn's own timeout would cancel the handlers mid-response.
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
     def handle_exit(self, sig: int, frame: object) -> None:
         # uvicorn raises the signal again once it has shut down gracefully, so the process

@@ -110,6 +110,10 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, (list, tuple)):
+            raise RoseError(
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+            )
         else:
             ids = list(prompt)
             vocab = self.model.config.vocab_size

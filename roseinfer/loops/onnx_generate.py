@@ -174,9 +174,11 @@ def sample_next_token(
     """(vocab,) logits -> one token id."""
     if params.greedy:
         return int(np.argmax(logits))
-    # Shift the maximum to 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
+    # Shift the maximum to 0 first: a tiny temperature then gives -inf, never inf - inf = nan
+    # (that overflow to -inf is the point, not a problem to warn about).
     logits = logits.astype(np.float32)
-    logits = (logits - logits.max()) / np.float32(params.temperature)
+    with np.errstate(over="ignore"):
+        logits = (logits - logits.max()) / np.float32(params.temperature)
     logits = top_p_filter(top_k_filter(logits, params.top_k), params.top_p)
     probs = softmax(logits.astype(np.float64))
     return int(rng.choice(probs.size, p=probs))

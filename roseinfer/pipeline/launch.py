@@ -7,17 +7,26 @@ already: `torchrun_rank` says which stage this process is, and `stage_main` runs
 
 Whatever happens, the launcher leaves no stage behind: a request that fails its
 checks makes stage 0 tell every stage to stop, then report the error; a stage that
-crashes makes torch stop the others; Ctrl-C (KeyboardInterrupt in the launcher)
-terminates every stage that is still running, then goes on as an interrupt.
+crashes makes torch stop the others; Ctrl-C, SIGTERM or SIGHUP (an exception in the
+launcher, `Terminated` for the last two, also when a shell started it in the
+background with SIGINT ignored) terminates every stage that is still running, then
+goes on as an interrupt. A stage ignores Ctrl-C itself (the launcher stops it, with no
+traceback of its own) and asks the kernel to kill it if the launcher dies any other
+way (SIGKILL included).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -136,9 +145,55 @@ def stage_main(
         dist.destroy_process_group()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached the launcher: it ends as Ctrl-C would."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def signals_stop_the_run() -> Iterator[None]:
+    """While the stages run, SIGTERM and SIGHUP raise `Terminated` in the launcher, so
+    its cleanup stops every stage (Python's default would end the launcher at once and
+    leave the stages running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its own stay as they are
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _follow_the_launcher(launcher_pid: int) -> None:
+    """In a stage: leave Ctrl-C to the launcher, and die with it whatever kills it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # it died before the line above took effect
+        os._exit(1)
+
+
 def _spawned_stage(
-    rank: int, setup: PipelineSetup, program: StageProgram, init_method: str, report_dir: str
+    rank: int,
+    setup: PipelineSetup,
+    program: StageProgram,
+    init_method: str,
+    report_dir: str,
+    launcher_pid: int,
 ) -> None:
+    _follow_the_launcher(launcher_pid)
     report = stage_main(rank, setup, program, init_method)
     path = Path(report_dir) / f"stage{rank}.pkl"
     path.write_bytes(pickle.dumps(report))
@@ -169,10 +224,10 @@ def run_pipeline(setup: PipelineSetup, program: StageProgram | list[PipelineJob]
     if isinstance(program, list):
         program = RunJobs(program)
     init_method = f"tcp://127.0.0.1:{free_port()}"  # stage 0 hosts the rendezvous there
-    with tempfile.TemporaryDirectory(prefix="rose-pipeline-") as report_dir:
+    with tempfile.TemporaryDirectory(prefix="rose-pipeline-") as report_dir, signals_stop_the_run():
         context = mp.start_processes(
             _spawned_stage,
-            args=(setup, program, init_method, report_dir),
+            args=(setup, program, init_method, report_dir, os.getpid()),
             nprocs=setup.n_stages,
             join=False,
             start_method="spawn",

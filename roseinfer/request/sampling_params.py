@@ -13,6 +13,22 @@ from rosetrainer.errors import RoseError
 
 # torch.Generator.manual_seed takes any integer that fits in 64 bits.
 MAX_SEED = 2**64 - 1
+# The sampler divides float32 logits by the temperature and compares float32 probability
+# mass with top_p: a value below float32's smallest normal number rounds to 0 (or a
+# denormal flushed to 0), and 0 / 0 gives NaN probabilities. So positive values start here.
+FLOAT32_TINY = 1.1754943508222875e-38
+MAX_LOGPROBS = 20  # top alternatives per token, at most (OpenAI's limit)
+# Stop strings are checked against the text at every step: bound how many and how long.
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_LENGTH = 256  # characters per stop string
+
+
+class InvalidParam(RoseError):
+    """A SamplingParams field the sampler cannot use; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -33,31 +49,66 @@ class SamplingParams:
     logprobs: int | None = None  # also report the log-probabilities of this many top tokens
 
     def __post_init__(self) -> None:
-        # Accept a single stop string and lists, as the OpenAI API does; store tuples.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Accept a single stop string, lists and None, as the OpenAI API does; store tuples.
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RoseError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not (0 <= self.temperature < math.inf):
-            raise RoseError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            raise InvalidParam(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not _is_number(self.temperature) or not (0 <= self.temperature < math.inf):
+            raise InvalidParam(
+                "temperature",
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}",
+            )
+        if 0 < self.temperature < FLOAT32_TINY:
+            raise InvalidParam(
+                "temperature",
+                f"temperature {self.temperature!r} is too small to sample with in float32 "
+                f"(smallest: {FLOAT32_TINY:.2g}); use 0 for greedy",
             )
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise RoseError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise RoseError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise RoseError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RoseError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise RoseError(
-                f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}"
+            raise InvalidParam(
+                "top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
             )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise RoseError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < FLOAT32_TINY:
+            raise InvalidParam(
+                "top_p",
+                f"top_p {self.top_p!r} is too small to compare in float32 "
+                f"(smallest: {FLOAT32_TINY:.2g}); use top_k=1 for the single likeliest token",
+            )
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidParam(
+                "seed", f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidParam(
+                "stop", f"stop strings must be non-empty strings, got {list(self.stop)!r:.200}"
+            )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        if max(map(len, self.stop), default=0) > MAX_STOP_LENGTH:
+            raise InvalidParam(
+                "stop",
+                f"a stop string has {max(map(len, self.stop))} characters; "
+                f"at most {MAX_STOP_LENGTH}",
+            )
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidParam(
+                "stop_token_ids",
+                f"stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)!r}",
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidParam(
+                "logprobs",
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +117,21 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_tuple(value: object, name: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidParam(name, f"{name} must be a list, got {type(value).__name__}") from None
 
 
 def params_per_prompt(

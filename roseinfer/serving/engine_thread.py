@@ -43,7 +43,11 @@ class Abort:
     request_id: str
 
 
-class Stop:
+class AbortAll:
+    """Abort every request in flight (each is reported finished, "abort")."""
+
+
+class Stop(AbortAll):
     """Abort whatever is left and end the thread."""
 
 
@@ -54,7 +58,7 @@ class EngineThread:
         self.engine = engine
         self.on_finished = on_finished  # e.g. record latencies in the metrics
         self.on_step: Callable[[], None] | None = None  # e.g. the live page's snapshots
-        self.commands: queue.Queue[Add | Abort | Stop] = queue.Queue()
+        self.commands: queue.Queue[Add | Abort | AbortAll] = queue.Queue()
         self.sinks: dict[str, Sink] = {}  # touched by the engine thread only
         self.stats = engine.stats()  # a fresh snapshot after every step, for /metrics
         self.thread = threading.Thread(target=self._run, name="rose-engine", daemon=True)
@@ -69,6 +73,9 @@ class EngineThread:
 
     def abort(self, request_id: str) -> None:
         self.commands.put(Abort(request_id))
+
+    def abort_all(self) -> None:
+        self.commands.put(AbortAll())
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.thread.is_alive():
@@ -104,7 +111,7 @@ class EngineThread:
             for output in outputs:
                 self._deliver(output)
 
-    def _take_commands(self, block: bool) -> list[Add | Abort | Stop]:
+    def _take_commands(self, block: bool) -> list[Add | Abort | AbortAll]:
         commands = [self.commands.get()] if block else []
         while True:
             try:
@@ -112,7 +119,7 @@ class EngineThread:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: Add | Abort | Stop) -> bool:
+    def _apply(self, command: Add | Abort | AbortAll) -> bool:
         """Run one command on the engine; True when it asks the thread to stop."""
         if isinstance(command, Add):
             try:
@@ -126,12 +133,11 @@ class EngineThread:
         else:
             for request_id in list(self.sinks):
                 self.engine.abort(request_id)
-            return True
         self.stats = self.engine.stats()
-        return False
+        return isinstance(command, Stop)
 
     def _deliver(self, output: RequestOutput) -> None:
-        sink = self.sinks.pop(output.request_id) if output.finished else None
+        sink = self.sinks.pop(output.request_id, None) if output.finished else None
         sink = sink or self.sinks.get(output.request_id)
         if output.finished and self.on_finished is not None:
             self.on_finished(output)

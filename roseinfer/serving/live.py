@@ -34,7 +34,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.scheduler import ScheduledBatch
-from roseinfer.request.sequence import Sequence
+from roseinfer.engine.sequence import EngineSequence
 
 PAGE_DIR = Path(__file__).parent / "page"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -58,7 +58,7 @@ def step_record(step: int, batch: ScheduledBatch) -> tuple[int, int, int, int]:
     return step, batch.num_tokens - decode, decode, len(batch.preempted)
 
 
-def request_view(seq: Sequence, running: bool) -> dict:
+def request_view(seq: EngineSequence, running: bool) -> dict:
     if running:
         # Decoding: every token but the newest sampled one is in the cache.
         state = "prefilling" if seq.num_tokens - seq.num_computed_tokens > 1 else "decoding"

@@ -1,4 +1,4 @@
-"""What a request may hold, as pydantic models, and errors in OpenAI's JSON shape.
+"""What a request may hold, as pydantic models.
 
 The models are strict: an unknown field or a value of the wrong type (a string where a
 number belongs, a bool where an integer belongs) is a 400, never silently coerced or
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from roseinfer.request.sampling_params import MAX_SEED
+from roseinfer.request.sampling_params import MAX_LOGPROBS, MAX_SEED
 
 
 class Strict(BaseModel):
@@ -43,7 +42,9 @@ class SamplingFields(Strict):
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, one list of token ids, or a batch of them.
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # top-k alternatives per token
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = (
+        None  # top-k alternatives per token
+    )
     echo: bool = False  # put the prompt's text in front of the completion
 
 
@@ -57,7 +58,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # the newer name
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class TokenizeRequest(Strict):
@@ -68,17 +69,3 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,102 @@
+"""A request's fields, checked against this server, as the engine's jobs.
+
+pydantic (protocol.py) checks each field's type and range; what depends on the served
+model and the sampler (the model's name, token ids, the context window, what
+`SamplingParams` accepts, what --max-waiting can ever admit) is checked here, each
+failure a BadRequest naming the field.
+"""
+
+from __future__ import annotations
+
+from roseinfer.request.sampling_params import MAX_SEED, InvalidParam, SamplingParams
+from roseinfer.serving.errors import BadRequest
+from roseinfer.serving.protocol import SamplingFields
+from rosetrainer.tokenizer import Tokenizer
+
+Job = tuple[list[int], SamplingParams]  # one engine request: prompt ids and its params
+
+
+class RequestChecks:
+    """The checks that need this server's model, tokenizer and limits."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        block_size: int,
+        vocab_size: int,
+        max_waiting: int,
+    ) -> None:
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.block_size, self.vocab_size, self.max_waiting = block_size, vocab_size, max_waiting
+
+    def model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise BadRequest(
+                f"model {name!r} does not exist here; this server serves {self.model_name!r}",
+                param="model",
+                status=404,
+            )
+
+    def token_ids(self, ids: list[int], param: str) -> None:
+        if any(t >= self.vocab_size for t in ids):
+            raise BadRequest(
+                f"token ids must be below the vocabulary size {self.vocab_size}", param
+            )
+
+    def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """The prompt (a string, strings, token ids or lists of them) as lists of ids."""
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if not prompt:
+            raise BadRequest("prompt is an empty list: give a string or token ids", "prompt")
+        if isinstance(prompt[0], str):
+            return [self.tokenizer.encode(text) for text in prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(ids) for ids in prompt]
+
+    def prompt(self, ids: list[int]) -> list[int]:
+        """The ids the engine runs: an empty prompt starts from end-of-text (one token, so
+        usage counts it), as the engine and training do."""
+        self.token_ids(ids, "prompt")
+        if len(ids) > self.block_size:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens but the model's context window is "
+                f"{self.block_size}: shorten the prompt",
+                param="prompt",
+            )
+        return ids or [self.tokenizer.eot_id]
+
+    def jobs(
+        self, body: SamplingFields, prompts: list[list[int]], logprobs: int | None
+    ) -> list[Job]:
+        """One job per prompt and choice. Choice j of n > 1 with a seed samples with seed + j
+        (wrapping past 2**64 - 1), so the choices differ yet repeat under one seed."""
+        count = len(prompts) * body.n
+        if count > self.max_waiting:
+            what = f"{len(prompts)} prompt(s) x n={body.n}"
+            raise BadRequest(
+                f"{what} = {count} choices, but this server admits at most {self.max_waiting} "
+                f"at once (--max-waiting): send fewer",
+                param="n" if body.n > 1 else "prompt",
+            )
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        per_choice = []
+        for choice in range(body.n):
+            seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
+            try:
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=body.temperature,
+                    top_k=max(body.top_k, 0),
+                    top_p=body.top_p,
+                    seed=seed,
+                    stop=body.stop,
+                    ignore_eos=body.ignore_eos,
+                    logprobs=logprobs,
+                )
+            except InvalidParam as err:
+                raise BadRequest(str(err), err.param) from None
+            per_choice.append(params)
+        return [(ids, params) for ids in prompts for params in per_choice]
