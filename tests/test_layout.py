@@ -205,3 +205,17 @@ def test_no_module_outside_the_cache_folder_branches_on_a_cache_class() -> None:
                 if named & cache_classes:
                     branches.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert branches == []
+
+
+def test_the_engine_and_the_split_model_take_nothing_from_the_teaching_loops() -> None:
+    """What every batched loop needs sits in roseinfer/request/ (rows, sampling)."""
+    below_the_loops = ("roseinfer.request", "roseinfer.cache", "roseinfer.engine")
+    below_the_loops += ("roseinfer.pipeline", "roseinfer.serving")
+    reaching_up = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if module.startswith(below_the_loops)
+        for target in targets
+        if target.startswith("roseinfer.loops")
+    }
+    assert reaching_up == set()

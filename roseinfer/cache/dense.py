@@ -37,7 +37,7 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import KVCache, LayerPast
 
-CACHE_KINDS = ("static", "concat")
+CACHE_KINDS = ("static", "concat")  # what `new_cache` builds (the split model's --cache)
 
 
 class DenseKVCache(KVCache, Protocol):

@@ -83,7 +83,7 @@ def cached_steps(
     device = model.lm_head.weight.device
     tokens = [list(seq.prompt_ids) for seq in seqs]
     starts = [0] * len(tokens)
-    logits = prefill(model, cache, tokens, prefill_chunk)
+    logits = prefill(model, cache, rows.windows(tokens, starts), prefill_chunk)
     while True:
         new_tokens = sample_rows(logits, seqs)
         yield new_tokens, logits
@@ -93,8 +93,7 @@ def cached_steps(
         if slid is not None:  # a window is full: start the cache afresh from the kept tokens
             starts = slid
             cache.reset()
-            windows = [row[s:] for row, s in zip(tokens, starts, strict=True)]
-            logits = prefill(model, cache, windows, prefill_chunk)
+            logits = prefill(model, cache, rows.windows(tokens, starts), prefill_chunk)
         else:
             step_ids = torch.tensor(new_tokens, device=device)[:, None]
             logits = decode_step(model, step_ids, cache)

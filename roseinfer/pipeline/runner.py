@@ -45,6 +45,7 @@ from roseinfer.request.rows import (
     left_pad,
     make_sequences,
     slid_starts,
+    windows,
 )
 from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.sequence import GenerationResult, Sequence
@@ -278,16 +279,14 @@ class Driver:
             self.link.send_header(Header(STOP))
 
     def _prefill(self, job: int, index: int, group: Group) -> None:
-        windows = [row[s:] for row, s in zip(group.tokens, group.starts, strict=True)]
-        padded, pad_lengths = left_pad(windows)
+        padded, pad_lengths = left_pad(windows(group.tokens, group.starts))
         ids = torch.tensor(padded, device=self.stage.device)
         pads = torch.tensor(pad_lengths, device=self.stage.device)
-        longest = ids.size(1)
-        group.cache = new_cache(self.stage, self.cache_kind, len(windows), group.max_len)
+        group.cache = new_cache(self.stage, self.cache_kind, len(padded), group.max_len)
         group.cache.reset(pads if int(pads.max()) > 0 else None)
         hidden = self.run_stage(ids, group.cache, job, index, "prefill")
         rows = group.rows
-        header = Header(PREFILL, job, index, rows.start, len(rows), longest, 0, group.max_len)
+        header = Header(PREFILL, job, index, rows.start, len(rows), ids.size(1), 0, group.max_len)
         self.link.send_header(header)
         self.link.send(pads, self.link.rank + 1)
         self.link.send(hidden, self.link.rank + 1)

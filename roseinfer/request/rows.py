@@ -7,11 +7,12 @@ the onnxruntime loop takes it too; `sample_rows` is in roseinfer/request/samplin
 
 * `make_sequences`: one checked `Sequence` per prompt;
 * `left_pad`: rows of different lengths as one rectangle, padding on the left;
-* the window policy past the context (`window_start`, `checked_keep`, `slid_starts`):
-  GPT-2's positions are learned only up to `block_size`, so a cache cannot slide by one
-  token (every cached key was computed at a position that would have to shift). When a
-  row outgrows the window, its view is cut back to its last `keep` tokens, and a cached
-  loop re-prefills those; the uncached oracle reads exactly the same window.
+* the window policy past the context (`window_start`, `checked_keep`, `slid_starts`,
+  `windows`): GPT-2's positions are learned only up to `block_size`, so a cache cannot
+  slide by one token (every cached key was computed at a position that would have to
+  shift). When a row outgrows the window, its view is cut back to its last `keep`
+  tokens, and a cached loop re-prefills those; the uncached oracle reads exactly the
+  same window.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def slid_starts(
     """
     new = [window_start(s, len(row), block_size, keep) for s, row in zip(starts, rows, strict=True)]
     return None if new == starts else new
+
+
+def windows(rows: list[list[int]], starts: list[int]) -> list[list[int]]:
+    """Each row's tokens from its window start on (new lists: the rows keep growing)."""
+    return [row[start:] for row, start in zip(rows, starts, strict=True)]
 
 
 def checked_keep(model: nn.Module, keep: int | None = None) -> int:
