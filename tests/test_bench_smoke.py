@@ -23,6 +23,7 @@ def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFi
     assert "tiny: checkpointing saves" in out
 
 
+@pytest.mark.slow
 def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
     paths = ["uncached", "concat", "static"]
     command = [

@@ -148,6 +148,7 @@ def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
     assert f"[roseinfer] model: {hf_gpt2_dir} (" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_checkpoint_anywhere_says_how_to_train_one(tmp_path: Path) -> None:
     console_script = Path(sys.executable).with_name("rose-generate")
     done = subprocess.run(

@@ -31,7 +31,7 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.model import GPT
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 # onnxruntime adds the same products in another order than PyTorch (fp32).
 ONNX_ATOL = 1e-4
