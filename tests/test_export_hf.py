@@ -10,6 +10,7 @@ comparison through near-ties checks little.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -100,6 +101,21 @@ def test_the_folder_is_gpt2s(exported: Path) -> None:
     assert "lm_head.weight" not in weights  # tied: transformers ties it on load
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["eos_token_id"] == Tokenizer().eot_id
+
+
+def test_the_tokenizer_files_hold_openais_vocabulary_and_merges(
+    exported: Path, tiktoken_cache: str
+) -> None:
+    """Built from tiktoken's ranks, they equal GPT-2's published encoder.json and vocab.bpe,
+    which tiktoken keeps in its cache under the sha1 of their URLs."""
+
+    def original(name: str) -> str:
+        url = f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+        return (Path(tiktoken_cache) / hashlib.sha1(url.encode()).hexdigest()).read_text("utf-8")
+
+    vocab = json.loads((exported / "vocab.json").read_text("utf-8"))
+    assert vocab == json.loads(original("encoder.json"))
+    assert (exported / "merges.txt").read_text("utf-8") == original("vocab.bpe")
 
 
 def test_transformers_generates_roses_greedy_tokens(exported: Path, rose_model: GPT) -> None:
