@@ -12,6 +12,7 @@ import pytest
 from rosetrainer.bench import bench
 
 
+@pytest.mark.slow
 def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFixture) -> None:
     assert bench(["--quick"]) == 0
     out = capsys.readouterr().out

@@ -91,6 +91,7 @@ def json_lines(stdout: str) -> list[dict]:
 # -- real processes --
 
 
+@pytest.mark.slow
 def test_streamed_text_equals_the_json_text(run_dir: Path) -> None:
     prompt = "Hello, 世界"
     args = [
@@ -131,6 +132,7 @@ def test_streamed_text_equals_the_json_text(run_dir: Path) -> None:
     assert re.search(r"^\[roseinfer\] tokens/s: \d+\.\d$", streamed.stderr, re.M)
 
 
+@pytest.mark.slow
 def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
     prompt = "The quick brown fox"
     done = cli(
