@@ -19,6 +19,7 @@ import torch
 from models import assert_clear_margins, assert_varied
 from safetensors.torch import load_file
 
+from rosecourse.demo import wide_random_init
 from roseinfer.cli.export_hf import main
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.generate import generate
@@ -203,6 +204,16 @@ def test_a_model_gpt2_cannot_express_is_refused_whole(tmp_path: Path, capsys) ->
     out = tmp_path / "hf"
     check_refused(["--checkpoint-path", str(run), "--out", str(out)], capsys, "bias=False")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written
+
+
+def test_an_untied_output_matrix_is_refused_whole(tmp_path: Path, capsys) -> None:
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    model = wide_random_init(GPT(config), 0)  # an output matrix of its own
+    state = {"model": model.state_dict(), "model_config": config.to_dict()}
+    save_checkpoint(tmp_path / "run" / "last.pt", state)
+    args = ["--checkpoint-path", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]
+    check_refused(args, capsys, "output matrix lm_head differs from its token embedding")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def test_any_non_default_config_field_is_refused() -> None:
