@@ -27,6 +27,7 @@ from roseinfer.request.sampling import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
+from rosetrainer.files import new_directory
 from rosetrainer.hf import check_gpt2_config, load_hf_gpt2
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -190,6 +191,17 @@ def test_a_non_empty_folder_needs_overwrite(run_dir: Path, tmp_path: Path, capsy
     assert main(["--checkpoint-path", str(run_dir), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == FILES
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left
+
+
+def test_a_failed_overwrite_leaves_the_old_folder_as_it_was(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    with pytest.raises(RuntimeError, match="crash"), new_directory(out, overwrite=True) as new:
+        (new / "config.json").write_text("half of the new one")
+        raise RuntimeError("crash mid-export")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the temporary folder is gone
+    assert (out / "config.json").read_text() == "old"
 
 
 def test_an_unwritable_path_is_refused(run_dir: Path, tmp_path: Path, capsys) -> None:
