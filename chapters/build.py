@@ -26,10 +26,13 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jupytext
-import nbformat
-from nbclient import NotebookClient
+# jupytext, nbformat and nbclient are imported where they are used: the tests list the
+# chapters through this module, and importing those (nbformat's JSON-schema checks build
+# a grammar at import) would cost every test run seconds.
+if TYPE_CHECKING:
+    import nbformat
 
 CHAPTERS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = CHAPTERS_DIR.parent
@@ -106,6 +109,8 @@ def pairing_problems(chapter_names: Iterable[str], notebook_names: Iterable[str]
 
 
 def read_chapter(path: Path) -> nbformat.NotebookNode:
+    import jupytext
+
     return jupytext.read(path, fmt="md")
 
 
@@ -113,6 +118,8 @@ def execute(
     notebook: nbformat.NotebookNode, cell_timeout_s: int = CELL_TIMEOUT_S
 ) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel started in notebooks/; raise at the first failing cell."""
+    from nbclient import NotebookClient
+
     client = NotebookClient(
         notebook,
         kernel_name=KERNEL,
@@ -143,6 +150,8 @@ def output_problems(notebook_path: Path) -> list[str]:
 
 def build(chapter: Path) -> Path:
     """Chapter -> executed, tidied notebook in notebooks/; returns the notebook's path."""
+    import nbformat
+
     notebook = execute(read_chapter(chapter), BUILD_CELL_TIMEOUT_S)
     path = NOTEBOOKS_DIR / notebook_name(chapter.name)
     nbformat.write(notebook, path)

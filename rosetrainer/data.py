@@ -24,15 +24,19 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from datasets import Dataset, load_dataset
 
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.files import ensure_writable_dir, os_error_line, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
+
+# `datasets` (and pandas, pyarrow behind it) is imported only when text is tokenised, not
+# for a run whose tokens are already cached: seconds off every start.
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -96,6 +100,8 @@ def prepare_data(
     if from_hub:
         rows, add_eot = documents, True
     else:
+        from datasets import Dataset
+
         rows, add_eot = Dataset.from_dict({"text": split_at_safe_points(text, CHUNK_CHARS)}), False
     print(f"[rosetrainer.data] tokenising {source} with {tokenizer_name} into {out_dir}")
     tokenized = rows.map(
@@ -287,6 +293,8 @@ def _sha256(payload: bytes) -> str:
 
 
 def _load_hf_dataset(name: str) -> Dataset:
+    from datasets import load_dataset
+
     try:
         documents = load_dataset(name, split="train")
     except Exception as err:  # no network, no such dataset, no "train" split: one message

@@ -4,7 +4,8 @@ Every file rose writes for keeps (checkpoints, the token cache's meta.json, metr
 rewritten on resume, a downloaded text) goes through `write_atomically`: the bytes go
 to a temporary file beside the target, reach the disk (fsync), and only then does
 `os.replace` give them the target's name. A crash, a kill -9 or a full disk at any
-moment leaves either the old file or the new one, never half of one.
+moment leaves either the old file or the new one, never half of one. A folder written
+as a whole (an exported model) goes through `new_directory`, the same idea for folders.
 
 A temporary file carries the writing process's id in its name
 (`.<target>.<pid>.<random>.tmp`), so the next save can tell a leftover of a killed
@@ -13,10 +14,12 @@ save (its process is gone) from one being written right now, and remove it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -55,11 +58,11 @@ def ensure_writable_dir(path: str | Path, what: str) -> Path:
     return path
 
 
-def _default_mode() -> int:
-    """The permissions a plain open() would give a new file: 0o666 less the umask."""
+def _default_mode(requested: int = 0o666) -> int:
+    """The permissions a plain open() (0o666) or mkdir (0o777) would give: less the umask."""
     umask = os.umask(0)  # the only way to read the umask is to set it, then put it back
     os.umask(umask)
-    return 0o666 & ~umask
+    return requested & ~umask
 
 
 def _remove_stale_temp_files(path: Path) -> None:
@@ -67,7 +70,10 @@ def _remove_stale_temp_files(path: Path) -> None:
     for temp in path.parent.glob(f".{path.name}.*.tmp"):
         pid = temp.name[len(path.name) + 2 :].split(".", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
-            temp.unlink(missing_ok=True)
+            if temp.is_dir():  # a folder being written by `new_directory`
+                shutil.rmtree(temp, ignore_errors=True)
+            else:
+                temp.unlink(missing_ok=True)
 
 
 def _process_alive(pid: int) -> bool:
@@ -122,3 +128,58 @@ def _sync_directory(directory: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def new_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A folder to fill that appears at `path` only once complete: write_atomically for folders.
+
+    Yields an empty temporary folder beside `path`; when the block ends without an error
+    it is renamed to `path`, otherwise removed. An existing non-empty `path` is refused
+    unless `overwrite`, and then replaced only after the new folder is complete. A
+    mistake about `path` (a file, not writable) is reported before the block runs, so
+    no work is done for a folder that cannot be written.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RoseError(f"{path} is a file, not a directory; pass a directory path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise RoseError(f"{path} already exists and is not empty; pass --overwrite to replace it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_files(path)
+        temp = Path(
+            tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+        )
+    except OSError as err:
+        raise RoseError(os_error_line(err, path, "write")) from None
+    try:
+        temp.chmod(_default_mode(0o777))  # mkdtemp makes 0700; follow the umask
+        yield temp
+        for file in temp.iterdir():  # every file's bytes on disk before the folder is renamed
+            file.chmod(_default_mode())  # whatever wrote it (safetensors makes 0600 files)
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        _replace_directory(temp, path)
+        _sync_directory(path.parent)
+    except OSError as err:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise RoseError(os_error_line(err, path, "write")) from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def _replace_directory(new: Path, path: Path) -> None:
+    """Rename `new` to `path`; a non-empty `path` is first moved aside, then removed."""
+    if not path.is_dir() or not any(path.iterdir()):
+        os.replace(new, path)  # rename(2) replaces an empty directory in one step
+        return
+    old = path.parent / f".{path.name}.{os.getpid()}.old.tmp"
+    os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except OSError:
+        os.replace(old, path)  # put the old folder back: the caller's error says why
+        raise
+    shutil.rmtree(old, ignore_errors=True)

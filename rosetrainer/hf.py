@@ -1,4 +1,4 @@
-"""Import GPT-2 weights saved by Hugging Face: a local folder, or a Hub id when online.
+"""GPT-2 in Hugging Face's format: import a folder (or a Hub id when online), export one.
 
 rose's model uses GPT-2's parameter names on purpose, so a Hugging Face state_dict
 maps onto it almost name for name. The differences handled here:
@@ -9,22 +9,28 @@ maps onto it almost name for name. The differences handled here:
   they are not weights, and rose builds its mask itself, so they are skipped;
 * `lm_head.weight` is the token embedding again (tied) or absent from the file.
 
-Loading needs only json, safetensors and torch. `to_hf_gpt2` goes the other way, for
-side-by-side comparisons, and is the one place that imports `transformers` (a dev extra).
+Loading needs only json, safetensors and torch, and so does `save_hf_gpt2`, which goes
+the other way: a rose model as a folder `transformers`, vLLM or llama.cpp's converter
+read (weights, GPT-2's config.json, and GPT-2's tokenizer files, rosetrainer.hf_tokenizer).
+`to_hf_gpt2` builds the same model in memory, for side-by-side comparisons, and is the
+one place that imports `transformers` (a dev extra).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tiktoken
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rosetrainer.checkpoint import check_declared_shape, check_finite, check_weights_fit
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
+from rosetrainer.hf_tokenizer import hf_tokenizer_files
 from rosetrainer.model import GPT
 
 if TYPE_CHECKING:
@@ -57,6 +63,9 @@ CONV1D_WEIGHTS = (
     "mlp.c_proj.weight",
 )
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+# GPTConfig fields a GPT-2 config.json can state (CONFIG_KEYS, and dropout as the three
+# *_pdrop keys); any other field must keep its default, which is what GPT-2 computes.
+EXPORTED_FIELDS = {*CONFIG_KEYS.values(), "dropout"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 
 
@@ -141,8 +150,7 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
     from transformers import GPT2Config, GPT2LMHeadModel  # only comparisons need transformers
 
     cfg = model.config
-    if not cfg.bias:
-        raise RoseError("Hugging Face's GPT-2 always has biases; this model has bias=False")
+    check_gpt2_config(cfg)
     hf_config = GPT2Config(
         vocab_size=cfg.vocab_size,
         n_positions=cfg.block_size,
@@ -153,16 +161,104 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
         # A rose model may carry an output matrix of its own (the chapters' random one does).
-        tie_word_embeddings=model.lm_head.weight is model.transformer.wte.weight,
+        tie_word_embeddings=is_tied(model),
     )
-    hf_state = {
-        name: tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
-        for name, tensor in model.state_dict().items()
-    }
     hf_model = GPT2LMHeadModel(hf_config)
-    hf_model.load_state_dict(hf_state)
+    hf_model.load_state_dict(hf_names(model.state_dict()))
     weight = model.lm_head.weight
     return hf_model.to(device=weight.device, dtype=weight.dtype)
+
+
+def save_hf_gpt2(model: GPT, encoding: tiktoken.Encoding, directory: str | Path) -> list[str]:
+    """Write `model` and its tokenizer into `directory` as a Hugging Face GPT-2; return the
+    file names. The caller makes the folder appear whole (rosetrainer.files.new_directory).
+
+    The model's vocabulary must be its tokenizer's (roseinfer.loading.fit_vocabulary
+    drops padding rows): config.json's vocab_size, the embedding's rows and the
+    tokenizer's ids then agree, as transformers and vLLM expect.
+    """
+    config = model.config
+    check_gpt2_config(config)
+    if not is_tied(model):
+        # GPT-2 ties them in every runtime (vLLM's GPT-2 has no output matrix of its own).
+        raise RoseError(
+            "this model's output matrix lm_head differs from its token embedding; GPT-2 "
+            "ties the two, so the model cannot be exported as GPT-2"
+        )
+    if encoding.n_vocab != config.vocab_size:
+        raise RoseError(
+            f"the model's vocabulary has {config.vocab_size} rows but its tokenizer "
+            f"{encoding.name!r} has {encoding.n_vocab} tokens; they must be equal to export"
+        )
+    directory = Path(directory)
+    files = hf_tokenizer_files(encoding, model_max_length=config.block_size)
+    eot_id = encoding.eot_token
+    files["config.json"] = _json(hf_gpt2_config(config, eot_id, model.lm_head.weight.dtype))
+    files["generation_config.json"] = _json({"bos_token_id": eot_id, "eos_token_id": eot_id})
+    for name, text in files.items():
+        (directory / name).write_text(text, encoding="utf-8")
+    # The tied output matrix is not stored: transformers ties it to transformer.wte.weight
+    # when it loads (tie_word_embeddings), as save_pretrained leaves it out too.
+    state = hf_names(model.state_dict())
+    del state["lm_head.weight"]
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+    save_file(weights, directory / WEIGHT_FILES[0], metadata={"format": "pt"})
+    return sorted([*files, WEIGHT_FILES[0]])
+
+
+def hf_gpt2_config(config: GPTConfig, eot_id: int, dtype: torch.dtype) -> dict[str, Any]:
+    """GPT-2's config.json for a rose model: the keys OpenAI's GPT-2 files carry, with
+    every option that changes the computation spelled out."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        **{key: getattr(config, field) for key, field in CONFIG_KEYS.items()},
+        "n_ctx": config.block_size,  # the oldest readers look for the context length here
+        "n_inner": None,  # 4 * n_embd
+        **GPT2_ARCHITECTURE,
+        "attn_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "resid_pdrop": config.dropout,
+        "initializer_range": 0.02,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def check_gpt2_config(config: GPTConfig) -> None:
+    """Refuse a model Hugging Face's GPT-2 cannot compute: any GPTConfig field outside
+    EXPORTED_FIELDS that differs from its default (no biases, rotary positions, ...)."""
+    for field in dataclasses.fields(config):
+        if field.name in EXPORTED_FIELDS:
+            continue
+        default = field.default
+        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        value = getattr(config, field.name)
+        if value != default:
+            raise RoseError(
+                f"this model has {field.name}={value!r}; Hugging Face's GPT-2 has only "
+                f"{field.name}={default!r}, so the model cannot be exported as GPT-2"
+            )
+
+
+def is_tied(model: GPT) -> bool:
+    return model.lm_head.weight is model.transformer.wte.weight
+
+
+def hf_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """rose's state_dict under GPT2LMHeadModel's names: the four Conv1D weights transposed
+    (the other names are already the same)."""
+    return {
+        name: tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor
+        for name, tensor in state_dict.items()
+    }
+
+
+def _json(value: dict[str, Any]) -> str:
+    return json.dumps(value, indent=2) + "\n"
 
 
 def _local_directory(name_or_path: str) -> Path:

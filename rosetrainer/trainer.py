@@ -41,6 +41,8 @@ from rosetrainer.step import build_model, evaluate, load_splits, rank_batch, tra
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "rosetrainer"
+# Steps timed, after the first (warm-up) one, before the run's length is estimated.
+ESTIMATE_AFTER_STEPS = 5
 
 
 def say(message: str) -> None:
@@ -151,6 +153,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             seconds, stop = one_step(run, batches, progress, stop_signals)
             if state.step > first_step + 1:  # the first step pays for warm-up (allocation, compile)
                 timed_seconds += seconds
+                if state.step == first_step + 1 + ESTIMATE_AFTER_STEPS and rt.is_main:
+                    say(time_estimate(timed_seconds / ESTIMATE_AFTER_STEPS, run))
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 eval_and_save(run)
             elif stop:
@@ -172,6 +176,26 @@ def train_loop(run: Run) -> dict[str, Any]:
         "run_dir": str(run.files.folder),
         "checkpoint": str(run.files.last),
     }
+
+
+def time_estimate(step_seconds: float, run: Run) -> str:
+    """The rest of the run, from the steps timed so far: one line a newcomer can act on.
+
+    Evaluations are counted too: each runs eval_iters batches of both splits forward
+    only, and a forward pass costs about a third of a training step's forward + backward
+    (per micro-batch; a step has grad_accum_steps of them).
+    """
+    cfg, step = run.cfg, run.state.step
+    evals = cfg.max_steps // cfg.eval_interval - step // cfg.eval_interval
+    evals += cfg.max_steps % cfg.eval_interval != 0  # the final one at max_steps
+    eval_seconds = 2 * cfg.eval_iters * step_seconds / (3 * cfg.grad_accum_steps)
+    minutes = ((cfg.max_steps - step) * step_seconds + evals * eval_seconds) / 60
+    whole = round(minutes)
+    about = "under a minute" if minutes < 1 else f"about {whole} minute{'s' * (whole != 1)}"
+    return (
+        f"{about} on this machine for the {cfg.max_steps - step} steps left "
+        f"({step_seconds:.2f} s a step over the last {ESTIMATE_AFTER_STEPS})"
+    )
 
 
 def one_step(

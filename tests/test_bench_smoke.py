@@ -12,6 +12,7 @@ import pytest
 from rosetrainer.bench import bench
 
 
+@pytest.mark.slow
 def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFixture) -> None:
     assert bench(["--quick"]) == 0
     out = capsys.readouterr().out
@@ -23,6 +24,7 @@ def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFi
     assert "tiny: checkpointing saves" in out
 
 
+@pytest.mark.slow
 def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
     paths = ["uncached", "concat", "static"]
     command = [

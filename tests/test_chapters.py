@@ -14,16 +14,18 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
 import pytest
 import torch
-from jupyter_client import KernelManager
 
 from rosecourse.demo import RANDOM_MODEL_CONFIG, demo_model, oracle_weakness
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
+
+if TYPE_CHECKING:  # nbformat and jupyter_client are imported by the tests that use them
+    import nbformat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,6 +111,8 @@ def cells(notebook: nbformat.NotebookNode) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=names(CHAPTERS))
 def test_notebook_has_exactly_its_chapters_cells(chapter: Path) -> None:
+    import nbformat
+
     notebook_path = build.NOTEBOOKS_DIR / build.notebook_name(chapter.name)
     expected = cells(build.read_chapter(chapter))
     committed = cells(nbformat.read(notebook_path, as_version=4))
@@ -125,6 +129,8 @@ def test_committed_notebook_is_small_and_holds_no_machine_paths(notebook: Path) 
 
 
 def test_output_check_finds_machine_paths_and_bulk(tmp_path: Path) -> None:
+    import nbformat
+
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell("print(1)")]
     clean = tmp_path / "clean.ipynb"
@@ -181,6 +187,8 @@ def test_python3_kernel_runs_this_interpreter() -> None:
     """nbclient starts the "python3" kernelspec; it must be this environment's Python, where
     rose is installed. ipykernel ships that spec in sys.prefix, with argv[0] "python",
     which jupyter_client replaces by sys.executable."""
+    from jupyter_client import KernelManager
+
     command = KernelManager(kernel_name="python3").format_kernel_cmd()
     assert Path(command[0]).resolve() == Path(sys.executable).resolve(), (
         f"the python3 kernel runs {command[0]}, not {sys.executable}: a user-level kernelspec "
@@ -188,10 +196,13 @@ def test_python3_kernel_runs_this_interpreter() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=names(NOTEBOOKS))
 def test_notebook_runs_top_to_bottom(
     notebook: Path, monkeypatch: pytest.MonkeyPatch, record_property
 ) -> None:
+    import nbformat
+
     monkeypatch.setenv("ROSE_CHAPTER_MODEL", "random")
     monkeypatch.setenv("ROSE_CHAPTER_FAST", "1")
     started = time.perf_counter()

@@ -93,6 +93,7 @@ def json_lines(stdout: str) -> list[dict]:
 # -- real processes --
 
 
+@pytest.mark.slow
 def test_streamed_text_equals_the_json_text(run_dir: Path) -> None:
     prompt = "Hello, 世界"
     args = [
@@ -133,6 +134,7 @@ def test_streamed_text_equals_the_json_text(run_dir: Path) -> None:
     assert re.search(r"^\[roseinfer\] tokens/s: \d+\.\d$", streamed.stderr, re.M)
 
 
+@pytest.mark.slow
 def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
     prompt = "The quick brown fox"
     done = cli(
@@ -150,6 +152,7 @@ def test_hugging_face_directory_greedy(hf_gpt2_dir: Path) -> None:
     assert f"[roseinfer] model: {hf_gpt2_dir} (" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_checkpoint_anywhere_says_how_to_train_one(tmp_path: Path) -> None:
     console_script = Path(sys.executable).with_name("rose-generate")
     done = subprocess.run(

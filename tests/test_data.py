@@ -8,8 +8,6 @@ import sys
 import urllib.error
 from pathlib import Path
 
-import datasets
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import tiktoken
@@ -199,6 +197,9 @@ def test_tinyshakespeare_download_is_checked_and_skipped_when_present(
 
 def test_hugging_face_dataset_documents_each_end_with_eot(tmp_path, gpt2, monkeypatch):
     """A local folder of .txt files is a dataset `load_dataset` reads offline: one row a line."""
+    import datasets
+    import huggingface_hub.constants
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -218,6 +219,7 @@ def test_hugging_face_dataset_documents_each_end_with_eot(tmp_path, gpt2, monkey
         prepare_data(dataset="nobody/no-such-dataset", data_dir=str(tmp_path / "data"))
 
 
+@pytest.mark.slow
 def test_cli_bad_path_is_one_line_and_exit_2(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "rosetrainer.data", "--text-file", str(tmp_path / "missing.txt")],

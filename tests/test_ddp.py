@@ -34,6 +34,7 @@ def logged_losses(run_dir: Path) -> list[tuple[str, int, float]]:
     return [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in records]
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_match_one_process_with_twice_the_batch(
     tmp_path: Path, tinyshakespeare_path: Path
 ) -> None:

@@ -176,6 +176,7 @@ def test_random_schedules_equal_solo_runs(model, tokenizer, case: int) -> None:
         assert window_full or len(output.token_ids) == params.max_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[:6])
 def test_random_schedules_on_a_quantized_pool(model, tokenizer, case: int) -> None:
     """int8, a window of one block: its exact blocks never outgrow their pool whatever the
@@ -194,6 +195,7 @@ def test_random_schedules_on_a_quantized_pool(model, tokenizer, case: int) -> No
             assert run["finished"][request_id].token_ids == solo(model, tokenizer, prompt, params)
 
 
+@pytest.mark.slow
 def test_the_random_schedules_exercise_every_path(model, tokenizer) -> None:
     """Across the cases above: preemption, prefix-cache hits, chunked prefill and aborts."""
     runs = [run_case(model, tokenizer, case) for case in CASES]

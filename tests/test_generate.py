@@ -92,6 +92,7 @@ def test_cached_greedy_equals_oracle(shape: str, length: str, cache_kind: str) -
     print(f"{shape} prompt {length} {cache_kind}: max |logit diff| {max_diff:.2e}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", COMPILE_MODES)
 def test_compiled_static_decode_equals_oracle(mode: str) -> None:
     """torch.compile of the one-token step: same tokens, logits close, past the window too
@@ -107,6 +108,7 @@ def test_compiled_static_decode_equals_oracle(mode: str) -> None:
     assert_matches_oracle(result, expected)
 
 
+@pytest.mark.slow
 def test_frozen_decode_step_is_not_reused_for_other_weights() -> None:
     """max-autotune bakes one model's weights into its graph: a second model of the same
     shape must get a graph of its own, not decode with the first model's weights."""

@@ -11,22 +11,26 @@ import copy
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import huggingface_hub.constants
 import pytest
 import torch
 from models import assert_logits_close
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from rosetrainer.errors import RoseError
 from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, state_dict_from_hf, to_hf_gpt2
 from rosetrainer.model import GPT
+
+if TYPE_CHECKING:  # transformers is imported by the fixture (a slow import, once)
+    from transformers import GPT2LMHeadModel
 
 BLOCK_SIZE = 96
 
 
 @pytest.fixture(scope="module")
 def hf_model() -> GPT2LMHeadModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=3,
@@ -173,6 +177,8 @@ def test_old_config_keys_and_defaults(hf_model):
 
 
 def test_unreadable_sources_give_clear_errors(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
     with pytest.raises(RoseError, match="has no config.json"):
         load_hf_gpt2(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))

@@ -32,7 +32,7 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.hf import load_hf_gpt2
 from rosetrainer.model import GPT
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 TINY = GPTConfig(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=32)
 

@@ -171,6 +171,7 @@ def pipeline_jobs() -> list[PipelineJob]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_split_model_equals_the_oracle(
     n_stages: int, model: GPT, checkpoint: Path, no_stage_left: None
@@ -209,6 +210,7 @@ def test_split_model_equals_the_oracle(
     assert sum(r.num_params for r in run.stages) < 2 * model.num_params(non_embedding=False)
 
 
+@pytest.mark.slow
 def test_a_bad_request_stops_every_stage_with_its_error(
     model: GPT, checkpoint: Path, no_stage_left: None
 ) -> None:
@@ -234,6 +236,7 @@ def gpt2_vocab_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT
     return model, path
 
 
+@pytest.mark.slow
 def test_cli_split_over_three_processes_prints_the_oracle_tokens(
     gpt2_vocab_checkpoint: tuple[GPT, Path], no_stage_left: None
 ) -> None:
@@ -255,6 +258,7 @@ def test_cli_split_over_three_processes_prints_the_oracle_tokens(
         assert row["token_ids"] == expected.token_ids
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_launcher_and_every_stage(
     gpt2_vocab_checkpoint: tuple[GPT, Path], no_stage_left: None
 ) -> None:

@@ -13,7 +13,6 @@ from models import make_test_model
 from rosecourse.demo import wide_random_init
 from roseinfer.cli import eval as rose_eval
 from roseinfer.cli import generate as cli_generate
-from roseinfer.cli import serve
 from roseinfer.cli.eval import (
     CacheChoice,
     agreement_prompts,
@@ -220,6 +219,8 @@ def test_several_prompts_run_through_a_quantized_engine(
 def test_serve_refuses_a_bad_group_size_in_one_line(
     checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:
+    from roseinfer.cli import serve  # FastAPI: a slow import, for this test only
+
     flags = ["--kv-cache-dtype", "int4", "--kv-cache-group-size", "5", "--port", "0"]
     code, out, err = run_main(serve, capsys, "--checkpoint-path", checkpoint, *flags)
     assert code == 2 and out == ""

@@ -9,9 +9,9 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 import torch
 from models import assert_clear_margins, assert_varied
@@ -29,11 +29,13 @@ from serving import (
 )
 
 from roseinfer.bench import serving as bench_serving
-from roseinfer.cli import serve
 from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # openai and the server (FastAPI) are imported where used: slow imports
+    import openai
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,6 +68,8 @@ def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
+    import openai
+
     with openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as c:
         yield c
 
@@ -77,6 +81,7 @@ def greedy(max_tokens: int = 12, **fields: object) -> SamplingParams:
 PROMPT = "ROMEO:\nWhat light is that"
 
 
+@pytest.mark.slow
 def test_greedy_completion_stream_and_not_equal_the_oracle(
     client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
 ) -> None:
@@ -105,9 +110,12 @@ def test_greedy_completion_stream_and_not_equal_the_oracle(
     assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_with_ragged_prompts_each_equal_their_solo_run(
     server: Server, model: GPT, tokenizer: Tokenizer
 ) -> None:
+    import openai
+
     rng = random.Random(0)
     prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 60))] for _ in range(16)]
     lengths = [rng.randint(4, 24) for _ in prompts]
@@ -129,6 +137,7 @@ def test_sixteen_concurrent_streams_with_ragged_prompts_each_equal_their_solo_ru
         assert text == solo_text(model, tokenizer, ids, greedy(max_tokens))[0]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_streamed_or_not_and_equals_its_solo_run(
     client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
 ) -> None:
@@ -148,6 +157,7 @@ def test_seeded_sampling_is_the_same_streamed_or_not_and_equals_its_solo_run(
     assert other.choices[0].text != whole.choices[0].text
 
 
+@pytest.mark.slow
 def test_n_choices_echo_and_stop(client: openai.OpenAI, model: GPT, tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(PROMPT)
     fields = dict(max_tokens=10, temperature=1.0, seed=5)
@@ -173,6 +183,7 @@ def test_n_choices_echo_and_stop(client: openai.OpenAI, model: GPT, tokenizer: T
     assert stopped.choices[0].text == full[: full.index(stop)]
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_log_softmax(
     client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
 ) -> None:
@@ -197,6 +208,7 @@ def test_logprobs_are_the_models_log_softmax(
     assert "".join(logprobs.tokens) == response.choices[0].text
 
 
+@pytest.mark.slow
 def test_chat_uses_the_documented_template(
     client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
 ) -> None:
@@ -225,6 +237,7 @@ def test_a_chat_template_file_replaces_the_default(tmp_path: Path) -> None:
     assert rendered == "<user>hi<assistant>"
 
 
+@pytest.mark.slow
 def test_models_health_tokenize_detokenize(server: Server, tokenizer: Tokenizer) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -238,6 +251,7 @@ def test_models_health_tokenize_detokenize(server: Server, tokenizer: Tokenizer)
     assert text == {"prompt": PROMPT}
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server: Server) -> None:
     before = wait_idle(server)
     long = WINDOW - 24  # seconds of work: still running when the client leaves
@@ -288,6 +302,7 @@ ERROR_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(("case", "change", "status", "param"), ERROR_CASES)
 def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
@@ -310,7 +325,10 @@ def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_without_the_api_key_every_api_request_gets_401(server: Server) -> None:
+    import openai
+
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(
             server.base_url + "/completions", json={"prompt": "Hi"}, headers=headers
@@ -323,6 +341,7 @@ def test_without_the_api_key_every_api_request_gets_401(server: Server) -> None:
     assert httpx.get(server.url + "/metrics").status_code == 200  # open for scrapers
 
 
+@pytest.mark.slow
 def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Server) -> None:
     before = wait_idle(server)
     response = client.completions.create(
@@ -340,6 +359,7 @@ def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Ser
     assert moved["rose_prefix_cache_queries_total"] >= moved["rose_prefix_cache_hits_total"] >= 0
 
 
+@pytest.mark.slow
 def test_bench_serving_reports_every_rate_against_the_server(
     server: Server, tmp_path: Path, tinyshakespeare_path: Path
 ) -> None:
@@ -383,14 +403,19 @@ def test_bench_serving_latency_definitions() -> None:
 def test_serve_mistakes_are_one_line_and_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from roseinfer.cli import serve
+
     assert serve.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("[rose-serve] error: ") and message in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_a_busy_port_is_one_clear_line(
     server: Server, checkpoint: tuple[Path, GPT], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from roseinfer.cli import serve
+
     port = server.url.rsplit(":", 1)[1]
     assert serve.main(["--checkpoint-path", str(checkpoint[0]), "--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

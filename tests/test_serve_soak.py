@@ -30,7 +30,7 @@ from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 NUM_REQUESTS = 200
 CONCURRENCY = 32

@@ -229,6 +229,7 @@ def test_asking_for_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFi
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resuming_from_a_corrupt_checkpoint_fails_cleanly_from_the_shell(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -248,6 +249,7 @@ def test_resuming_from_a_corrupt_checkpoint_fails_cleanly_from_the_shell(tmp_pat
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "exit_code"),
     [(signal.SIGINT, 130), (signal.SIGTERM, 143)],

@@ -1,0 +1,238 @@
+"""rose-export-hf: a rose checkpoint becomes a folder Hugging Face's Auto classes read, and
+they generate rose's tokens, tokenize as rose does, and rose reads the folder back.
+
+The model is the `tiny` preset's shape with a padded vocabulary (50,304 rows, as a
+trainer pads it), written by save_checkpoint. Its weights are random with std 0.2 (as
+tests/conftest.py's hf_gpt2_dir): GPT's own 0.02 gives near-ties, and a greedy
+comparison through near-ties checks little.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from models import assert_clear_margins, assert_varied
+from safetensors.torch import load_file
+
+from rosecourse.demo import wide_random_init
+from roseinfer.cli.export_hf import main
+from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
+from rosetrainer.checkpoint import save_checkpoint
+from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError
+from rosetrainer.files import new_directory
+from rosetrainer.hf import check_gpt2_config, load_hf_gpt2
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+NEW_TOKENS = 40
+# Two implementations of one network (HF's Conv1D and attention, rose's Linear and SDPA)
+HF_LOGIT_ATOL = 2e-4
+VARIED_TEXT = (
+    "ROMEO: But, soft! what light through yonder window breaks?\n\n"
+    "  indented\ttab  double  spaces   and trailing   \n"
+    "Ünïcödé, 日本語のテキスト, emoji 🌹🤖, Ελληνικά, العربية, 'quotes' \"and\" it's we'll\n"
+    "<|endoftext|> a literal end-of-text marker<|endoftext|>twice\r\n\n"
+)
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "merges.txt",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def write_checkpoint(path: Path, config: GPTConfig) -> Path:
+    """A random model of `config` saved as the trainer saves one."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    state = {
+        "model": model.state_dict(),
+        "model_config": config.to_dict(),
+        "tokenizer_name": "gpt2",
+    }
+    save_checkpoint(path, state)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("run")
+    write_checkpoint(run / "last.pt", GPTConfig.from_preset("tiny", vocab_size=50304))
+    return run
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert main(["--checkpoint-path", str(run_dir), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def rose_model(run_dir: Path) -> GPT:
+    model, _, _ = load_model_and_tokenizer(str(run_dir))
+    return model
+
+
+def test_the_folder_is_gpt2s(exported: Path) -> None:
+    assert sorted(p.name for p in exported.iterdir()) == FILES
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+    assert config["n_positions"] == config["n_ctx"] == 128
+    assert config["vocab_size"] == 50257  # the padding rows are dropped...
+    weights = load_file(exported / "model.safetensors")
+    assert weights["transformer.wte.weight"].shape == (50257, 128)  # ...from the weights too
+    assert "lm_head.weight" not in weights  # tied: transformers ties it on load
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == Tokenizer().eot_id
+
+
+def test_the_tokenizer_files_hold_openais_vocabulary_and_merges(
+    exported: Path, tiktoken_cache: str
+) -> None:
+    """Built from tiktoken's ranks, they equal GPT-2's published encoder.json and vocab.bpe,
+    which tiktoken keeps in its cache under the sha1 of their URLs."""
+
+    def original(name: str) -> str:
+        url = f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
+        return (Path(tiktoken_cache) / hashlib.sha1(url.encode()).hexdigest()).read_text("utf-8")
+
+    vocab = json.loads((exported / "vocab.json").read_text("utf-8"))
+    assert vocab == json.loads(original("encoder.json"))
+    assert (exported / "merges.txt").read_text("utf-8") == original("vocab.bpe")
+
+
+def test_transformers_generates_roses_greedy_tokens(exported: Path, rose_model: GPT) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(hf_model).__name__ == "GPT2LMHeadModel"
+    tokenizer = Tokenizer()
+    prompt = tokenizer.encode("ROMEO: But, soft!")
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    oracle = generate(
+        rose_model, prompt, params, use_cache=False, eot_id=tokenizer.eot_id, keep_logits=True
+    )
+    assert len(oracle.token_ids) == NEW_TOKENS
+    assert_varied(oracle.token_ids)
+    assert_clear_margins(oracle.step_logits)
+    with torch.no_grad():  # the folder's generation_config.json: end-of-text stops it
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences[0, len(prompt) :].tolist() == oracle.token_ids
+    for ours, theirs in zip(oracle.step_logits, out.logits, strict=True):
+        assert torch.allclose(ours, theirs[0], atol=HF_LOGIT_ATOL, rtol=0)
+
+
+def test_autotokenizer_encodes_and_decodes_as_rose(exported: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(exported)
+    tokenizer = Tokenizer()
+    ids = tokenizer.encode(VARIED_TEXT)
+    assert hf_tokenizer(VARIED_TEXT)["input_ids"] == ids
+    assert hf_tokenizer.decode(ids) == VARIED_TEXT
+    assert hf_tokenizer.eos_token_id == tokenizer.eot_id
+    assert hf_tokenizer.decode([tokenizer.eot_id]) == "<|endoftext|>"
+
+
+def test_rose_reads_the_folder_back_to_identical_logits(exported: Path, rose_model: GPT) -> None:
+    again = load_hf_gpt2(str(exported)).eval()
+    ids = torch.tensor([Tokenizer().encode(VARIED_TEXT)[:128]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, rose_model(ids).logits)
+
+
+def check_refused(args: list[str], capsys: pytest.CaptureFixture[str], says: str) -> None:
+    assert main(args) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[roseinfer.cli.export_hf] error:"), lines
+    assert says in lines[0]
+
+
+def test_no_checkpoint_writes_nothing(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out" / "hf"
+    check_refused(
+        ["--checkpoint-path", str(tmp_path / "none.pt"), "--out", str(out)], capsys, "not found"
+    )
+    assert not out.exists() and list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_non_empty_folder_needs_overwrite(run_dir: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    check_refused(["--checkpoint-path", str(run_dir), "--out", str(out)], capsys, "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    assert main(["--checkpoint-path", str(run_dir), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left
+
+
+def test_a_failed_overwrite_leaves_the_old_folder_as_it_was(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    with pytest.raises(RuntimeError, match="crash"), new_directory(out, overwrite=True) as new:
+        (new / "config.json").write_text("half of the new one")
+        raise RuntimeError("crash mid-export")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the temporary folder is gone
+    assert (out / "config.json").read_text() == "old"
+
+
+def test_an_unwritable_path_is_refused(run_dir: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "hf"
+    check_refused(["--checkpoint-path", str(run_dir), "--out", str(out)], capsys, "cannot write")
+
+
+def test_a_model_gpt2_cannot_express_is_refused_whole(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    write_checkpoint(run / "last.pt", GPTConfig(n_layer=1, n_head=2, n_embd=16, bias=False))
+    out = tmp_path / "hf"
+    check_refused(["--checkpoint-path", str(run), "--out", str(out)], capsys, "bias=False")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written
+
+
+def test_an_untied_output_matrix_is_refused_whole(tmp_path: Path, capsys) -> None:
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    model = wide_random_init(GPT(config), 0)  # an output matrix of its own
+    state = {"model": model.state_dict(), "model_config": config.to_dict()}
+    save_checkpoint(tmp_path / "run" / "last.pt", state)
+    args = ["--checkpoint-path", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]
+    check_refused(args, capsys, "output matrix lm_head differs from its token embedding")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_any_non_default_config_field_is_refused() -> None:
+    # A field the export does not know (a rotary model's, say) at a value other than its
+    # default has no GPT-2 equivalent; at its default it computes GPT-2.
+    fields = [("position_embedding", str, dataclasses.field(default="learned"))]
+    Extended = dataclasses.make_dataclass("Extended", fields, bases=(GPTConfig,))
+    check_gpt2_config(Extended(position_embedding="learned"))
+    with pytest.raises(RoseError, match="position_embedding='rotary'"):
+        check_gpt2_config(Extended(position_embedding="rotary"))
