@@ -19,8 +19,8 @@ import torch
 from training import tiny_run
 
 import roseinfer
+from roseinfer.cli import export_onnx
 from roseinfer.cli import generate as cli_generate
-from roseinfer.loops import export_onnx
 from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
@@ -113,7 +113,7 @@ def test_llm_generate_refuses_a_prompt_that_is_not_text_or_ids(prompt, checkpoin
 def test_export_onnx_to_an_unwritable_out_is_one_line(out: str, checkpoint: Path, capsys) -> None:
     argv = ["--checkpoint-path", str(checkpoint), "--out", out.format(file=checkpoint)]
     assert export_onnx.main(argv) == 2
-    assert "--out: cannot write to" in one_line(capsys, "roseinfer.loops.export_onnx")
+    assert "--out: cannot write to" in one_line(capsys, "rose-export-onnx")
 
 
 def test_a_checkpoint_path_that_cannot_be_read_is_one_line(capsys) -> None:
