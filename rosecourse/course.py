@@ -215,6 +215,12 @@ def grade(chosen: Lesson, directory: Path) -> CheckResult:
         fn = load_learner(chosen, directory)
     except CourseError as error:
         result = CheckResult(chosen.name, False, None, str(error))
-        print(result)
-        return result
-    return chosen.check(fn)
+    else:
+        try:
+            return chosen.check(fn)
+        except Exception as error:  # the check tripped over the learner's code itself
+            message = str(error).splitlines()[0] if str(error) else ""
+            why = f"your function broke the check: {type(error).__name__}: {message}"
+            result = CheckResult(chosen.name, False, None, why)
+    print(result)
+    return result
