@@ -19,9 +19,6 @@ from unittest import mock
 
 import torch
 
-# The engine first: roseinfer.cache.paged, imported on its own, imports the engine's package,
-# which imports roseinfer.cache.paged back before it is complete.
-import roseinfer.engine  # noqa: F401
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import (
     BATCH_TEXTS,

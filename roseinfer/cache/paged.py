@@ -33,13 +33,17 @@ either pool the same way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
-from roseinfer.engine.config import EngineConfig
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
+
+if TYPE_CHECKING:  # an annotation only: importing the engine here would import it back
+    from roseinfer.engine.config import EngineConfig
 
 
 class KVPool:
