@@ -144,27 +144,24 @@ def lesson(chapter: str) -> Lesson:
 
 
 def stub_source(chosen: Lesson) -> str:
-    """The learner's starting file: the solution module's docstring and imports, then the
-    function's signature and contract, raising NotImplementedError."""
+    """The learner's starting file: the solution module as it is up to the function (its
+    docstring and imports), then the function's signature and contract, raising
+    NotImplementedError."""
     source = inspect.getsource(chosen.solution_module())
-    tree = ast.parse(source)
     lines = source.splitlines()
-    kept: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == chosen.name:
-            docstring = node.body[0]
-            assert isinstance(docstring, ast.Expr), f"{chosen.file_name}: no contract docstring"
-            start = min(d.lineno for d in node.decorator_list) if node.decorator_list else None
-            kept += lines[(start or node.lineno) - 1 : docstring.end_lineno]
-            indent = " " * (docstring.col_offset)
-            kept.append(f'{indent}raise NotImplementedError("write {chosen.name}")')
-            break
-        if isinstance(node, (ast.Import, ast.ImportFrom)) or (
-            isinstance(node, ast.Expr) and node is tree.body[0]
-        ):
-            kept += lines[node.lineno - 1 : node.end_lineno]
-            kept.append("")
-    return "\n".join(kept) + "\n"
+    (function,) = (
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and node.name == chosen.name
+    )
+    contract = function.body[0]
+    assert isinstance(contract, ast.Expr), f"{chosen.file_name}: no contract docstring"
+    indent = " " * contract.col_offset
+    stub = [
+        *lines[: contract.end_lineno],
+        f'{indent}raise NotImplementedError("write {chosen.name}")',
+    ]
+    return "\n".join(stub) + "\n"
 
 
 def write_workspace(directory: Path, solutions: bool) -> list[Path]:
