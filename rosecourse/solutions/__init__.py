@@ -1,7 +1,8 @@
-"""Reference solutions to the chapters' exercises, one module per chapter.
+"""Reference solutions to the chapters' exercises, one module per chapter (chNN_name.py).
 
-Try the exercise first. A chapter's exercise cell imports its solution from here, so
-the notebooks run every check (rosecourse/exercises.py) on a right answer; to do the
-exercise, replace that import with your own function of the same name and signature,
-and run the check cell. Nothing in roseinfer imports these modules.
+Try the exercise first: `rose-course start DIR` writes each module as a stub (its
+signature and contract docstring, no answer) and `rose-course check NN --dir DIR`
+grades yours. Each module's function docstring is the contract the stub shows. A
+chapter's exercise cell runs the same check on the solution here, so CI runs every
+check on a right answer. Nothing in roseinfer imports these modules.
 """

@@ -8,6 +8,13 @@ import torch
 def concat_kv(
     layer_past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys/values the new tokens attend over: every cached one, then their own.
+
+    layer_past: this layer's cached (k, v), or None before the first call; k, v: the new
+    tokens', (batch, n_head, q_len, head_dim). Return (k_all, v_all), the past's tokens
+    first, then the new ones, along the time axis. The check swaps this in for
+    rosetrainer.model.concat_kv and decodes with a concatenating cache.
+    """
     if layer_past is None:  # the prefill: nothing cached yet
         return k, v
     past_k, past_v = layer_past

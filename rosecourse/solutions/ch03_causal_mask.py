@@ -6,6 +6,12 @@ import torch
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """(q_len, kv_len) bool, True where a query may look at a key.
+
+    The q_len queries are the newest q_len of kv_len tokens (the others are the cached
+    past); each may see every key at or before its own position. The check swaps this
+    in for rosetrainer.model.causal_mask.
+    """
     # The new queries are the newest positions: the last q_len rows of the full triangle.
     full = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()
     return full[kv_len - q_len :]

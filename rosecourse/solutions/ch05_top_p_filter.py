@@ -6,6 +6,12 @@ import torch
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """`logits` with every token outside the nucleus set to -inf (the rest unchanged).
+
+    logits: (..., vocab). The nucleus is the smallest set of most likely tokens whose
+    probabilities (softmax of the logits) add up to at least p; ties are broken by
+    token order. p >= 1 keeps everything. The check swaps this in for the sampler's.
+    """
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)

@@ -12,6 +12,13 @@ def static_update(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new keys/values into their slots of the preallocated buffers.
+
+    k_buffer, v_buffer: (batch, n_head, max_len, head_dim), allocated once; input_pos:
+    (q_len,) the slots of the new tokens; k_new, v_new: (batch, n_head, q_len, head_dim).
+    The next call must find this call's slots written. Return the buffers the
+    attention reads (all max_len slots; the mask hides the unwritten ones).
+    """
     # In place: the buffers themselves change, so the next step
     # finds these slots written. Attention reads every slot; the mask hides the unwritten.
     k_buffer[:, :, input_pos] = k_new

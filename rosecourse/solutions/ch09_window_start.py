@@ -4,6 +4,12 @@ from __future__ import annotations
 
 
 def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
+    """Where the model's view of the sequence begins after this step.
+
+    The view is tokens start .. seq_len of the sequence; the model has learned positions
+    for block_size tokens only. While the view fits, it stays; when it holds one token
+    too many, it is cut back to its last `keep` tokens (which are then re-prefilled).
+    """
     window = seq_len - start  # the tokens the model would see
     if window > block_size:  # one too many for the learned positions: cut back
         return seq_len - keep

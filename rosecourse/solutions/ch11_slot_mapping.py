@@ -1,0 +1,25 @@
+"""Chapter 11: where each token's keys/values live in the paged pool."""
+
+from __future__ import annotations
+
+import torch
+
+
+def slot_mapping(
+    block_tables: torch.Tensor,
+    seq_of_token: torch.Tensor,
+    positions: torch.Tensor,
+    kv_block_size: int,
+) -> torch.Tensor:
+    """The pool slot of each token: (num_tokens,) long.
+
+    block_tables: (num_seqs, max_blocks) physical block ids, one row per sequence (its
+    logical block i is physical block block_tables[seq, i]); seq_of_token and positions:
+    (num_tokens,), each token's sequence (a row of block_tables) and its position in
+    that sequence. The pool numbers its slots block after block, kv_block_size slots each.
+    The engine calls this for the tokens it writes and for the keys it reads.
+    """
+    logical_block = positions // kv_block_size
+    offset = positions % kv_block_size
+    physical_block = block_tables[seq_of_token, logical_block]
+    return physical_block * kv_block_size + offset

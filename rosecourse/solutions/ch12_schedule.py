@@ -1,0 +1,73 @@
+"""Chapter 12: the scheduler's decision for one engine step."""
+
+from __future__ import annotations
+
+from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
+from roseinfer.request.sequence import SequenceStatus
+
+
+def schedule(scheduler: Scheduler) -> ScheduledBatch:
+    """Which sequences run in this step, with how many new tokens each; who is preempted.
+
+    The policy, with `manager = scheduler.block_manager` and the step's token budget
+    `scheduler.config.max_num_batched_tokens`:
+    1. Running sequences (`scheduler.running`, oldest first) each take the tokens they
+       have not computed yet, as many as the budget has left (a prefill may be chunked).
+       When the pool cannot grow one to hold them (`manager.can_grow(seq, n)`), the
+       newest running sequence is preempted (`scheduler._preempt`, listed in
+       `batch.preempted`) until it can, or until the one in hand was the one preempted.
+       A sequence that runs is grown first (`manager.grow`).
+    2. Only if nobody was preempted: waiting sequences (`scheduler.waiting`), first come
+       first served, while budget is left and fewer than `config.max_num_seqs` run. Each
+       first gets the blocks the prefix cache holds for it (`manager.cached_prefix`) and
+       computes the rest; when the pool cannot take it (`manager.can_start`) nobody
+       behind it may start either. A started one is popped from waiting,
+       `manager.start`ed, marked RUNNING, appended to `running`, and, if it has no
+       output yet, its `num_cached_tokens` set to what the prefix cache served.
+    3. `running` ends sorted by arrival (`scheduler.arrival_order`).
+    Each scheduled sequence goes into batch.seqs with its count in batch.num_new_tokens.
+    """
+    batch = ScheduledBatch()
+    budget = scheduler.config.max_num_batched_tokens
+    manager = scheduler.block_manager
+
+    index = 0
+    while index < len(scheduler.running) and budget > 0:
+        seq = scheduler.running[index]
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
+            victim = scheduler.running.pop()  # the newest gives its blocks back
+            scheduler._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                break
+        else:
+            manager.grow(seq, seq.num_computed_tokens + num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+
+    while (
+        not batch.preempted
+        and scheduler.waiting
+        and budget > 0
+        and len(scheduler.running) < scheduler.config.max_num_seqs
+    ):
+        seq = scheduler.waiting[0]
+        cached = manager.cached_prefix(seq.all_ids)
+        num_cached = len(cached) * manager.kv_block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not manager.can_start(cached, num_cached + num_new):
+            break  # first come, first served: nobody overtakes the head of the queue
+        scheduler.waiting.popleft()
+        manager.start(seq, cached, num_cached + num_new)
+        if not seq.output_ids:
+            seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        budget -= num_new
+    scheduler.running.sort(key=scheduler.arrival_order.__getitem__)
+    return batch

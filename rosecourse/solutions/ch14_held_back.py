@@ -1,0 +1,21 @@
+"""Chapter 14: what a stream holds back while a stop string may be beginning."""
+
+from __future__ import annotations
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` to hold back from the stream.
+
+    A streamed request shows its text as it grows, but never any part of a stop string
+    (the response ends just before one). Hold back the longest tail of `text` that is
+    a proper beginning of some stop string (a whole stop string has already finished
+    the request), so nothing shown must ever be taken back. 0 when no tail could be.
+    """
+    longest = 0
+    for stop in stops:
+        # The longest proper prefix of this stop that text ends with, if longer than so far.
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

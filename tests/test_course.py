@@ -1,0 +1,191 @@
+"""The course: an exercise per chapter, graded by `rose-course` against the oracle.
+
+Every lesson's reference solution passes its check; every known wrong answer of the
+chapters 00, 01 and 10 to 17 is caught with its own diagnosis (chapters 02 to 09:
+tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
+yet" line; the reference solutions pass `check all` through the installed console
+script; and no line of a reference solution is printed in its chapter.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rosecourse import cli, exercises_engine, exercises_model
+from rosecourse.course import LESSONS, lesson, stub_source
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW_EXERCISES = [
+    exercises_model.CAUSAL_ATTENTION,
+    exercises_model.GREEDY_DECODE,
+    exercises_model.DECODE_READ_BYTES,
+    exercises_engine.SLOT_MAPPING,
+    exercises_engine.SCHEDULE,
+    exercises_engine.PREFIX_CACHED,
+    exercises_engine.HELD_BACK,
+    exercises_model.EXPORT_PREPARE,
+    exercises_model.STAGE_FORWARD,
+    exercises_model.QUANTIZE,
+]
+WRONG = [(exercise, wrong) for exercise in NEW_EXERCISES for wrong in exercise.known_wrong]
+
+
+def test_one_lesson_per_chapter_00_to_17() -> None:
+    assert [c.chapter for c in LESSONS] == [f"{n:02d}" for n in range(18)]
+    assert lesson("7").name == "padded_position_ids"
+
+
+def code_lines(function: object) -> list[str]:
+    """The lines of a function's body that are code: no docstring, comment or blank line."""
+    tree = ast.parse(inspect.getsource(function)).body[0]
+    assert isinstance(tree, ast.FunctionDef)
+    body = tree.body[1:] if isinstance(tree.body[0], ast.Expr) else tree.body
+    source = inspect.getsource(function).splitlines()
+    first = body[0].lineno - 1
+    lines = [line.split("#")[0].strip() for line in source[first : body[-1].end_lineno]]
+    return [line for line in lines if line]
+
+
+def test_at_least_half_the_exercises_are_more_than_five_lines() -> None:
+    sizes = {c.chapter: len(code_lines(c.solution())) for c in LESSONS}
+    assert sum(size > 5 for size in sizes.values()) >= len(LESSONS) / 2, sizes
+
+
+# The reference solutions pass: test_console_script_solutions_pass_check_all, once for all.
+
+
+@pytest.mark.parametrize("chosen", LESSONS, ids=[c.chapter for c in LESSONS])
+def test_stub_is_not_written_yet(chosen) -> None:
+    namespace: dict[str, object] = {}
+    exec(compile(stub_source(chosen), chosen.file_name, "exec"), namespace)  # noqa: S102
+    stub = chosen.check(namespace[chosen.name])
+    assert not stub.passed
+    assert "not written yet" in str(stub) and "\n" not in str(stub), str(stub)
+
+
+@pytest.mark.parametrize(("exercise", "wrong"), WRONG, ids=[f"{e.name}-{w.name}" for e, w in WRONG])
+def test_known_wrong_answer_gets_its_diagnosis(exercise, wrong) -> None:
+    result = exercises_model.check(exercise, wrong.fn)
+    assert not result.passed
+    assert wrong.explanation in result.explanation, str(result)
+
+
+def test_a_check_that_breaks_on_the_learner_code_is_one_line(tmp_path: Path, capsys) -> None:
+    workspace = tmp_path / "ws"
+    cli.main(["start", str(workspace), "--solutions"])
+    # A function that returns something the check cannot even compare.
+    (workspace / lesson("12").file_name).write_text("def schedule(scheduler):\n    return 42\n")
+    capsys.readouterr()
+    assert cli.main(["check", "12", "--dir", str(workspace)]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("schedule: FAILED"), line
+
+
+# Lines any code could hold (a bare return, no_grad, a closing bracket) say nothing.
+GENERIC_LINE = r"return \w+(, \w+)?|else:|break|with torch\.(no_grad|inference_mode)\(\):"
+
+
+def answer_pieces(line: str) -> list[str]:
+    """What of a solution's line would give the answer away, spaces removed: the line, and
+    the expression it returns or assigns (without `torch.`, as prose writes it)."""
+    pieces = [line]
+    if line.startswith("return "):
+        pieces.append(line.removeprefix("return "))
+    elif re.match(r"[\w, \[\]:.]+ = ", line):
+        pieces.append(line.split(" = ", 1)[1])
+    squeezed = [re.sub(r"\s+", "", piece) for piece in pieces]
+    squeezed += [piece.replace("torch.", "") for piece in squeezed]
+    # A bare name or attribute (`stage.transformer`) or a short expression is no answer.
+    return [piece for piece in squeezed if len(piece) > 16 and not re.fullmatch(r"[\w.]+", piece)]
+
+
+@pytest.mark.parametrize("chosen", LESSONS, ids=[c.chapter for c in LESSONS])
+def test_no_line_of_a_solution_is_in_its_chapter(chosen) -> None:
+    (chapter,) = (REPO_ROOT / "chapters").glob(f"{chosen.chapter}-*.md")
+    text = re.sub(r"\s+", "", chapter.read_text(encoding="utf-8"))
+    shown = [
+        line
+        for line in code_lines(chosen.solution())
+        if not re.fullmatch(GENERIC_LINE, line)
+        and any(piece in text for piece in answer_pieces(line))
+    ]
+    assert not shown, f"{chapter.name} gives the answer away: {shown}"
+
+
+def test_stub_keeps_signature_and_contract_but_not_the_answer() -> None:
+    chosen = lesson("13")
+    stub = stub_source(chosen)
+    assert "def cached_prefix(manager: BlockManager, token_ids: list[int]) -> list[int]:" in stub
+    assert "longest run" in stub  # the contract
+    assert "chain_hash(parent, tokens)" not in stub
+    assert stub.rstrip().endswith('raise NotImplementedError("write cached_prefix")')
+
+
+def test_cli_list_start_and_check(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["list"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert [line[:2] for line in listing] == [c.chapter for c in LESSONS]
+
+    assert cli.main(["start", str(tmp_path / "ws")]) == 0
+    capsys.readouterr()
+    for chosen in LESSONS:
+        assert cli.main(["check", chosen.chapter, "--dir", str(tmp_path / "ws")]) == 1
+        (line,) = capsys.readouterr().out.splitlines()
+        assert "not written yet" in line, line
+
+    assert cli.main(["check", "99", "--dir", str(tmp_path)]) == 2
+    assert "no exercise for chapter '99'" in capsys.readouterr().err
+    assert cli.main(["check", "02", "--dir", str(tmp_path / "nowhere")]) == 2
+    assert "no workspace" in capsys.readouterr().err
+
+    broken = tmp_path / "ws" / lesson("04").file_name
+    broken.write_text("def position_ids(past_len, q_len, device=None):\n    return (\n")
+    assert cli.main(["check", "04", "--dir", str(tmp_path / "ws")]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "syntax error" in line
+
+
+def console_script(name: str) -> list[str]:
+    """The command pyproject's [project.scripts] installs as `name`, run as its script
+    runs it (in this worktree, whatever copy of rose the environment has installed)."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    entry = re.search(rf'^{name} = "([\w.]+):(\w+)"$', pyproject, re.MULTILINE)
+    assert entry, f"pyproject.toml's [project.scripts] has no {name}"
+    module, function = entry.groups()
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; from {module} import {function}; sys.exit({function}())",
+    ]
+
+
+@pytest.mark.slow
+def test_console_script_solutions_pass_check_all(tmp_path: Path) -> None:
+    command = console_script("rose-course")
+    workspace = tmp_path / "solutions"
+    started = subprocess.run(
+        [*command, "start", str(workspace), "--solutions"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert started.returncode == 0, started.stderr
+    checked = subprocess.run(
+        [*command, "check", "all", "--dir", str(workspace)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(LESSONS)}/{len(LESSONS)} passed" in checked.stdout
+    assert "Traceback" not in checked.stdout + checked.stderr
