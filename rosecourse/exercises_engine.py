@@ -35,8 +35,9 @@ from roseinfer.cache.paged import slot_mapping
 from roseinfer.engine.block_manager import BlockManager, check_pool
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.outputs import RequestOutput, held_back
+from roseinfer.engine.outputs import RequestOutput
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
+from roseinfer.request.detokenizer import held_back
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.tokenizer import Tokenizer
 
@@ -506,7 +507,7 @@ HELD_BACK = Exercise(
     name="held_back",
     reference=held_back,
     probe=_hold_probe,
-    swapped_in=lambda fn: mock.patch("roseinfer.engine.outputs.held_back", fn),
+    swapped_in=lambda fn: mock.patch("roseinfer.request.detokenizer.held_back", fn),
     runs=engine_runs(
         _stream_workload,
         shown_text,

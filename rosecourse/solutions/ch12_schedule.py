@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
-from roseinfer.request.sequence import SequenceStatus
 
 
 def schedule(scheduler: Scheduler) -> ScheduledBatch:
@@ -22,8 +21,8 @@ def schedule(scheduler: Scheduler) -> ScheduledBatch:
        first gets the blocks the prefix cache holds for it (`manager.cached_prefix`) and
        computes the rest; when the pool cannot take it (`manager.can_start`) nobody
        behind it may start either. A started one is popped from waiting,
-       `manager.start`ed, marked RUNNING, appended to `running`, and, if it has no
-       output yet, its `num_cached_tokens` set to what the prefix cache served.
+       `manager.start`ed (which records what the prefix cache served) and appended to
+       `running`.
     3. `running` ends sorted by arrival (`scheduler.arrival_order`).
     Each scheduled sequence goes into batch.seqs with its count in batch.num_new_tokens.
     """
@@ -62,9 +61,6 @@ def schedule(scheduler: Scheduler) -> ScheduledBatch:
             break  # first come, first served: nobody overtakes the head of the queue
         scheduler.waiting.popleft()
         manager.start(seq, cached, num_cached + num_new)
-        if not seq.output_ids:
-            seq.num_cached_tokens = num_cached
-        seq.status = SequenceStatus.RUNNING
         scheduler.running.append(seq)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)

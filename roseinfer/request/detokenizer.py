@@ -52,7 +52,7 @@ class Detokenizer:
             return self.text[: self.stop_at]
         if finished:
             return self.text
-        return self.text[: len(self.text) - self._held_back()]
+        return self.text[: len(self.text) - held_back(self.text, self.stops)]
 
     def _add(self, piece: str) -> str | None:
         before = len(self.text)
@@ -68,12 +68,14 @@ class Detokenizer:
         self.stop_at, stop = min(found)
         return stop
 
-    def _held_back(self) -> int:
-        """How many characters at the end of the text could still begin a stop string."""
-        longest = 0
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could still begin a stop string (a named
+    piece: chapter 14's exercise swaps in the learner's)."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
