@@ -27,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from rosetrainer import model as gpt
 from rosetrainer.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
@@ -89,7 +90,8 @@ class PipelineStage(nn.Module):
         }
         if self.is_first:
             for name in ("wte", "wpe", "drop"):
-                parts[name] = model.transformer[name]
+                if name in model.transformer:  # (a rotary model has no wpe)
+                    parts[name] = model.transformer[name]
         if self.is_last:
             parts["ln_f"] = model.transformer.ln_f
         self.transformer = nn.ModuleDict(parts)
@@ -127,10 +129,11 @@ class PipelineStage(nn.Module):
         # Every stage's cache answers for the same positions: it has seen the same steps.
         pos, attn_mask = cache.prepare(batch, q_len, x.device)
         parts = self.transformer
+        rope = gpt.rope_for(self.config, pos, self.dtype)
         if self.is_first:
-            x = parts.drop(parts.wte(x) + parts.wpe(pos))
+            x = gpt.embed(parts, x, pos)
         for local, block in enumerate(parts.h):
-            x = block(x, attn_mask, cache, cache_slot(self.layers, local))
+            x = block(x, attn_mask, cache, cache_slot(self.layers, local), rope)
         if self.is_last:
             x = self.lm_head(parts.ln_f(x)[:, -1, :])
         return x
