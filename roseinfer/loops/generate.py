@@ -21,6 +21,9 @@ positions are learned only up to `block_size`, so a cache cannot slide by one to
 (every cached key was computed at a position that would have to shift). When the
 sequence outgrows the window, the view is cut back to its last `keep` tokens, and the
 cached path re-prefills those; the uncached path reads exactly the same window.
+A rotary model with a sliding window (`GPTConfig.unbounded`) is never cut: the oracle
+reads the whole sequence under the banded mask, and the cached path runs on a
+rolling cache (roseinfer/cache/rolling.py) that holds only the window.
 """
 
 from __future__ import annotations
@@ -33,23 +36,25 @@ from collections.abc import Callable, Iterator
 import torch
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.cache.rolling import ReRotatingSinkCache, RollingKVCache
 from roseinfer.request.sampling import SamplingParams, sample_next_token
 from roseinfer.request.sampling_params import params_per_prompt
 from roseinfer.request.sequence import GenerationResult, Sequence
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 
-KVCache = ConcatKVCache | StaticKVCache
+KVCache = ConcatKVCache | StaticKVCache | RollingKVCache | ReRotatingSinkCache
 StepFn = Callable[[GPT, torch.Tensor, KVCache], torch.Tensor]
 
 
-def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
+def window_start(start: int, seq_len: int, block_size: int | None, keep: int) -> int:
     """Where the model's view of a `seq_len`-token sequence begins.
 
     The view starts at `start` until it would exceed `block_size` tokens; then it is
     cut back to the last `keep` tokens. Both paths call this at every step.
+    block_size None: the model has no limit (`context_limit`), the view is never cut.
     """
-    if seq_len - start > block_size:
+    if block_size is not None and seq_len - start > block_size:
         return seq_len - keep
     return start
 
@@ -65,6 +70,11 @@ def checked_keep(model: GPT, keep: int | None = None) -> int:
     if not 1 <= keep <= block_size:
         raise RoseError(f"window_keep must be in [1, block_size = {block_size}], got {keep}")
     return keep
+
+
+def context_limit(model: GPT) -> int | None:
+    """How many tokens the model may read at once: block_size, or None when unbounded."""
+    return None if model.config.unbounded else model.config.block_size
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -94,7 +104,7 @@ def uncached_steps(
     tokens = list(seq.prompt_ids)
     start = 0
     while True:
-        start = window_start(start, len(tokens), model.config.block_size, keep)
+        start = window_start(start, len(tokens), context_limit(model), keep)
         idx = torch.tensor([tokens[start:]], device=device)
         logits = model(idx).logits[:, -1, :]
         new_tokens = sample_rows(logits, [seq])
@@ -126,9 +136,9 @@ def cached_steps(
         yield new_tokens, logits
         for row, token in zip(rows, new_tokens, strict=True):
             row.append(token)
-        block_size = model.config.block_size
+        limit = context_limit(model)
         new_starts = [
-            window_start(s, len(r), block_size, keep) for s, r in zip(starts, rows, strict=True)
+            window_start(s, len(r), limit, keep) for s, r in zip(starts, rows, strict=True)
         ]
         if new_starts != starts:
             # A window is full: the cached keys sit at positions that would all have to
@@ -210,7 +220,8 @@ def generate_batch(
     `Sequence` with its own random stream seeded from its params, so a row's tokens
     equal those of its prompt generated alone.
     use_cache=False runs the oracle, each prompt on its own. Otherwise the prompts run
-    as one left-padded batch on `cache` (default: a fresh ConcatKVCache; a StaticKVCache
+    as one left-padded batch on `cache` (default: a fresh ConcatKVCache, or a
+    RollingKVCache for a model with a sliding window; a StaticKVCache or RollingKVCache
     must have one row per prompt), each row stopping on its own while the others go on.
     A cache that already holds the prompt's first tokens (a shared prefix, the earlier
     turns of a conversation) is fed only the rest.
@@ -230,11 +241,16 @@ def generate_batch(
             callback = None if on_token is None else functools.partial(_on_row, on_token, row)
             results += _run(uncached_steps(model, seq, keep), [seq], callback, keep_logits)
         return results
-    cache = ConcatKVCache() if cache is None else cache
+    cache = default_cache(model, len(prompts)) if cache is None else cache
     if isinstance(cache, StaticKVCache) and cache.batch_size != len(prompts):
         raise RoseError(
             f"the static cache holds {cache.batch_size} row(s) but {len(prompts)} prompt(s) "
             f"were given: build it with StaticKVCache(model, batch_size={len(prompts)})"
+        )
+    if model.config.sliding_window is not None and not getattr(cache, "windowed", False):
+        raise RoseError(
+            f"the model attends over a sliding window of {model.config.sliding_window} "
+            f"tokens; {type(cache).__name__} keeps no window: use a RollingKVCache"
         )
     decode_step = model_step
     if compile is not None:
@@ -245,6 +261,13 @@ def generate_batch(
         decode_step = compiled_step(compile)
     steps = cached_steps(model, seqs, keep, cache, prefill_chunk, decode_step)
     return _run(steps, seqs, on_token, keep_logits)
+
+
+def default_cache(model: GPT, rows: int) -> KVCache:
+    """The cache a loop starts with: a rolling one for a sliding window, else concatenation."""
+    if model.config.sliding_window is not None:
+        return RollingKVCache(model, batch_size=rows)
+    return ConcatKVCache()
 
 
 def make_sequences(
