@@ -109,25 +109,23 @@ def banded_mask(
 ROTARY_BASE = 10000.0
 
 
-def rotary_cos_sin(
-    pos: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(pos: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles of positions `pos` (B, T): each (B, 1, T, head_dim).
 
-    The angles are computed in float32 whatever the model's dtype: at position 10,000
-    a bf16 angle would be off by tens of radians.
+    Float32 whatever the model's dtype: at position 10,000 a bf16 angle would be off by
+    tens of radians. (apply_rotary rounds the cos and sin to the keys' dtype.)
     """
     exponents = torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim
     inv_freq = 1.0 / (ROTARY_BASE**exponents)
     angles = pos[..., None].float() * inv_freq  # (B, T, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]  # both halves of a pair, per head
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Turn each channel pair (x[i], x[i + d/2]) of x (B, n_head, T, d) by its angle."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the new tokens' positions
@@ -290,11 +288,11 @@ def embed(parts: nn.ModuleDict, idx: torch.Tensor, pos: torch.Tensor) -> torch.T
     return parts.drop(x)
 
 
-def rope_for(config: GPTConfig, pos: torch.Tensor, dtype: torch.dtype) -> Rope | None:
+def rope_for(config: GPTConfig, pos: torch.Tensor) -> Rope | None:
     """The rotary angles every layer turns its queries and keys by; None for learned positions."""
     if config.position_embedding == "learned":
         return None
-    return rotary_cos_sin(pos, config.head_dim, dtype)
+    return rotary_cos_sin(pos, config.head_dim)
 
 
 class GPT(nn.Module):
@@ -367,8 +365,7 @@ class GPT(nn.Module):
             pos, attn_mask = cache.prepare(B, T, idx.device)
         if validate:
             self._check_positions(pos)
-        x = embed(self.transformer, idx, pos)
-        rope = rope_for(self.config, pos, x.dtype)
+        x, rope = embed(self.transformer, idx, pos), rope_for(self.config, pos)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer, block in enumerate(self.transformer.h):
             if recompute and cache is None:

@@ -131,7 +131,7 @@ class RollingKVCache:
 def rerotate(k: torch.Tensor, delta: int) -> torch.Tensor:
     """Keys rotated at their positions p -> the same keys at p + delta (delta may be < 0)."""
     angle = torch.tensor([[delta]], device=k.device)
-    return gpt.apply_rotary(k, *gpt.rotary_cos_sin(angle, k.size(-1), k.dtype))
+    return gpt.apply_rotary(k, *gpt.rotary_cos_sin(angle, k.size(-1)))
 
 
 class ReRotatingSinkCache:

@@ -60,7 +60,12 @@ class LLMEngine:
         num_blocks = config.pool_blocks(model.config, weight.element_size())
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, config.shuffle_blocks_seed
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.shuffle_blocks_seed,
+            model.config.sliding_window,
+            model.config.attention_sinks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, self.pool, config.attention)
@@ -181,7 +186,11 @@ class LLMEngine:
         self.generation_tokens += 1
         if seq.params.logprobs is not None and len(seq.output_ids) > kept:
             seq.logprobs.append(token_logprob(logits, token, seq.params.logprobs))
-        if not seq.is_finished and seq.num_tokens > self.max_model_len:
+        if (
+            not seq.is_finished
+            and seq.num_tokens > self.max_model_len
+            and not self.model.config.unbounded  # (rotary + window: no position runs out)
+        ):
             # Its newest token would stand at position block_size: no learned position left.
             seq.finish("length")
         if seq.is_finished:

@@ -129,7 +129,7 @@ class PipelineStage(nn.Module):
         # Every stage's cache answers for the same positions: it has seen the same steps.
         pos, attn_mask = cache.prepare(batch, q_len, x.device)
         parts = self.transformer
-        rope = gpt.rope_for(self.config, pos, self.dtype)
+        rope = gpt.rope_for(self.config, pos)
         if self.is_first:
             x = gpt.embed(parts, x, pos)
         for local, block in enumerate(parts.h):
