@@ -195,6 +195,9 @@ def load_stage(
     ckpt = load_checkpoint(source, mmap=True)
     config = GPTConfig.from_dict(ckpt["model_config"])
     stage_layers(config.n_layer, n_stages)  # a clear error before anything is built
+    if config.sliding_window is not None:  # (its caches are static or concat: no window)
+        raise RoseError("a split model keeps every key; a sliding-window model needs a "
+                        "rolling cache: run it in one process (cli_generate --cache rolling)")  # fmt: skip
     with torch.device("meta"), NoRandomFill():  # shapes only: the stage's tensors come below
         model = GPT(config)
     stage_module = PipelineStage(model, stage, n_stages).to_empty(device=device)
