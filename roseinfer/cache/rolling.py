@@ -29,6 +29,13 @@ from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast
 
 
+def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """Where position `pos` is kept: a sink in its own slot in front, every later position
+    modulo the window after them (a new position takes the slot of the one W before it,
+    which has just left every later query's window)."""
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
+
+
 class RollingKVCache:
     """S sink slots and W window slots per layer, written modulo W; true positions.
 
@@ -78,10 +85,6 @@ class RollingKVCache:
         self.next_pos = -pad_lengths.to(device)  # a row's next position (< 0: padding)
         self.slot_pos = torch.full_like(self.k[0][:, 0, :, 0], -1, dtype=torch.long)
 
-    def slot_of(self, pos: torch.Tensor) -> torch.Tensor:
-        """Where position `pos` is kept: the sinks in front, the rest modulo the window."""
-        return torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % self.window)
-
     # -- what the model asks of a cache (rosetrainer.model.KVCache) --
 
     def prepare(
@@ -101,8 +104,10 @@ class RollingKVCache:
         # Which new tokens stay: not padding, and a sink or among the row's last W.
         keep = (pos >= 0) & ((pos < self.sinks) | (pos > pos[:, -1:] - self.window))
         self.write_rows, self.write_cols = keep.nonzero(as_tuple=True)
-        self.write_slots = self.slot_of(pos[self.write_rows, self.write_cols])
-        self.slot_pos[self.write_rows, self.write_slots] = pos[self.write_rows, self.write_cols]
+        kept_pos = pos[self.write_rows, self.write_cols]
+        # (looked up in this module at every call, so the chapter's exercise can swap it)
+        self.write_slots = rolling_slot(kept_pos, self.window, self.sinks)
+        self.slot_pos[self.write_rows, self.write_slots] = kept_pos
         self.next_pos = self.next_pos + q_len
         self.fed += q_len
         return pos.clamp(min=0), mask[:, None]
