@@ -129,3 +129,17 @@ def test_positions_past_block_size_only_for_a_windowed_rotary_model() -> None:
         GPT(GPTConfig(**tiny, position_embedding="rotary"))(idx)
     windowed = GPT(GPTConfig(**tiny, position_embedding="rotary", sliding_window=4))
     assert windowed(idx).logits.shape == (1, 12, 64)
+
+
+def test_trainer_flags_choose_rotary_positions_a_window_and_sinks(tmp_path) -> None:
+    from rosetrainer.train import parse_args, resolve_configs
+
+    flags = parse_args(
+        ["--preset", "tiny", "--position-embedding", "rotary", "--sliding-window", "32",
+         "--attention-sinks", "4", "--checkpoint-path", str(tmp_path / "run")]
+    )  # fmt: skip
+    model_cfg, _ = resolve_configs(flags)
+    assert (model_cfg.position_embedding, model_cfg.sliding_window) == ("rotary", 32)
+    assert model_cfg.attention_sinks == 4 and model_cfg.unbounded
+    with pytest.raises(RoseError, match="invalid choice: 'alibi'"):  # one line, exit code 2
+        parse_args(["--position-embedding", "alibi"])
