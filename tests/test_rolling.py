@@ -13,9 +13,12 @@ import torch
 
 from roseinfer.cache.dense import ConcatKVCache
 from roseinfer.cache.rolling import ReRotatingSinkCache, RollingKVCache, rerotate
+from roseinfer.loops.export_onnx import export
 from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.pipeline.stage import load_stage
 from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer import model as gpt
+from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.errors import RoseError
 from tests.models import assert_clear_margins, assert_matches_oracle, make_test_model
 
@@ -113,3 +116,16 @@ def test_rerotating_sink_cache_keeps_positions_in_range() -> None:
     assert rerotated.token_ids == oracle.token_ids
     with pytest.raises(RoseError, match="rotary"):
         ReRotatingSinkCache(windowed_model(sinks=0, position_embedding="learned"))
+
+
+def test_paths_that_keep_every_key_refuse_a_window(tmp_path) -> None:
+    """The ONNX graph's past grows and its mask is causal; a split model's stage caches
+    are static or concat: each refuses a windowed model with one line, before any work."""
+    model = windowed_model(sinks=1)
+    with pytest.raises(RoseError, match="rolling cache"):
+        export(model, tmp_path / "model.onnx")
+    assert not (tmp_path / "model.onnx").exists()
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict()})
+    with pytest.raises(RoseError, match="rolling cache"):
+        load_stage(path, 0, 2)
