@@ -125,6 +125,12 @@ LESSONS = [
         "group quantization (keys per channel, values per token)",
         exercises_model.check_quantize,
     ),
+    Lesson(
+        "18",
+        "rolling_slot",
+        "the rolling cache's slot for each position (sinks kept, the window modulo W)",
+        exercises.check_rolling_slot,
+    ),
 ]
 
 

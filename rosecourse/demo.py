@@ -38,6 +38,12 @@ from rosetrainer.tokenizer import Tokenizer
 
 # Small enough for a CPU in seconds; GPT-2's vocabulary, so the gpt2 tokenizer decodes it.
 RANDOM_MODEL_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=4, n_embd=64)
+# Chapter 18's model: rotary positions, a window of 8 and 2 sinks. A 512-token vocabulary
+# keeps the uncached oracle (the whole sequence, every step, far past the context) quick.
+WINDOWED_MODEL_CONFIG = GPTConfig(
+    vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=32,
+    position_embedding="rotary", sliding_window=8, attention_sinks=2,
+)  # fmt: skip
 PROMPT = "ROMEO:\nWhat light is that"
 NEW_TOKENS = 32
 # A strong oracle: at least this share of distinct greedy tokens, and every step's top

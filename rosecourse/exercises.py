@@ -28,6 +28,7 @@ from unittest import mock
 
 import torch
 
+import roseinfer.cache.rolling
 import roseinfer.loops.generate
 import roseinfer.request.rows
 import roseinfer.request.sampling
@@ -36,11 +37,13 @@ from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
     RANDOM_MODEL_CONFIG,
+    WINDOWED_MODEL_CONFIG,
     first_divergence,
     wide_random_init,
 )
 from rosecourse.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache, StaticLayerCache
+from roseinfer.cache.rolling import RollingKVCache, rolling_slot
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.rows import window_start
 from roseinfer.request.sampling import SamplingParams, top_p_filter
@@ -873,6 +876,102 @@ def check_window_start(fn: Callable) -> CheckResult:
     return check(WINDOW_START, fn)
 
 
+# -- 18: the rolling cache's slot ----------------------------------------------------------
+
+
+@functools.cache
+def windowed_model() -> GPT:
+    """Chapter 18's rotary model with a sliding window and sinks (rosecourse.demo)."""
+    return wide_random_init(GPT(WINDOWED_MODEL_CONFIG), 0)
+
+
+# A prompt of token ids (the windowed model's vocabulary is 512), and a run four contexts long.
+WINDOWED_PROMPT = (5, 17, 3, 250, 99, 7)
+WINDOWED_NEW_TOKENS = 4 * WINDOWED_MODEL_CONFIG.block_size
+
+
+@functools.cache
+def windowed_reference() -> tuple[int, ...]:
+    """The uncached greedy run under the banded mask: the whole sequence at every step."""
+    params = SamplingParams(max_tokens=WINDOWED_NEW_TOKENS, ignore_eos=True)
+    run = generate(windowed_model(), list(WINDOWED_PROMPT), params, use_cache=False)
+    return tuple(run.token_ids)
+
+
+def _slot_probe(fn: Callable) -> list[object]:
+    # (window, sinks): the chapter's (8, 2), no sinks, and one sink.
+    pos = torch.arange(30)
+    return [outcome(lambda w=w, s=s: fn(pos, w, s)) for w, s in ((8, 2), (8, 0), (5, 1))]
+
+
+def _slot_runs() -> list[tuple[str, Callable, Callable]]:
+    def go(chunk: int | None) -> Callable:
+        def run(on_token: Callable[[int, int], None]) -> list[list[int]]:
+            params = SamplingParams(max_tokens=WINDOWED_NEW_TOKENS, ignore_eos=True)
+            model = windowed_model()
+            result = generate(
+                model, list(WINDOWED_PROMPT), params, cache=RollingKVCache(model),
+                prefill_chunk=chunk, on_token=on_token,
+            )  # fmt: skip
+            return [result.token_ids]
+
+        return run
+
+    label = f"{WINDOWED_NEW_TOKENS} tokens on the rolling cache"
+    expected = lambda: [windowed_reference()]  # noqa: E731
+    return [
+        (label, expected, go(None)),
+        (f"{label}, prefill in chunks of {CHUNK}", expected, go(CHUNK)),
+    ]
+
+
+def _modulo_all_slots(pos, window, sinks):
+    return pos % (window + sinks)
+
+
+def _sinks_share_the_window(pos, window, sinks):
+    return pos % window
+
+
+def _last_slot_only(pos, window, sinks):
+    return torch.where(pos < sinks, pos, torch.full_like(pos, sinks + window - 1))
+
+
+ROLLING_SLOT = Exercise(
+    name="rolling_slot",
+    reference=rolling_slot,
+    probe=_slot_probe,
+    swapped_in=patched(roseinfer.cache.rolling, "rolling_slot"),
+    runs=_slot_runs(),
+    known_wrong=[
+        KnownWrong(
+            "modulo_all_slots",
+            _modulo_all_slots,
+            "every position goes round all sinks + window slots: once the sequence is "
+            "longer than them, a later token overwrites a sink that every query still reads",
+        ),
+        KnownWrong(
+            "sinks_share_the_window",
+            _sinks_share_the_window,
+            "the window's positions go round slots 0 .. W - 1, the sinks' own slots among "
+            "them: the sinks are overwritten (and the last S slots are never used)",
+        ),
+        KnownWrong(
+            "last_slot_only",
+            _last_slot_only,
+            "every position after the sinks lands in one slot: the cache remembers the "
+            "latest token only, not the window",
+        ),
+    ],
+    fallback="a key is overwritten while a query still needs it, or lands in no slot",
+)
+
+
+def check_rolling_slot(fn: Callable) -> CheckResult:
+    """Chapter 18: `rolling_slot(pos, window, sinks) -> slots` (tensors of positions)."""
+    return check(ROLLING_SLOT, fn)
+
+
 def known_wrong_answers() -> Iterator[tuple[Callable[[Callable], CheckResult], KnownWrong]]:
     """Every check with each of its known wrong answers (for the tests)."""
     checks = {
@@ -884,6 +983,7 @@ def known_wrong_answers() -> Iterator[tuple[Callable[[Callable], CheckResult], K
         PADDED_POSITION_IDS.name: check_padded_position_ids,
         MASK_SLICE.name: check_mask_slice,
         WINDOW_START.name: check_window_start,
+        ROLLING_SLOT.name: check_rolling_slot,
     }
     for exercise in (
         CONCAT_KV,
@@ -894,6 +994,7 @@ def known_wrong_answers() -> Iterator[tuple[Callable[[Callable], CheckResult], K
         PADDED_POSITION_IDS,
         MASK_SLICE,
         WINDOW_START,
+        ROLLING_SLOT,
     ):
         for wrong in exercise.known_wrong:
             yield checks[exercise.name], wrong

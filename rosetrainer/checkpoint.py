@@ -227,10 +227,10 @@ def check_declared_shape(
     hostile config from allocating it (check_weights_fit then checks every tensor).
     """
     problems = []
-    for name, declared in (
-        ("transformer.wte.weight", (config.vocab_size, config.n_embd)),
-        ("transformer.wpe.weight", (config.block_size, config.n_embd)),
-    ):
+    declared_shapes = {"transformer.wte.weight": (config.vocab_size, config.n_embd)}
+    if config.position_embedding == "learned":
+        declared_shapes["transformer.wpe.weight"] = (config.block_size, config.n_embd)
+    for name, declared in declared_shapes.items():
         tensor = state_dict.get(name)
         stored = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else "absent"
         if stored != declared:

@@ -24,6 +24,15 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # GPT-2 has biases in its Linears and LayerNorms
+    # "learned": GPT-2's table of block_size positions, added to the token embeddings;
+    # "rotary": no table, each head's queries and keys are turned by an angle per
+    # position (RoPE, as in Llama), so attention scores depend on distances only.
+    position_embedding: str = "learned"
+    # Each query sees only the last sliding_window keys (itself included), as in
+    # Mistral; None: every earlier key. attention_sinks: the first tokens stay visible to
+    # every query besides the window (StreamingLLM's sinks); needs a window.
+    sliding_window: int | None = None
+    attention_sinks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -34,10 +43,34 @@ class GPTConfig:
             )
         check_number("model config", "dropout", self.dropout, 0.0, 1.0, "[0, 1)")
         check_bool("model config", "bias", self.bias)
+        if self.position_embedding not in ("learned", "rotary"):
+            raise RoseError(
+                f"model config: position_embedding must be learned or rotary, "
+                f"got {self.position_embedding!r}"
+            )
+        if self.position_embedding == "rotary" and self.head_dim % 2:
+            raise RoseError(
+                f"model config: rotary positions turn pairs of channels, so the head size "
+                f"n_embd / n_head must be even, got {self.head_dim}"
+            )
+        if self.sliding_window is not None:
+            check_int("model config", "sliding_window", self.sliding_window, minimum=1)
+        check_int("model config", "attention_sinks", self.attention_sinks, minimum=0)
+        if self.attention_sinks and self.sliding_window is None:
+            raise RoseError(
+                "model config: attention_sinks keep tokens visible beside a sliding window; "
+                "set sliding_window too (or attention_sinks = 0)"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def unbounded(self) -> bool:
+        """Whether a sequence may grow past block_size: rotary positions have no table to
+        run out of, and a window keeps every query-key distance below what training saw."""
+        return self.position_embedding == "rotary" and self.sliding_window is not None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

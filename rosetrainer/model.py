@@ -1,10 +1,11 @@
 """The one GPT-2 of rose.
 
-Read top to bottom: three small functions that hold the KV-cache invariants
-(`concat_kv`, `causal_mask`, `position_ids`), the cache protocol (`KVCache`: what the
-model asks of any cache), then attention, the MLP, a transformer block, and the
-model. Parameter names follow OpenAI's / Hugging Face's GPT-2 so their weights load
-with a transpose and nothing else.
+Read top to bottom: the small functions that hold the KV-cache invariants
+(`concat_kv`, `causal_mask`, `position_ids`), the sliding-window mask (`window_mask`),
+the rotary pieces (`rotary_cos_sin`, `apply_rotary`, `rotate_then_cache`), the cache
+protocol (`KVCache`: what the model asks of any cache), then attention, the MLP, a
+transformer block, and the model. Parameter names follow OpenAI's / Hugging Face's
+GPT-2 so their weights load with a transpose and nothing else.
 
 The model is stateless: a cache is passed in, written by each layer, and owned by the
 caller (the inference package's kv_cache module has a concatenating and a preallocated
@@ -73,6 +74,79 @@ def padding_mask(mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tens
     """
     combined = mask[None, None, :, :] & attention_mask[:, None, None, :].bool()
     return combined | ~combined.any(dim=-1, keepdim=True)
+
+
+def window_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, sinks: int = 0
+) -> torch.Tensor:
+    """True where a query at `query_pos` may look at a key at `key_pos` (broadcast).
+
+    Causal: never a later key. With a sliding window the query sees only the last
+    `window` positions (its own included), plus the first `sinks` positions, which every
+    query keeps seeing (attention sinks). Without a window it is the causal mask.
+    """
+    seen = key_pos <= query_pos
+    if window is None:
+        return seen
+    return seen & ((key_pos > query_pos - window) | (key_pos < sinks))
+
+
+def banded_mask(
+    q_len: int, kv_len: int, window: int | None, sinks: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """`causal_mask` (bottom-right aligned, (q_len, kv_len)) cut to the window and its sinks."""
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    key_pos = torch.arange(kv_len, device=device)
+    return window_mask(query_pos[:, None], key_pos[None, :], window, sinks)
+
+
+# ---------------------------------------------------------------------------
+# Rotary positions (RoPE). Channel i of a head is paired with channel i + head_dim/2,
+# and the pair is turned by the angle pos * ROTARY_BASE^(-2i/head_dim). A query at p
+# and a key at s then score q . k turned by (p - s): only the distance counts.
+# ---------------------------------------------------------------------------
+
+ROTARY_BASE = 10000.0
+
+
+def rotary_cos_sin(pos: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles of positions `pos` (B, T): each (B, 1, T, head_dim).
+
+    Float32 whatever the model's dtype: at position 10,000 a bf16 angle would be off by
+    tens of radians. (apply_rotary rounds the cos and sin to the keys' dtype.)
+    """
+    exponents = torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim
+    inv_freq = 1.0 / (ROTARY_BASE**exponents)
+    angles = pos[..., None].float() * inv_freq  # (B, T, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # both halves of a pair, per head
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn each channel pair (x[i], x[i + d/2]) of x (B, n_head, T, d) by its angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the new tokens' positions
+
+
+def rotate_then_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: Rope | None,
+    cache: KVCache | None,
+    layer: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rotary invariant: new keys are turned at their own positions *before* they
+    enter the cache, so a cached key never moves again; then the cache hands back
+    every key/value the new queries attend over."""
+    if rope is not None:
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    if cache is not None:  # keep this layer's new keys/values; attend over all of them
+        k, v = cache.update(layer, k, v)
+    return q, k, v
 
 
 LayerPast = tuple[torch.Tensor, torch.Tensor]
@@ -148,14 +222,13 @@ class CausalSelfAttention(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends on its own.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-
-        if cache is not None:  # keep this layer's new keys/values; attend over all of them
-            k, v = cache.update(layer, k, v)
+        q, k, v = rotate_then_cache(q, k, v, rope, cache, layer)
 
         if T == 1 and not self.training:
             y = one_query_attention(q, k, v, attn_mask)
@@ -200,9 +273,26 @@ class Block(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         layer: int = 0,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer)
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer, rope)
         return x + self.mlp(self.ln_2(x))
+
+
+def embed(parts: nn.ModuleDict, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Token ids (B, T) at positions `pos` -> the first hidden states. `parts` holds wte
+    and drop, and wpe when positions are learned (rotary ones are added in attention)."""
+    x = parts.wte(idx)
+    if "wpe" in parts:
+        x = x + parts.wpe(pos)
+    return parts.drop(x)
+
+
+def rope_for(config: GPTConfig, pos: torch.Tensor) -> Rope | None:
+    """The rotary angles every layer turns its queries and keys by; None for learned positions."""
+    if config.position_embedding == "learned":
+        return None
+    return rotary_cos_sin(pos, config.head_dim)
 
 
 class GPT(nn.Module):
@@ -212,10 +302,12 @@ class GPT(nn.Module):
         # Recompute each block's activations in the backward pass instead of storing
         # them: less memory for one more forward. Only ever while training.
         self.activation_checkpointing = False
+        parts = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if config.position_embedding == "learned":  # (rotary positions have no parameters)
+            parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),  # learned absolute positions
+                **parts,
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -242,7 +334,9 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position table is left out by default (as in the GPT-2 paper)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def forward(
         self,
@@ -266,24 +360,31 @@ class GPT(nn.Module):
         if validate:
             self._check_ids(idx)
         if cache is None:
-            pos, attn_mask = position_ids(0, T, idx.device), None
+            pos, attn_mask = position_ids(0, T, idx.device)[None, :], self.full_mask(T, idx.device)
         else:
             pos, attn_mask = cache.prepare(B, T, idx.device)
         if validate:
             self._check_positions(pos)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x, rope = embed(self.transformer, idx, pos), rope_for(self.config, pos)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer, block in enumerate(self.transformer.h):
             if recompute and cache is None:
-                x = checkpoint(block, x, attn_mask, use_reentrant=False)
+                x = checkpoint(block, x, attn_mask, None, 0, rope, use_reentrant=False)
             else:
-                x = block(x, attn_mask, cache, layer)
+                x = block(x, attn_mask, cache, layer, rope)
         x = self.transformer.ln_f(x)
         if recompute and targets is not None:
             # At GPT-2's vocabulary the logits outweigh every block's activations: rebuild
             # them too, a slice of the sequence at a time (and never return them whole).
             return GPTOutput(None, self._recomputed_loss(x, targets))
         return self._head(x, targets, last_only, logits_at)
+
+    def full_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """The mask of a forward without a cache: None (plain causal) or the banded one."""
+        cfg = self.config
+        if cfg.sliding_window is None or cfg.sliding_window >= T:
+            return None
+        return banded_mask(T, T, cfg.sliding_window, cfg.attention_sinks, device)
 
     def _head(
         self,
@@ -345,7 +446,7 @@ class GPT(nn.Module):
 
     def _check_positions(self, pos: torch.Tensor) -> None:
         last = int(pos.max())
-        if last >= self.config.block_size:
+        if last >= self.config.block_size and not self.config.unbounded:
             raise RoseError(
                 f"a token would stand at position {last}, but the model's learned positions "
                 f"stop at block_size - 1 = {self.config.block_size - 1}: crop the context first"

@@ -165,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     for name in ("block_size", "n_layer", "n_head", "n_embd"):
         add("--" + name.replace("_", "-"), type=int, help="override the preset")
     add("--dropout", type=float, help="override the preset")
+    add("--position-embedding", choices=("learned", "rotary"),
+        help="learned (GPT-2's table, default) or rotary (RoPE, as in Llama)")  # fmt: skip
+    add("--sliding-window", type=int, help="each token attends to the last N tokens only")
+    add("--attention-sinks", type=int,
+        help="the first N tokens stay visible beside the sliding window")  # fmt: skip
     add("--activation-checkpointing", action=argparse.BooleanOptionalAction,
         help="recompute each block in backward: less memory, about 1/3 more compute")  # fmt: skip
     add("--device", help="auto (default), cpu, cuda or cuda:N")

@@ -102,6 +102,9 @@ ORACLE_TEST_FILES = {
     "test_onnx.py",
     "test_pipeline.py",
     "test_quant.py",
+    "test_rolling.py",
+    "test_rotary.py",
+    "test_course.py",
 }
 
 

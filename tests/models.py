@@ -54,6 +54,9 @@ def make_test_model(
     n_embd: int = 32,
     block_size: int = 32,
     vocab_size: int = 512,
+    position_embedding: str = "learned",
+    sliding_window: int | None = None,
+    attention_sinks: int = 0,
 ) -> GPT:
     """A small GPT in eval mode whose greedy output is varied and position-sensitive
     (the chapters' wide init, rosecourse.demo.wide_random_init)."""
@@ -63,6 +66,9 @@ def make_test_model(
         n_layer=n_layer,
         n_head=n_head,
         n_embd=n_embd,
+        position_embedding=position_embedding,
+        sliding_window=sliding_window,
+        attention_sinks=attention_sinks,
     )
     return wide_random_init(GPT(config), seed)
 

@@ -44,11 +44,12 @@ RAGGED_LENGTHS = (1, 5, 17, BLOCK_SIZE - 1)
 # Long enough for the 17- and 31-token rows to outgrow the window (re-prefills mid-batch).
 NEW_TOKENS = 24
 CACHE_KINDS = ("concat", "static")
+POSITION_KINDS = ("learned", "rotary")
 
 
 @functools.cache
-def tiny_model():
-    return make_test_model(seed=0, block_size=BLOCK_SIZE)
+def tiny_model(position_embedding: str = "learned"):
+    return make_test_model(seed=0, block_size=BLOCK_SIZE, position_embedding=position_embedding)
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -63,17 +64,22 @@ def greedy(max_tokens: int = NEW_TOKENS, **overrides) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **overrides)
 
 
-def make_cache(kind: str, batch_size: int = 1) -> ConcatKVCache | StaticKVCache:
+def make_cache(
+    kind: str, batch_size: int = 1, position_embedding: str = "learned"
+) -> ConcatKVCache | StaticKVCache:
     if kind == "concat":
         return ConcatKVCache()
-    return StaticKVCache(tiny_model(), batch_size=batch_size)
+    return StaticKVCache(tiny_model(position_embedding), batch_size=batch_size)
 
 
 @functools.cache
-def oracle(prompt: tuple[int, ...], max_new_tokens: int = NEW_TOKENS) -> GenerationResult:
+def oracle(
+    prompt: tuple[int, ...], max_new_tokens: int = NEW_TOKENS, position_embedding: str = "learned"
+) -> GenerationResult:
     """The uncached greedy run of one prompt alone, checked to be a strong oracle."""
     config = greedy(max_new_tokens)
-    result = generate(tiny_model(), list(prompt), config, use_cache=False, keep_logits=True)
+    model = tiny_model(position_embedding)
+    result = generate(model, list(prompt), config, use_cache=False, keep_logits=True)
     assert_clear_margins(result.step_logits)
     return result
 
@@ -81,15 +87,18 @@ def oracle(prompt: tuple[int, ...], max_new_tokens: int = NEW_TOKENS) -> Generat
 # -- batched generation --
 
 
+@pytest.mark.parametrize("position_embedding", POSITION_KINDS)
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
-def test_each_row_of_a_ragged_batch_equals_its_oracle(cache_kind: str) -> None:
+def test_each_row_of_a_ragged_batch_equals_its_oracle(
+    cache_kind: str, position_embedding: str
+) -> None:
     assert max(map(len, RAGGED_PROMPTS)) + NEW_TOKENS > BLOCK_SIZE  # windows are crossed
-    cache = make_cache(cache_kind, batch_size=len(RAGGED_PROMPTS))
+    cache = make_cache(cache_kind, len(RAGGED_PROMPTS), position_embedding)
     streamed: list[list[int]] = [[] for _ in RAGGED_PROMPTS]
     real_prefill = roseinfer.loops.generate.prefill
     with mock.patch.object(roseinfer.loops.generate, "prefill", side_effect=real_prefill) as spy:
         results = generate_batch(
-            tiny_model(),
+            tiny_model(position_embedding),
             RAGGED_PROMPTS,
             greedy(),
             cache=cache,
@@ -100,7 +109,7 @@ def test_each_row_of_a_ragged_batch_equals_its_oracle(cache_kind: str) -> None:
     for prompt, result, row_stream in zip(RAGGED_PROMPTS, results, streamed, strict=True):
         assert result.prompt_ids == prompt
         assert result.finish_reason == "length"
-        assert_matches_oracle(result, oracle(tuple(prompt)))
+        assert_matches_oracle(result, oracle(tuple(prompt), NEW_TOKENS, position_embedding))
         assert row_stream == result.token_ids
 
 
@@ -306,19 +315,20 @@ def test_chunked_prefill_equals_one_shot_prefill(cache_kind: str, chunk: int) ->
     assert_matches_oracle(chunked, oracle(tuple(LONG_PROMPT), 6))
 
 
+@pytest.mark.parametrize("position_embedding", POSITION_KINDS)
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
-def test_chunked_prefill_of_a_ragged_batch(cache_kind: str) -> None:
+def test_chunked_prefill_of_a_ragged_batch(cache_kind: str, position_embedding: str) -> None:
     prompts = [random_ids(1, seed=8), random_ids(11, seed=9), LONG_PROMPT]
     results = generate_batch(
-        tiny_model(),
+        tiny_model(position_embedding),
         prompts,
         greedy(6),
-        cache=make_cache(cache_kind, batch_size=len(prompts)),
+        cache=make_cache(cache_kind, len(prompts), position_embedding),
         keep_logits=True,
         prefill_chunk=3,
     )
     for prompt, result in zip(prompts, results, strict=True):
-        assert_matches_oracle(result, oracle(tuple(prompt), 6))
+        assert_matches_oracle(result, oracle(tuple(prompt), 6, position_embedding))
 
 
 # -- shapes that disagree --

@@ -17,6 +17,7 @@ import pytest
 import torch
 from models import assert_clear_margins
 
+from rosecourse.demo import wide_random_init
 from roseinfer.cli import generate as cli_generate
 from roseinfer.cli.engine_flags import engine_config
 from roseinfer.engine.config import EngineConfig
@@ -433,3 +434,61 @@ def test_ctrl_c_while_streaming_stops_cleanly(
     assert out.startswith("Hi") and out.endswith("\n")
     assert err.splitlines()[-1] == "[roseinfer] interrupted: stopped by Ctrl-C"
     assert "error" not in err
+
+
+# -- a sliding-window rotary model --
+
+
+@pytest.fixture(scope="module")
+def windowed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rotary model with a window of 8 and 2 sinks, re-initialised as a strong oracle."""
+    config = GPTConfig(
+        vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=32,
+        position_embedding="rotary", sliding_window=8, attention_sinks=2,
+    )  # fmt: skip
+    model = wide_random_init(GPT(config), seed=0)
+    path = tmp_path_factory.mktemp("windowed") / "best.pt"
+    state = {"model": model.state_dict(), "model_config": config.to_dict()}
+    save_checkpoint(path, {**state, "tokenizer_name": "gpt2"})
+    return path
+
+
+def test_a_windowed_model_gives_the_oracle_ids_on_every_path_far_past_its_context(
+    windowed_checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Five times the context: the rolling cache (the default for one prompt), the
+    engine (several prompts) and --no-kv-cache (the banded oracle) agree token for token."""
+    prompts = ["ROMEO:", "To be, or not"]
+    base = ["--checkpoint-path", windowed_checkpoint, "--temperature", "0", "--json",
+            "--max-new-tokens", "160", "--no-stop-at-eot"]  # fmt: skip
+    ids = {}
+    for name, extra in {
+        "rolling": ["--prompt", prompts[0]],
+        "engine": ["--prompt", prompts[0], "--prompt", prompts[1]],
+        "oracle": ["--prompt", prompts[0], "--prompt", prompts[1], "--no-kv-cache"],
+    }.items():
+        code, out, err = main(capsys, *base, *extra)
+        assert code == 0, err
+        ids[name] = [line["token_ids"] for line in json_lines(out)]
+        if name == "rolling":
+            assert "kv cache: rolling" in err
+    assert ids["rolling"][0] == ids["engine"][0] == ids["oracle"][0]
+    assert ids["engine"][1] == ids["oracle"][1]
+    assert len(ids["oracle"][0]) == 160 and len(set(ids["oracle"][0])) > 40
+
+
+@pytest.mark.parametrize(
+    "which, extra, complaint",
+    [
+        ("windowed", ["--cache", "static"], "use --cache rolling"),
+        ("tiny", ["--cache", "rolling"], "needs a model with a sliding window"),
+    ],
+)
+def test_a_cache_that_does_not_fit_the_window_is_one_line(
+    which: str, extra: list[str], complaint: str, request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture,
+) -> None:  # fmt: skip
+    path = request.getfixturevalue("windowed_checkpoint" if which == "windowed" else "run_dir")
+    code, out, err = main(capsys, "--checkpoint-path", path, "--prompt", "a", *extra)
+    assert code == 2 and out == ""
+    assert complaint in err and len(err.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -59,12 +60,16 @@ def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[in
     return result.token_ids
 
 
-def run_to_end(engine: LLMEngine, check: bool = True) -> dict[str, object]:
+def run_to_end(
+    engine: LLMEngine, check: bool = True, after_step: Callable[[], None] | None = None
+) -> dict[str, object]:
     finished = {}
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
+        if after_step is not None:
+            after_step()
         if check:
             live = list(engine.requests.values())
             check_pool(
@@ -193,6 +198,53 @@ def test_random_schedules_on_a_quantized_pool(model, tokenizer, case: int) -> No
     for request_id, (prompt, params) in run["requests"].items():
         if request_id not in run["aborted"]:
             assert run["finished"][request_id].token_ids == solo(model, tokenizer, prompt, params)
+
+
+@pytest.mark.parametrize("case", CASES[:3])
+def test_random_schedules_on_a_rotary_model(tokenizer, case: int) -> None:
+    """The paged pool holds rotary keys turned before they are written: same promise."""
+    rotary = make_test_model(0, block_size=CONTEXT, position_embedding="rotary")
+    run = run_case(rotary, tokenizer, case)
+    for request_id, (prompt, params) in run["requests"].items():
+        if request_id not in run["aborted"]:
+            want = solo(rotary, tokenizer, prompt, params)
+            assert run["finished"][request_id].token_ids == want, request_id
+
+
+@pytest.mark.parametrize("attention", ["fast", "reference"])
+def test_a_windowed_request_runs_far_past_the_context_on_a_few_blocks(
+    tokenizer, attention: str
+) -> None:
+    """A rotary model with a sliding window: requests run 3x past the context, each equal
+    to its uncached run under the banded mask, while the engine gives back every block
+    behind a window, so a decoding request never holds more than ceil(W / kv_block) + 1
+    blocks (and the block of its sinks; while it reads its prompt, the chunk's own blocks
+    come on top)."""
+    window, sinks = 10, 2
+    model = make_test_model(
+        0, block_size=CONTEXT, position_embedding="rotary", sliding_window=window,
+        attention_sinks=sinks,
+    )  # fmt: skip
+    engine = engine_for(model, tokenizer, attention=attention, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=3 * CONTEXT)
+    prompts = [[7, 300, 42], list(range(100, 140)), [5] * 20]
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    held = [0]
+
+    def count_blocks() -> None:
+        for seq in engine.requests.values():
+            if seq.num_computed_tokens > len(seq.prompt_ids):  # decoding
+                held.append(sum(b >= 0 for b in seq.block_table))
+
+    finished = run_to_end(engine, after_step=count_blocks)
+    most_held = max(held)
+    bound = -(-window // KV_BLOCK) + 1 + -(-sinks // KV_BLOCK)
+    assert most_held == bound  # reached, never passed
+    assert engine.block_manager.num_available == engine.block_manager.num_blocks
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        oracle = generate(model, prompt, params, use_cache=False)
+        assert len(oracle.token_ids) == 3 * CONTEXT
+        assert finished[request_id].token_ids == oracle.token_ids
 
 
 @pytest.mark.slow

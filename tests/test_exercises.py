@@ -16,6 +16,7 @@ from rosecourse.solutions import (
     ch07_padded_position_ids,
     ch08_mask_slice,
     ch09_window_start,
+    ch18_rolling_slot,
 )
 
 SOLUTIONS = [
@@ -27,11 +28,17 @@ SOLUTIONS = [
     (exercises.check_padded_position_ids, ch07_padded_position_ids.padded_position_ids),
     (exercises.check_mask_slice, ch08_mask_slice.mask_slice),
     (exercises.check_window_start, ch09_window_start.window_start),
+    (exercises.check_rolling_slot, ch18_rolling_slot.rolling_slot),
 ]
 
 # The first step each known wrong answer parts from the reference on the oracle model
 # (None: every step matches, and only the small inputs give it away).
 FIRST_DIVERGENT_STEP = {
+    # 18: the sinks are overwritten once 6 prompt + 9 new tokens pass the 10 slots; a
+    # single slot loses the window at the first decode step.
+    "modulo_all_slots": 9,
+    "sinks_share_the_window": 9,
+    "last_slot_only": 1,
     "lose_past_kv": 1,  # the prefill has no past to lose; the first decode step does
     "new_only": 1,
     "new_first": None,  # decode attention is order-free; the chunks' tokens happen to hold

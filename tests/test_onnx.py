@@ -76,15 +76,21 @@ def strong_model() -> GPT:
     return make_test_model(seed=0, block_size=32, vocab_size=512)
 
 
+def exported(model: GPT, out: Path) -> OnnxModel:
+    """The model's graph (exported at 2 rows, 3 past and 4 new tokens), loaded."""
+    export_onnx.export(model, out / onnx_generate.MODEL_FILE)
+    export_onnx.write_meta(model, out, eot_id=511, tokenizer_name="gpt2", opset=18, source="test")
+    return OnnxModel(out, threads=1)
+
+
 @pytest.fixture(scope="module")
 def onnx_model(strong_model: GPT, tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
-    """The strong model's graph; exported at 2 rows, 3 past and 4 new tokens."""
-    out = tmp_path_factory.mktemp("onnx_strong")
-    export_onnx.export(strong_model, out / onnx_generate.MODEL_FILE)
-    export_onnx.write_meta(
-        strong_model, out, eot_id=511, tokenizer_name="gpt2", opset=18, source="test"
-    )
-    return OnnxModel(out, threads=1)
+    return exported(strong_model, tmp_path_factory.mktemp("onnx_strong"))
+
+
+@pytest.fixture(scope="module")
+def rotary_model() -> GPT:
+    return make_test_model(seed=4, block_size=32, vocab_size=512, position_embedding="rotary")
 
 
 class RecordingModel:
@@ -134,10 +140,20 @@ def test_batch_of_one_from_an_empty_past_to_a_full_context(
     assert_rows_match_oracle(results, [oracle(strong_model, prompt)])
 
 
-def test_left_padded_ragged_batch_of_three(onnx_model: OnnxModel, strong_model: GPT) -> None:
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary"])
+def test_left_padded_ragged_batch_of_three(
+    position_embedding: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Rotary positions export too: the graph turns its keys at the position_ids given."""
+    if position_embedding == "learned":
+        strong_model = request.getfixturevalue("strong_model")
+        model = request.getfixturevalue("onnx_model")
+    else:
+        strong_model = request.getfixturevalue("rotary_model")
+        model = exported(strong_model, tmp_path)
     block_size = strong_model.config.block_size
     prompts = [[464, 68], [17, 329, 11, 290, 262, 110], [40]]
-    recording = RecordingModel(onnx_model)
+    recording = RecordingModel(model)
     greedy = SamplingParams(max_tokens=block_size, ignore_eos=True)
     results = onnx_generate.generate_batch(recording, prompts, greedy, keep_logits=True)
     # A prefill of the longest prompt (others left-padded), then one token per step until

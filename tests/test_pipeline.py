@@ -51,11 +51,25 @@ def model() -> GPT:
     return make_test_model(3, n_layer=N_LAYER)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_checkpoint(model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("pipeline") / "model.pt"
     save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict()})
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def rotary_model() -> GPT:
+    return make_test_model(3, n_layer=N_LAYER, position_embedding="rotary")
+
+
+@pytest.fixture(scope="module")
+def rotary_checkpoint(rotary_model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(rotary_model, tmp_path_factory)
 
 
 @pytest.fixture
@@ -172,10 +186,16 @@ def pipeline_jobs() -> list[PipelineJob]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_stages", [2, 3])
+# Every stage turns its own layers' queries and keys, so rotary splits too (one case).
+@pytest.mark.parametrize(
+    "n_stages, position_embedding", [(2, "learned"), (3, "learned"), (2, "rotary")]
+)
 def test_split_model_equals_the_oracle(
-    n_stages: int, model: GPT, checkpoint: Path, no_stage_left: None
+    n_stages: int, position_embedding: str, request: pytest.FixtureRequest, no_stage_left: None
 ) -> None:
+    prefix = "" if position_embedding == "learned" else "rotary_"
+    model = request.getfixturevalue(prefix + "model")
+    checkpoint = request.getfixturevalue(prefix + "checkpoint")
     run = run_pipeline(PipelineSetup(str(checkpoint), n_stages), pipeline_jobs())
     micro, single, sampled, past_window = ([r.token_ids for r in job] for job in run.results)
 

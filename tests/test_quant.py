@@ -3,6 +3,8 @@ window that flushes a group at a time, and greedy tokens checked against the ora
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from models import assert_clear_margins, assert_logits_close, make_test_model
@@ -143,17 +145,30 @@ def test_a_prefill_stores_the_same_groups_as_one_token_at_a_time() -> None:
 # -- against the oracle ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model():
+@functools.cache
+def model_with(position_embedding: str):
     # head size 32: the default group size (32) divides it
-    return make_test_model(seed=0, n_embd=64, n_head=2, block_size=96)
+    return make_test_model(
+        seed=0, n_embd=64, n_head=2, block_size=96, position_embedding=position_embedding
+    )
 
 
-@pytest.fixture(scope="module")
-def oracle(model):
+@functools.cache
+def oracle_of(position_embedding: str):
+    model = model_with(position_embedding)
     result = generate(model, PROMPT, GREEDY_64, use_cache=False, keep_logits=True)
     assert_clear_margins(result.step_logits)
     return result
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_with("learned")
+
+
+# The oracle checks run on both position kinds: a rotary model's cache holds its keys
+# after their turn, and those are what get quantized.
+POSITION_KINDS = ["learned", "rotary"]
 
 
 def max_logit_gap(result, oracle) -> float:
@@ -168,10 +183,12 @@ def assert_logits_match(result, oracle) -> None:
         assert_logits_close(got, want)
 
 
+@pytest.mark.parametrize("position_embedding", POSITION_KINDS)
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_a_window_longer_than_the_run_gives_the_full_precision_tokens(
-    model, oracle, kv_cache_dtype: str
+    kv_cache_dtype: str, position_embedding: str
 ) -> None:
+    model, oracle = model_with(position_embedding), oracle_of(position_embedding)
     total = len(PROMPT) + 64
     exact = QuantizedKVCache(model, max_len=total, kv_cache_dtype=kv_cache_dtype, window=total)
     result = generate(model, PROMPT, GREEDY_64, cache=exact, keep_logits=True)
@@ -189,10 +206,12 @@ def test_a_window_longer_than_the_run_gives_the_full_precision_tokens(
     assert gap > 10 * tolerance
 
 
+@pytest.mark.parametrize("position_embedding", POSITION_KINDS)
 @pytest.mark.parametrize("group_size", [32, 16])
 def test_int8_without_a_window_gives_the_oracle_tokens_over_64_steps(
-    model, oracle, group_size: int
+    group_size: int, position_embedding: str
 ) -> None:
+    model, oracle = model_with(position_embedding), oracle_of(position_embedding)
     cache = QuantizedKVCache(
         model, max_len=len(PROMPT) + 64, kv_cache_dtype="int8", window=0, group_size=group_size
     )

@@ -15,7 +15,11 @@ at every call (so a chapter or test can swap in a buggy one):
 * `slot_mapping`: the token at position p of a sequence is written to slot
   block_table[p // kv_block_size] * kv_block_size + p % kv_block_size;
 * `paged_causal_mask`: a query sees the keys of its own sequence at positions up to
-  its own (the bottom-right rule, per sequence), and nothing of any other sequence.
+  its own (the bottom-right rule, per sequence), and nothing of any other sequence;
+  with a sliding window only the last W of them and the sinks (`window_mask`).
+
+A sliding-window model reads only its window's keys (and its sinks): the flat layout
+gathers just those, so the engine may free the blocks behind a sequence's window.
 
 Two layouts of the same call:
 
@@ -38,6 +42,7 @@ from typing import Protocol
 import torch
 
 from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
+from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
@@ -63,6 +68,7 @@ class KVPool:
         self.kv_block_size = kv_block_size
         self.n_head = config.n_head
         self.quantized = False
+        self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
         shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -108,6 +114,7 @@ class QuantizedKVPool:
     ) -> None:
         self.num_blocks, self.kv_block_size, self.n_head = num_blocks, kv_block_size, config.n_head
         self.dtype, self.window = dtype, window
+        self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
         shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
         bits = BITS[kv_cache_dtype]
         self.k = [
@@ -265,13 +272,19 @@ def slot_mapping(
 
 
 def paged_causal_mask(
-    query_seq: torch.Tensor, query_pos: torch.Tensor, key_seq: torch.Tensor, key_pos: torch.Tensor
+    query_seq: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_seq: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
-    """True where a query may look: a key of its own sequence, at a position <= its own.
+    """True where a query may look: a key of its own sequence, at a position <= its own
+    (and inside its sliding window, or a sink, when the model has one).
 
     The arguments broadcast against each other (queries along one axis, keys along another).
     """
-    return (key_seq == query_seq) & (key_pos <= query_pos)
+    return (key_seq == query_seq) & gpt.window_mask(query_pos, key_pos, window, sinks)
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +296,8 @@ def padded_tables(block_tables: list[list[int]], device: torch.device) -> torch.
     """(num_seqs, longest table) physical block ids; short tables are padded with block 0,
     whose slots the mask then hides."""
     longest = max(map(len, block_tables))
-    rows = [table + [0] * (longest - len(table)) for table in block_tables]
+    # A block freed behind a sliding window is -1 in its table; its keys are never read.
+    rows = [[max(b, 0) for b in table] + [0] * (longest - len(table)) for table in block_tables]
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
@@ -332,22 +346,43 @@ class PagedKVCache:
         self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
         if self.pool.quantized:  # the blocks written in this call take their exact places now
             self.pool.make_exact(torch.unique(self.written_slots // self.kv_block_size).tolist())
+        window, sinks = self.pool.attention_window, self.pool.attention_sinks
         if self.layout == "flat":
-            # Every key the new tokens may read: positions 0 .. num_computed + num_new - 1
-            # of each sequence, one sequence after another.
-            context = self.num_computed + self.num_new
-            key_seq = torch.repeat_interleave(torch.arange(num_seqs), context).to(device)
-            key_pos = paged_positions(torch.zeros_like(context), context).to(device)
+            key_seq, key_pos = self._keys_read(device)
             self.key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
             mask = paged_causal_mask(
-                seq_of_token[:, None], positions[:, None], key_seq[None, :], key_pos[None, :]
-            )
+                seq_of_token[:, None], positions[:, None], key_seq[None, :], key_pos[None, :],
+                window, sinks,
+            )  # fmt: skip
             return positions[None, :], mask[None, None, :, :]
         # Padded: row i reads all of its blocks; key j of a row stands at position j.
         key_pos = torch.arange(self.tables.size(1) * self.kv_block_size, device=device)
         rows = torch.arange(num_seqs, device=device)
-        mask = paged_causal_mask(rows[:, None], positions[:, None], rows[:, None], key_pos[None, :])
+        mask = paged_causal_mask(
+            rows[:, None], positions[:, None], rows[:, None], key_pos[None, :], window, sinks
+        )
         return positions[:, None], mask[:, None, None, :]
+
+    def _keys_read(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, position) of every key the new tokens may read, one sequence after
+        another: positions 0 .. num_computed + num_new - 1, or with a sliding window
+        only the sinks and the positions from the first new token's window on."""
+        context = self.num_computed + self.num_new
+        sinks = context.clamp(max=self.pool.attention_sinks)
+        first = torch.zeros_like(context)
+        if self.pool.attention_window is not None:
+            first = (self.num_computed - self.pool.attention_window + 1).clamp(min=sinks)
+        seqs = torch.arange(len(context))
+        key_seq = torch.cat(
+            [seqs.repeat_interleave(sinks), seqs.repeat_interleave(context - first)]
+        )
+        key_pos = torch.cat(
+            [
+                paged_positions(torch.zeros_like(sinks), sinks),
+                paged_positions(first, context - first),
+            ]
+        )
+        return key_seq.to(device), key_pos.to(device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
         if self.pool.quantized:

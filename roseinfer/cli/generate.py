@@ -13,9 +13,12 @@ Which path runs:
   batching, prefix caching; its flags are rose-serve's, roseinfer/cli/engine_flags.py):
   --max-num-seqs of them run at once, and each prompt's output is printed, in prompt
   order, as soon as it and every prompt before it are done;
-* one prompt: a static cache, its text streamed as it is made;
-* --no-kv-cache, --cache static|concat, --compile or --onnx: that path, for every
-  prompt, in left-padded batches of --batch-size (each batch printed when it is done).
+* one prompt: a static cache (a rolling one for a model with a sliding window), its
+  text streamed as it is made;
+* --no-kv-cache, --cache static|concat|rolling, --compile or --onnx: that path, for
+  every prompt, in left-padded batches of --batch-size (each batch printed when it is
+  done). --no-kv-cache on a windowed model is its oracle: the whole sequence under the
+  banded mask.
 
 stdout carries only the text (the prompt, then its continuation, then a newline) or,
 with --json, one JSON object per prompt per line, in prompt order. Every status line
@@ -40,6 +43,7 @@ import torch
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
+from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.cli.engine_flags import add_engine_flags, engine_config
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
@@ -56,6 +60,7 @@ from roseinfer.pipeline.launch import (
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
+from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
@@ -171,10 +176,11 @@ def add_path_flags(p: argparse.ArgumentParser) -> None:
     )
     path.add_argument(
         "--cache",
-        choices=["static", "concat"],
+        choices=["static", "concat", "rolling"],
         help="run every prompt on this cache in left-padded batches instead of the engine: "
         "static: buffers preallocated for the whole context (what one prompt uses anyway); "
-        "concat: grown by concatenation each step",
+        "concat: grown by concatenation each step; rolling: the sliding window's slots "
+        "only (the default for a model with a sliding window, and its only cache)",
     )
     path.add_argument(
         "--batch-size",
@@ -337,14 +343,37 @@ def write(text: str) -> None:
     sys.stdout.flush()
 
 
+def cache_kind(args: argparse.Namespace, config: GPTConfig) -> str:
+    """static, concat or rolling, checked against the model: a sliding window needs the
+    rolling cache (the others keep every key), and only a window can roll."""
+    windowed = config.sliding_window is not None
+    kind = args.cache or ("rolling" if windowed else "static")
+    if windowed and kind != "rolling":
+        raise RoseError(
+            f"the model attends over a sliding window of {config.sliding_window} tokens: "
+            f"use --cache rolling (the default for it), not --cache {kind}"
+        )
+    if kind == "rolling" and not windowed:
+        raise RoseError(
+            "--cache rolling needs a model with a sliding window: pick static or concat"
+        )
+    if kind == "rolling" and (args.kv_cache_dtype != "auto" or args.compile):
+        raise RoseError("the rolling cache is not quantized or compiled: drop --kv-cache-dtype "
+                        "and --compile")  # fmt: skip
+    return kind
+
+
 def make_cache(
     args: argparse.Namespace, model: GPT, batch: list[list[int]]
-) -> StaticKVCache | ConcatKVCache | None:
+) -> StaticKVCache | ConcatKVCache | RollingKVCache | None:
     """A fresh cache for one batch (None: the uncached reference path)."""
     if args.no_kv_cache:
         return None
-    if args.cache == "concat":
+    kind = cache_kind(args, model.config)
+    if kind == "concat":
         return ConcatKVCache()
+    if kind == "rolling":
+        return RollingKVCache(model, batch_size=len(batch))
     # No row ever needs more slots than the longest prompt plus its new tokens, nor more
     # than the context (longer runs restart from a shorter window): allocate no more.
     # A compiled step is built for one buffer shape: then always allocate the whole context.
@@ -572,6 +601,7 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
         )
         prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        kind = cache_kind(args, model.config)
         check_quant_settings(
             model.config,
             args.kv_cache_dtype,
@@ -590,7 +620,7 @@ def run(args: argparse.Namespace) -> int:
         elif engine is not None:
             status("kv cache", "paged (engine)")
         else:
-            status("kv cache", args.cache or "static")
+            status("kv cache", kind)
         if args.kv_cache_dtype != "auto":
             status(
                 "kv cache dtype",

@@ -13,6 +13,12 @@ can take the block as it is. A block nobody holds any more keeps its contents an
 stays findable until the pool needs the room: such blocks are evicted least recently
 used first.
 
+Sliding window: a model whose queries see only the last `window` keys (and the first
+`sinks`) never reads a block again once it lies wholly behind a sequence's window, so
+`drop_out_of_window` gives such blocks back while the sequence runs on; their table
+entries become FREED (-1). A long request then holds at most ceil(window / block_size)
++ 1 blocks, and those of its sinks.
+
 Every block is in exactly one of three states:
   free      no contents worth keeping, in `free_ids`
   used      held by at least one live sequence (ref_count > 0)
@@ -43,6 +49,9 @@ def chain_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+FREED = -1  # a block-table entry whose block was given back behind the window
+
+
 def blocks_for(num_tokens: int, kv_block_size: int) -> int:
     return -(-num_tokens // kv_block_size)
 
@@ -54,8 +63,11 @@ class BlockManager:
         kv_block_size: int,
         enable_prefix_caching: bool = True,
         shuffle_seed: int | None = None,
+        window: int | None = None,
+        sinks: int = 0,
     ) -> None:
         self.kv_block_size = kv_block_size
+        self.window, self.sinks = window, sinks  # the model's sliding window, if any
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # With a shuffle seed, free blocks are handed out in a random order (tests do this:
@@ -149,6 +161,18 @@ class BlockManager:
         while len(seq.block_table) * self.kv_block_size < num_tokens:
             seq.block_table.append(self._take_block())
 
+    def drop_out_of_window(self, seq: EngineSequence) -> None:
+        """Give back seq's blocks that no later query can read: wholly before the window of
+        its next token (at position num_computed_tokens), and holding no sink."""
+        if self.window is None:
+            return
+        first_needed = seq.num_computed_tokens - self.window + 1  # the next query's oldest key
+        first_sinkless = -(-self.sinks // self.kv_block_size)
+        for i in range(first_sinkless, max(0, first_needed) // self.kv_block_size):
+            if seq.block_table[i] != FREED:
+                self._give_back(seq.block_table[i])
+                seq.block_table[i] = FREED
+
     def release(self, seq: EngineSequence) -> None:
         """Drop every block the sequence holds (finished, aborted or preempted).
 
@@ -156,16 +180,21 @@ class BlockManager:
         prefix is evicted before its beginning (which more prompts share).
         """
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_ids.append(block_id)
+            if block_id != FREED:
+                self._give_back(block_id)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def _give_back(self, block_id: int) -> None:
+        """One table fewer holds the block; unheld, it is free, or cached if keyed."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
 
     def advance(self, seq: EngineSequence, num_new: int) -> None:
         """A step computed num_new more of seq's tokens into its blocks."""
@@ -223,7 +252,8 @@ def check_pool(
     holders = [0] * manager.num_blocks
     for seq in live:
         for block_id in seq.block_table:
-            holders[block_id] += 1
+            if block_id != FREED:
+                holders[block_id] += 1
     for block in manager.blocks:
         assert block.ref_count == holders[block.block_id], (
             f"block {block.block_id}: ref_count {block.ref_count}, "

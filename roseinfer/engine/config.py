@@ -79,6 +79,11 @@ class EngineConfig:
 
     def check_model(self, model: GPTConfig) -> None:
         """The settings that depend on the model (a quantized pool's group size)."""
+        if model.sliding_window is not None and self.kv_cache_dtype != "auto":
+            raise RoseError(
+                "a quantized KV pool does not yet free blocks behind a sliding window: "
+                "serve a windowed model with --kv-cache-dtype auto"
+            )
         check_quant_settings(
             model, self.kv_cache_dtype, self.kv_cache_group_size, self.kv_cache_window, "channel"
         )

@@ -52,6 +52,9 @@ class LLMEngine:
         # A request holds at most the context window of tokens: the model's learned
         # positions end there (see add_request).
         self.max_model_len = model.config.block_size
+        # A sequence stops when its next token would have no position left; a rotary model
+        # with a sliding window never runs out of positions.
+        self.length_limit = None if model.config.unbounded else self.max_model_len
         weight = model.lm_head.weight  # the pool lives where the weights do, in their dtype
         config.check_model(model.config)
         num_blocks = config.pool_blocks(model.config, weight.element_size())
@@ -61,6 +64,8 @@ class LLMEngine:
             config.kv_block_size,
             config.enable_prefix_caching,
             config.shuffle_blocks_seed,
+            model.config.sliding_window,
+            model.config.attention_sinks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, self.pool, config.attention, config.check_invariants)
@@ -189,7 +194,7 @@ class LLMEngine:
                 errors.setdefault(row, one_line(error))
 
             tokens = self._sample(logits, sampling, failed)
-            took = take_tokens(sampling, tokens, max_len=self.max_model_len, on_error=failed)
+            took = take_tokens(sampling, tokens, max_len=self.length_limit, on_error=failed)
             self.generation_tokens += len(took)
             self._add_logprobs(sampling, took, logits, failed)
             for row, error in errors.items():

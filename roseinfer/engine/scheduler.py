@@ -67,6 +67,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            manager.drop_out_of_window(seq)  # (a sliding-window model's blocks behind it)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()  # the newest

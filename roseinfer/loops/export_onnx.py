@@ -47,6 +47,7 @@ from roseinfer.loops.onnx_generate import (
 )
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast
 from rosetrainer.numerics import logit_tolerance
 
@@ -109,6 +110,12 @@ def dynamic_shapes(n_layer: int) -> dict[str, object]:
 def export(model: GPT, path: Path, opset: int = DEFAULT_OPSET) -> None:
     """Write the graph of `model` (float32) to `path`."""
     config = model.config
+    if config.sliding_window is not None:
+        raise RoseError(
+            "the graph's past_key_values grow with the sequence and its mask is causal; a "
+            "sliding-window model needs a rolling cache the graph does not have: run it "
+            "with PyTorch (cli_generate --cache rolling)"
+        )
     decoder = DecoderWithPast(model.eval())
     example = example_inputs(config, EXAMPLE_BATCH, EXAMPLE_PAST, EXAMPLE_NEW)
     # The exporter warns about torchvision ops it cannot register (rose has none) and about

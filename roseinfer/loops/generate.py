@@ -20,6 +20,9 @@ Past the context window both paths follow one policy, `window_start`
 (roseinfer/request/rows.py, with the other helpers every batched loop shares): when the
 sequence outgrows the window, the view is cut back to its last `keep` tokens, and the
 cached path re-prefills those; the uncached path reads exactly the same window.
+A rotary model with a sliding window (`GPTConfig.unbounded`) is never cut: the oracle
+reads the whole sequence under the banded mask, and the cached path runs on a
+rolling cache (roseinfer/cache/rolling.py) that holds only the window.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from roseinfer.cache.dense import ConcatKVCache, DenseKVCache
+from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.request import rows
 from roseinfer.request.rows import checked_keep, left_pad, make_sequences
 from roseinfer.request.sampling import SamplingParams, sample_rows
@@ -59,7 +63,7 @@ def uncached_steps(
     tokens = list(seq.prompt_ids)
     start = 0
     while True:
-        start = rows.window_start(start, len(tokens), model.config.block_size, keep)
+        start = rows.window_start(start, len(tokens), rows.context_limit(model), keep)
         idx = torch.tensor([tokens[start:]], device=device)
         logits = model(idx).logits[:, -1, :]
         new_tokens = sample_rows(logits, [seq])
@@ -89,7 +93,7 @@ def cached_steps(
         yield new_tokens, logits
         for row, token in zip(tokens, new_tokens, strict=True):
             row.append(token)
-        slid = rows.slid_starts(starts, tokens, model.config.block_size, keep)
+        slid = rows.slid_starts(starts, tokens, rows.context_limit(model), keep)
         if slid is not None:  # a window is full: start the cache afresh from the kept tokens
             starts = slid
             cache.reset()
@@ -160,7 +164,8 @@ def generate_batch(
     `Sequence` with its own random stream seeded from its params, so a row's tokens
     equal those of its prompt generated alone.
     use_cache=False runs the oracle, each prompt on its own. Otherwise the prompts run
-    as one left-padded batch on `cache` (default: a fresh ConcatKVCache; a StaticKVCache
+    as one left-padded batch on `cache` (default: a fresh ConcatKVCache, or a
+    RollingKVCache for a model with a sliding window; a StaticKVCache or RollingKVCache
     must have one row per prompt), each row stopping on its own while the others go on.
     A cache that already holds the prompt's first tokens (a shared prefix, the earlier
     turns of a conversation) is fed only the rest.
@@ -180,8 +185,13 @@ def generate_batch(
             callback = None if on_token is None else functools.partial(_on_row, on_token, row)
             results += _run(uncached_steps(model, seq, keep), [seq], callback, keep_logits)
         return results
-    cache = ConcatKVCache() if cache is None else cache
+    cache = default_cache(model, len(prompts)) if cache is None else cache
     cache.check_rows(len(prompts))
+    if model.config.sliding_window is not None and not getattr(cache, "windowed", False):
+        raise RoseError(
+            f"the model attends over a sliding window of {model.config.sliding_window} "
+            f"tokens; {type(cache).__name__} keeps no window: use a RollingKVCache"
+        )
     decode_step = model_step
     if compile is not None:
         if not cache.compilable:
@@ -260,3 +270,10 @@ def compiled_step(mode: str = "default") -> StepFn:
             return step(*args)
 
     return frozen_step
+
+
+def default_cache(model: GPT, rows: int) -> DenseKVCache:
+    """The cache a loop starts with: a rolling one for a sliding window, else concatenation."""
+    if model.config.sliding_window is not None:
+        return RollingKVCache(model, batch_size=rows)
+    return ConcatKVCache()

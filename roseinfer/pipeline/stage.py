@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from rosetrainer import model as gpt
 from rosetrainer.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
@@ -86,7 +87,8 @@ class PipelineStage(nn.Module):
         }
         if self.is_first:
             for name in ("wte", "wpe", "drop"):
-                parts[name] = model.transformer[name]
+                if name in model.transformer:  # (a rotary model has no wpe)
+                    parts[name] = model.transformer[name]
         if self.is_last:
             parts["ln_f"] = model.transformer.ln_f
         self.transformer = nn.ModuleDict(parts)
@@ -124,10 +126,11 @@ class PipelineStage(nn.Module):
         # Every stage's cache answers for the same positions: it has seen the same steps.
         pos, attn_mask = cache.prepare(batch, q_len, x.device)
         parts = self.transformer
+        rope = gpt.rope_for(self.config, pos)
         if self.is_first:
-            x = parts.drop(parts.wte(x) + parts.wpe(pos))
+            x = gpt.embed(parts, x, pos)
         for local, block in enumerate(parts.h):
-            x = block(x, attn_mask, cache, cache_slot(self.layers, local))
+            x = block(x, attn_mask, cache, cache_slot(self.layers, local), rope)
         if self.is_last:
             x = self.lm_head(parts.ln_f(x)[:, -1, :])
         return x
@@ -173,6 +176,9 @@ def load_stage(
     ckpt = load_checkpoint(source, mmap=True)
     config = GPTConfig.from_dict(ckpt["model_config"])
     stage_layers(config.n_layer, n_stages)  # a clear error before anything is built
+    if config.sliding_window is not None:  # (its caches are static or concat: no window)
+        raise RoseError("a split model keeps every key; a sliding-window model needs a "
+                        "rolling cache: run it in one process (cli_generate --cache rolling)")  # fmt: skip
     with torch.device("meta"), NoRandomFill():  # shapes only: the stage's tensors come below
         model = GPT(config)
     stage_module = PipelineStage(model, stage, n_stages).to_empty(device=device)

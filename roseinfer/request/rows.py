@@ -55,19 +55,26 @@ def left_pad(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     return [[0] * pad + row for pad, row in zip(pads, rows, strict=True)], pads
 
 
-def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
+def window_start(start: int, seq_len: int, block_size: int | None, keep: int) -> int:
     """Where the model's view of a `seq_len`-token sequence begins.
 
     The view starts at `start` until it would exceed `block_size` tokens; then it is
     cut back to the last `keep` tokens. Every loop calls this at every step.
+    block_size None: the model has no limit (`context_limit`), the view is never cut.
     """
-    if seq_len - start > block_size:
+    if block_size is not None and seq_len - start > block_size:
         return seq_len - keep
     return start
 
 
+def context_limit(model: nn.Module) -> int | None:
+    """How many tokens the model may read at once: block_size, or None when unbounded (a
+    rotary model with a sliding window: no position ever runs out)."""
+    return None if model.config.unbounded else model.config.block_size
+
+
 def slid_starts(
-    starts: list[int], rows: list[list[int]], block_size: int, keep: int
+    starts: list[int], rows: list[list[int]], block_size: int | None, keep: int
 ) -> list[int] | None:
     """Each row's window start after its newest token, or None if no window moved.
 

@@ -1,0 +1,17 @@
+"""Chapter 18: where the rolling cache keeps the key of position `pos`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """The slot of each position in a rolling cache of `sinks + window` slots (same shape).
+
+    The first `sinks` positions are the attention sinks: each keeps a slot of its own for
+    good. Every later position takes one of the `window` slots after them, in turn, so
+    that it overwrites the key of the position `window` before it (which no query reads
+    any more), and never a sink's.
+    """
+    # Round the window's slots, starting after the sinks.
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
