@@ -52,6 +52,7 @@ from roseinfer.cache.dense import StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
@@ -267,11 +268,16 @@ FLOOR_STEPS = 8  # decode steps timed per row of the floor table (the median is 
 
 
 def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, config) -> None:
-    """The engine's decode step at n running sequences against its floor (module docstring)."""
+    """The engine's decode step at n running sequences against its floor (module docstring).
+
+    One engine per n reads the prompts once; its decode steps then run through one model
+    runner per decode attention in turn, over the same pool and sequences (the first step
+    of each is left out: the fast one fills its rows then)."""
     quick = args.quick
     bandwidth = streaming_read_bandwidth("cpu", (64 if quick else 1024) << 20)
     rate = matmul_rate("cpu", 256 if quick else 1024)
-    context = min(args.floor_context, model.config.block_size - FLOOR_STEPS - 2)
+    attentions = ("fast", "gather")
+    context = min(args.floor_context, model.config.block_size - 2 * (FLOOR_STEPS + 2))
     say()
     say(
         f"decode floor: prompts of {context} tokens, the median of {FLOOR_STEPS} decode steps; "
@@ -284,15 +290,16 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     rng = random.Random(args.seed + 2)
     vocab = model.config.vocab_size
     for n in args.floor_seqs:
-        prompts = [[rng.randrange(vocab - 1) for _ in range(context)] for _ in range(n)]
-        for attention in ("fast", "gather"):
-            engine = LLMEngine(
-                model, tokenizer, EngineConfig(**{**config, "max_num_seqs": n}, attention=attention)
-            )
-            for prompt in prompts:
-                engine.add_request(prompt, params_for(FLOOR_STEPS + 1))
-            while engine.generation_tokens < n:  # read every prompt
-                engine.step()
+        engine = LLMEngine(model, tokenizer, EngineConfig(**{**config, "max_num_seqs": n}))
+        runners = {a: ModelRunner(model, engine.pool, a, max_num_seqs=n) for a in attentions}
+        for _ in range(n):
+            prompt = [rng.randrange(vocab - 1) for _ in range(context)]
+            engine.add_request(prompt, params_for(2 * (FLOOR_STEPS + 1) + 1))
+        while engine.generation_tokens < n:  # read every prompt
+            engine.step()
+        for attention in attentions:
+            engine.runner = runners[attention]
+            engine.step()
             steps, models, reads, flops = [], [], [], []
             for _ in range(FLOOR_STEPS):
                 lengths = [seq.num_computed_tokens + 1 for seq in engine.scheduler.running]
