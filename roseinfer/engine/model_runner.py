@@ -62,9 +62,8 @@ class ModelRunner:
         else:
             decode = [i for i, n in enumerate(num_new) if n == 1]
             prefill = [i for i, n in enumerate(num_new) if n != 1]
-            if self.slots is not None:  # decode rows in the order of their slots
-                rows = self.slots.arrange([seqs[i] for i in decode])
-                decode = [i for _, i in sorted(zip(rows, decode, strict=True))]
+            if self.slots is not None and not decode:
+                self.slots.arrange([])  # nobody decodes now: every row is given up
             groups = [(decode, "padded"), (prefill, "flat")]
         sampled: list[EngineSequence] = []
         logits: list[torch.Tensor] = []
@@ -95,6 +94,8 @@ class ModelRunner:
     ) -> tuple[list[EngineSequence], torch.Tensor, torch.Tensor]:
         device = self.pool.device
         if layout == "padded" and self.slots is not None:
+            rows = self.slots.arrange(seqs)  # batch row i reads slot row i
+            seqs = [seq for _, seq in sorted(zip(rows, seqs, strict=True), key=lambda p: p[0])]
             cache = SlotKVCache(self.slots, seqs)
         else:
             cache = PagedKVCache(
