@@ -166,7 +166,7 @@ class EngineRun:
     outputs: list[list[int]]
     engine: LLMEngine
     steps: int
-    held_bytes: float  # summed over steps: pool bytes held by live sequences
+    held_bytes: float  # summed over steps: pool bytes held by live sequences, decode slots'
     live_tokens: int  # summed over steps: tokens those sequences hold
 
 
@@ -193,7 +193,8 @@ def run_engine(
             if output.finished:
                 done[output.request_id] = output.token_ids
         steps += 1
-        held_bytes += engine.block_manager.num_used * block_bytes
+        slots = engine.runner.slots  # the decoding sequences' contiguous copy, allocated
+        held_bytes += engine.block_manager.num_used * block_bytes + (slots.nbytes if slots else 0)
         live_tokens += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
     return EngineRun([done[i] for i in ids], engine, steps, held_bytes, live_tokens)
 
@@ -390,7 +391,7 @@ def bench(argv: list[str] | None = None) -> int:
     paged = engine_run.held_bytes / max(engine_run.live_tokens, 1)
     static = static_held_per_token(model, requests, args.batch_size)
     say(
-        f"KV bytes held per live token: paged {paged:,.0f}, static batches {static:,.0f} "
+        f"KV bytes held per live token: paged (pool + decode slots) {paged:,.0f}, static batches {static:,.0f} "
         f"({static / paged:.2f}x); exactly one token's keys and values: "
         f"{2 * config.n_layer * config.n_embd * 4:,}"
     )
