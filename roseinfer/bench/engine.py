@@ -278,7 +278,11 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     bandwidth = streaming_read_bandwidth("cpu", (64 if quick else 1024) << 20)
     rate = matmul_rate("cpu", 256 if quick else 1024)
     attentions = ("fast", "gather")
-    context = min(args.floor_context, model.config.block_size - 2 * (FLOOR_STEPS + 2))
+    prefill_steps = -(
+        -max(args.floor_seqs) * args.floor_context // config["max_num_batched_tokens"]
+    )
+    room = 2 * (FLOOR_STEPS + 1) + prefill_steps  # the tokens a sequence may make meanwhile
+    context = min(args.floor_context, model.config.block_size - room)
     say()
     say(
         f"decode floor: prompts of {context} tokens, the median of {FLOOR_STEPS} decode steps; "
@@ -295,8 +299,9 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
         runners = {a: ModelRunner(model, engine.pool, a, max_num_seqs=n) for a in attentions}
         for _ in range(n):
             prompt = [rng.randrange(vocab - 1) for _ in range(context)]
-            engine.add_request(prompt, params_for(2 * (FLOOR_STEPS + 1) + 1))
-        while engine.generation_tokens < n:  # read every prompt
+            # Room to run to the context's end: none finishes while it is timed.
+            engine.add_request(prompt, params_for(model.config.block_size - context))
+        while any(not seq.output_ids for seq in engine.requests.values()):  # read the prompts
             engine.step()
         for attention in attentions:
             engine.runner = runners[attention]
