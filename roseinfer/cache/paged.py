@@ -22,9 +22,11 @@ Two layouts of the same call:
 * "flat" (the readable reference): every new token of every sequence in one row of
   shape (1, total_new_tokens); attention reads every cached key of those sequences,
   and the mask keeps each query to its own sequence.
-* "padded" (the fast path for decoding): one row per sequence with one new token,
-  shape (num_seqs, 1); each row reads its own blocks, padded to the longest table.
-  Attention then costs each query only its own context, not everyone's.
+* "padded" (the decoding path): one row per sequence with one new token, shape
+  (num_seqs, 1); each row reads its own blocks, padded to the longest table.
+  Attention then costs each query only its own context, not everyone's. Its blocks
+  are gathered anew every call; roseinfer.cache.slots keeps the rows instead (the
+  engine's default), written one token a step and read where they lie.
 
 `QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.cache.quantized) and the blocks
 still being written, or in a sequence's recent window, exact; `PagedKVCache` reads
