@@ -103,8 +103,8 @@ class DecodeSlots:
         old_rows, _, old_capacity, _ = self.k[0].shape
         if rows <= old_rows and width <= old_capacity:
             return
-        new_rows = min(self.max_rows, max(rows, 2 * old_rows))
-        capacity = min(self.max_capacity, max(width, 2 * old_capacity))
+        new_rows = grown(old_rows, rows, self.max_rows)
+        capacity = grown(old_capacity, width, self.max_capacity)
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
                 n_head, head_dim = old.size(1), old.size(3)
@@ -125,6 +125,12 @@ class DecodeSlots:
                 buffer[row, :, :held] = context[:, :held]
         self.owners.append(seq)
         self.held.append(held)
+
+
+def grown(size: int, needed: int, most: int) -> int:
+    """A buffer dimension after growing to hold `needed`: doubled (up to `most`), or
+    what is needed when that is more; unchanged when it already holds it."""
+    return size if needed <= size else max(needed, min(most, 2 * size))
 
 
 class SlotKVCache(PagedKVCache):
