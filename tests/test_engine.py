@@ -23,6 +23,7 @@ import roseinfer
 from roseinfer.cache import paged as paged_cache
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine
 from roseinfer.engine.block_manager import check_pool
+from roseinfer.engine.config import ATTENTIONS
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
@@ -124,7 +125,7 @@ def run_case(model, tokenizer, case: int, **config) -> dict[str, object]:
         num_kv_blocks=rng.randrange(CONTEXT // KV_BLOCK, 40),  # room for one full context
         max_num_batched_tokens=[1, 3, 16][case % 3],
         max_num_seqs=rng.randrange(1, 8),
-        attention=["fast", "reference"][case % 2],
+        attention=ATTENTIONS[(case + case // 3) % 3],  # each with each token budget
         shuffle_blocks_seed=case,
         **config,
     )
@@ -288,20 +289,50 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
     assert got != [solo(model, tokenizer, p, params) for p in prompts]
 
 
-def test_fast_and_reference_attention_give_the_same_logits(model, tokenizer) -> None:
+def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
     params = SamplingParams(max_tokens=12, logprobs=1)
     runs = {}
-    for attention in ("fast", "reference"):
+    for attention in ATTENTIONS:
         engine = engine_for(model, tokenizer, num_kv_blocks=80, attention=attention)
         ids = [engine.add_request(p, params) for p in prompts]
         finished = run_to_end(engine)
         runs[attention] = [finished[i] for i in ids]
-    for fast, reference in zip(runs["fast"], runs["reference"], strict=True):
-        assert fast.token_ids == reference.token_ids
-        for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
-            assert abs(a.logprob - b.logprob) < 1e-4
+    for attention in ("fast", "gather"):
+        for fast, reference in zip(runs[attention], runs["reference"], strict=True):
+            assert fast.token_ids == reference.token_ids
+            for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
+                assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -> None:
+    """The fast path's rows are the pool's keys and values, copied in order: after every
+    step, row r holds exactly what row r's sequence's blocks hold, in every layer; rows
+    follow the sequences that decode, and nothing else is allocated on the way."""
+    rng = random.Random(3)
+    engine = engine_for(model, tokenizer, num_kv_blocks=80, max_num_seqs=4)
+    slots = engine.runner.slots
+    for length in (9, 3, 17, 5, 12):
+        prompt = [rng.randrange(512) for _ in range(length)]
+        engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(2, 14)))
+    most_rows = 0
+    while engine.has_unfinished():
+        engine.step()
+        decoding = [seq for seq in engine.last_batch.seqs if seq in slots.owners]
+        most_rows = max(most_rows, len(slots.owners))
+        assert len(decoding) == len(slots.owners)
+        for row, (seq, held) in enumerate(zip(slots.owners, slots.held, strict=True)):
+            if seq.request_id not in engine.requests:
+                continue  # finished this step: its blocks are freed (the row goes next step)
+            assert held == seq.num_computed_tokens
+            blocks = torch.tensor(seq.block_table)
+            for layer in range(model.config.n_layer):
+                for pool, buffer in ((engine.pool.k, slots.k), (engine.pool.v, slots.v)):
+                    context = pool[layer][blocks].transpose(0, 1).flatten(1, 2)[:, :held]
+                    assert torch.equal(buffer[layer][row, :, :held], context)
+    assert most_rows > 1
+    assert slots.k[0].size(0) <= 4  # never more rows than running sequences
 
 
 # ---------------------------------------------------------------------------

@@ -141,6 +141,19 @@ def streaming_read_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
     return n_bytes / best
 
 
+def matmul_rate(device: str, n: int = 1024) -> float:
+    """Floating-point operations/s of a large float32 matrix product (the best of five)."""
+    a = torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        a @ a
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
 def weight_bytes(model: GPT) -> int:
     """Bytes a decode step reads of the weights: every matrix once (the tied one once too);
     of the position table only one row, so it is left out."""

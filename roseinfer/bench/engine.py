@@ -17,6 +17,15 @@ It runs, each on the same weights, greedy:
 It prints output tokens/s and ratios, whether each path's tokens equal the one-by-one
 tokens, where the engine's time went, the KV memory held per live token (paged pool vs
 static preallocation), and a shared-prefix workload's prefill saved by the prefix cache.
+
+Then the decode floor: for 32 and 64 running sequences (built directly: prompts of
+--floor-context tokens, read first), the engine's decode steps timed with each decode
+attention ("fast": the contiguous decode slots, "gather": the blocks gathered every
+step), beside what a step cannot beat: the bytes it must read (every weight once, and
+each live sequence's keys and values) over the streaming bandwidth measured here, and
+its floating-point work at the matrix-product rate measured here.
+
+    python -m roseinfer.bench.engine --floor-only   # only the decode floor
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -31,10 +41,18 @@ from dataclasses import dataclass
 import torch
 
 from rosecourse.demo import wide_random_init
+from roseinfer.bench.decode import (
+    cache_bytes,
+    decode_flops,
+    matmul_rate,
+    streaming_read_bandwidth,
+    weight_bytes,
+)
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
@@ -67,9 +85,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument(
+        "--floor-seqs",
+        default=None,
+        help="running sequences of the decode-floor table, comma-separated (default: 32,64; "
+        "quick: 2,4)",
+    )
+    p.add_argument(
+        "--floor-context",
+        type=int,
+        default=None,
+        help="prompt tokens of each decode-floor sequence (default: 200; quick: 24)",
+    )
+    p.add_argument("--floor-only", action="store_true", help="only the decode-floor table")
     args = p.parse_args(argv)
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")
+    seqs = args.floor_seqs or ("2,4" if args.quick else "32,64")
+    try:
+        args.floor_seqs = [int(n) for n in seqs.split(",")]
+    except ValueError:
+        args.floor_seqs = []
+    if not args.floor_seqs or min(args.floor_seqs) < 1:
+        raise RoseError(f"--floor-seqs must be integers >= 1 like 32,64, got {seqs!r}")
+    if args.floor_context is None:
+        args.floor_context = 24 if args.quick else 200
+    if args.floor_context < 1:
+        raise RoseError(f"--floor-context must be >= 1, got {args.floor_context}")
     return args
 
 
@@ -124,7 +166,7 @@ class EngineRun:
     outputs: list[list[int]]
     engine: LLMEngine
     steps: int
-    held_bytes: float  # summed over steps: pool bytes held by live sequences
+    held_bytes: float  # summed over steps: pool bytes held by live sequences, decode slots'
     live_tokens: int  # summed over steps: tokens those sequences hold
 
 
@@ -151,7 +193,8 @@ def run_engine(
             if output.finished:
                 done[output.request_id] = output.token_ids
         steps += 1
-        held_bytes += engine.block_manager.num_used * block_bytes
+        slots = engine.runner.slots  # the decoding sequences' contiguous copy, allocated
+        held_bytes += engine.block_manager.num_used * block_bytes + (slots.nbytes if slots else 0)
         live_tokens += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
     return EngineRun([done[i] for i in ids], engine, steps, held_bytes, live_tokens)
 
@@ -222,6 +265,66 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
+FLOOR_STEPS = 8  # decode steps timed per row of the floor table (the median is printed)
+
+
+def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, config) -> None:
+    """The engine's decode step at n running sequences against its floor (module docstring).
+
+    One engine per n reads the prompts once; its decode steps then run through one model
+    runner per decode attention in turn, over the same pool and sequences (the first step
+    of each is left out: the fast one fills its rows then)."""
+    quick = args.quick
+    bandwidth = streaming_read_bandwidth("cpu", (64 if quick else 1024) << 20)
+    rate = matmul_rate("cpu", 256 if quick else 1024)
+    attentions = ("fast", "gather")
+    prefill_steps = -(
+        -max(args.floor_seqs) * args.floor_context // config["max_num_batched_tokens"]
+    )
+    room = 2 * (FLOOR_STEPS + 1) + prefill_steps  # the tokens a sequence may make meanwhile
+    context = min(args.floor_context, model.config.block_size - room)
+    say()
+    say(
+        f"decode floor: prompts of {context} tokens, the median of {FLOOR_STEPS} decode steps; "
+        f"streaming read {bandwidth / 1e9:.1f} GB/s, matrix products {rate / 1e9:.1f} GFLOP/s"
+    )
+    say(
+        f"{'seqs':>5}{'attention':>11}{'step ms':>9}{'model ms':>10}{'MB read':>9}"
+        f"{'bytes floor':>13}{'flops floor':>13}{'x floor':>9}"
+    )
+    rng = random.Random(args.seed + 2)
+    vocab = model.config.vocab_size
+    for n in args.floor_seqs:
+        engine = LLMEngine(model, tokenizer, EngineConfig(**{**config, "max_num_seqs": n}))
+        runners = {a: ModelRunner(model, engine.pool, a, max_num_seqs=n) for a in attentions}
+        for _ in range(n):
+            prompt = [rng.randrange(vocab - 1) for _ in range(context)]
+            # Room to run to the context's end: none finishes while it is timed.
+            engine.add_request(prompt, params_for(model.config.block_size - context))
+        while any(not seq.output_ids for seq in engine.requests.values()):  # read the prompts
+            engine.step()
+        for attention in attentions:
+            engine.runner = runners[attention]
+            engine.step()
+            steps, models, reads, flops = [], [], [], []
+            for _ in range(FLOOR_STEPS):
+                lengths = [seq.num_computed_tokens + 1 for seq in engine.scheduler.running]
+                started = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - started)
+                models.append(engine.runner.seconds["decode"])
+                reads.append(weight_bytes(model) + cache_bytes(model, sum(lengths)))
+                flops.append(sum(decode_flops(model, kv_len=length) for length in lengths))
+            step = statistics.median(steps)
+            byte_floor = statistics.median(reads) / bandwidth
+            flop_floor = statistics.median(flops) / rate
+            say(
+                f"{n:>5}{attention:>11}{step * 1e3:>9.1f}{statistics.median(models) * 1e3:>10.1f}"
+                f"{statistics.median(reads) / 1e6:>9.1f}{byte_floor * 1e3:>10.1f} ms"
+                f"{flop_floor * 1e3:>10.1f} ms{step / max(byte_floor, flop_floor):>8.2f}x"
+            )
+
+
 def bench(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = QUICK if args.quick else FULL
@@ -231,6 +334,11 @@ def bench(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = wide_random_init(GPT(config), args.seed)  # varied greedy tokens: a fair comparison
     tokenizer = Tokenizer("gpt2")
+    engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    if args.floor_only:
+        with torch.inference_mode():
+            decode_floor(model, tokenizer, args, engine_config)
+        return 0
     requests = make_requests(work, config.vocab_size, args.seed)
     out_tokens = sum(n for _, n in requests)
     say(
@@ -239,7 +347,6 @@ def bench(argv: list[str] | None = None) -> int:
         f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
         f"{work.output_range[0]}-{work.output_range[1]} ({out_tokens} output tokens)"
     )
-    engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 
     # Warm every path up on one short request first (first calls pay one-off costs).
     warm = [(requests[0][0][:8], 2)]
@@ -289,11 +396,13 @@ def bench(argv: list[str] | None = None) -> int:
     paged = engine_run.held_bytes / max(engine_run.live_tokens, 1)
     static = static_held_per_token(model, requests, args.batch_size)
     say(
-        f"KV bytes held per live token: paged {paged:,.0f}, static batches {static:,.0f} "
+        f"KV bytes held per live token: paged (pool + decode slots) {paged:,.0f}, static batches {static:,.0f} "
         f"({static / paged:.2f}x); exactly one token's keys and values: "
         f"{2 * config.n_layer * config.n_embd * 4:,}"
     )
     prefix_report(model, tokenizer, work, args.seed, engine_config)
+    with torch.inference_mode():
+        decode_floor(model, tokenizer, args, engine_config)
     return 0
 
 

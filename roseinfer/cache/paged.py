@@ -26,9 +26,11 @@ Two layouts of the same call:
 * "flat" (the readable reference): every new token of every sequence in one row of
   shape (1, total_new_tokens); attention reads every cached key of those sequences,
   and the mask keeps each query to its own sequence.
-* "padded" (the fast path for decoding): one row per sequence with one new token,
-  shape (num_seqs, 1); each row reads its own blocks, padded to the longest table.
-  Attention then costs each query only its own context, not everyone's.
+* "padded" (the decoding path): one row per sequence with one new token, shape
+  (num_seqs, 1); each row reads its own blocks, padded to the longest table.
+  Attention then costs each query only its own context, not everyone's. Its blocks
+  are gathered anew every call; roseinfer.cache.slots keeps the rows instead (the
+  engine's default), written one token a step and read where they lie.
 
 `QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.cache.quantized) and the blocks
 still being written, or in a sequence's recent window, exact; `PagedKVCache` reads
@@ -387,17 +389,22 @@ class PagedKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
         if self.pool.quantized:
             return self._update_quantized(layer, k, v)
+        self.write(layer, k, v)
         k_blocks, v_blocks = self.pool.k[layer], self.pool.v[layer]
-        # (rows, n_head, q_len, head_dim) -> one (n_head, head_dim) entry per new token,
-        # in the order of written_slots (sequence by sequence, position by position).
-        rows, n_head, q_len, head_dim = k.shape
-        write_slots(k_blocks, self.written_slots, k.transpose(1, 2).reshape(-1, n_head, head_dim))
-        write_slots(v_blocks, self.written_slots, v.transpose(1, 2).reshape(-1, n_head, head_dim))
         if self.layout == "flat":  # every key of the step's sequences: (1, n_head, keys, head_dim)
             return read_slots(k_blocks, self.key_slots)[None], read_slots(v_blocks, self.key_slots)[
                 None
             ]
         return self._read_blocks(k_blocks), self._read_blocks(v_blocks)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep this layer's new keys and values (rows, n_head, q_len, head_dim) in the pool:
+        one (n_head, head_dim) entry per new token, in the order of written_slots
+        (sequence by sequence, position by position)."""
+        rows, n_head, q_len, head_dim = k.shape
+        entries = (-1, n_head, head_dim)
+        write_slots(self.pool.k[layer], self.written_slots, k.transpose(1, 2).reshape(entries))
+        write_slots(self.pool.v[layer], self.written_slots, v.transpose(1, 2).reshape(entries))
 
     def _update_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
         """update() on a QuantizedKVPool: write to the exact pool, read the step's blocks

@@ -27,6 +27,7 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
 _UNITS["gb"] = 1000**3
+ATTENTIONS = ("fast", "gather", "reference")  # see EngineConfig.attention
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,11 @@ class EngineConfig:
     # Tests: hand out free blocks in a random order drawn from this seed, so a logical
     # block number used where a physical one belongs cannot pass by luck. None: in order.
     shuffle_blocks_seed: int | None = None
-    # "fast": decode sequences attend in one padded batch (one query per row), prefill
-    # chunks in one flat row; "reference": every token of the step in one flat row.
+    # "fast": decode sequences attend in one batch (one query per row) over their keys
+    # kept contiguous across steps (roseinfer.cache.slots: no per-step copy), prefill
+    # chunks in one flat row; "gather": the same batch, each row's blocks gathered from
+    # the pool every step (the readable paged decode; a quantized pool always reads so);
+    # "reference": every token of the step in one flat row.
     attention: str = "fast"
     # Tests and chapters check the pool's invariants after every step (check_pool); that
     # needs each step's written slots and the writers' block tables recorded (runner.
@@ -74,8 +78,10 @@ class EngineConfig:
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}: choose one of "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.attention not in ("fast", "reference"):
-            raise RoseError(f"attention must be 'fast' or 'reference', got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise RoseError(
+                f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
+            )
 
     def check_model(self, model: GPTConfig) -> None:
         """The settings that depend on the model (a quantized pool's group size)."""

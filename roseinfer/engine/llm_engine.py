@@ -68,7 +68,9 @@ class LLMEngine:
             model.config.attention_sinks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.pool, config.attention, config.check_invariants)
+        self.runner = ModelRunner(
+            model, self.pool, config.attention, config.check_invariants, config.max_num_seqs
+        )
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
         self.last_batch = ScheduledBatch()

@@ -4,10 +4,13 @@ The runner never holds a model of its own: it builds a `PagedKVCache` over the
 pool for the scheduled sequences and calls `GPT.forward` with it, as every other
 generation path calls the model with its cache.
 
-With attention="reference" every scheduled token goes in one flat row. With "fast"
-(the default) the sequences that feed one token (decoding) go in one padded batch,
-one row each, so each query's attention costs only its own context; the others
-(prompts being read) go in one flat row. Both give the same tokens (tests check it).
+With attention="reference" every scheduled token goes in one flat row. With "gather"
+the sequences that feed one token (decoding) go in one padded batch, one row each, so
+each query's attention costs only its own context (its blocks gathered from the pool);
+the others (prompts being read) go in one flat row. "fast" (the default) is "gather"
+whose decode rows read their keys from `DecodeSlots` (roseinfer.cache.slots), kept
+contiguous across steps instead of gathered every step. All give the same tokens
+(tests check it).
 """
 
 from __future__ import annotations
@@ -17,17 +20,26 @@ import time
 import torch
 
 from roseinfer.cache.paged import KVPool, PagedKVCache
+from roseinfer.cache.slots import DecodeSlots, SlotKVCache
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
 
 
 class ModelRunner:
     def __init__(
-        self, model: GPT, pool: KVPool, attention: str = "fast", record_writes: bool = False
+        self,
+        model: GPT,
+        pool: KVPool,
+        attention: str = "fast",
+        record_writes: bool = False,
+        max_num_seqs: int = 64,
     ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
+        # A quantized pool's old blocks are read dequantized, so its decode rows gather.
+        fast = attention == "fast" and not pool.quantized
+        self.slots = DecodeSlots(model.config, max_num_seqs, pool) if fast else None
         # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
         # and the block tables of the sequences that wrote them, as they were then. Off,
         # a step copies no table and never waits for the device to hand the slots back.
@@ -45,12 +57,14 @@ class ModelRunner:
         written: list[torch.Tensor] = []
         if self.record_writes:
             self.writer_tables = [list(seq.block_table) for seq in seqs]
-        if self.attention == "fast":
+        if self.attention == "reference":
+            groups = [(list(range(len(seqs))), "flat")]
+        else:
             decode = [i for i, n in enumerate(num_new) if n == 1]
             prefill = [i for i, n in enumerate(num_new) if n != 1]
+            if self.slots is not None and not decode:
+                self.slots.arrange([])  # nobody decodes now: every row is given up
             groups = [(decode, "padded"), (prefill, "flat")]
-        else:
-            groups = [(list(range(len(seqs))), "flat")]
         sampled: list[EngineSequence] = []
         logits: list[torch.Tensor] = []
         self.seconds = {}
@@ -79,13 +93,18 @@ class ModelRunner:
         self, seqs: list[EngineSequence], num_new: list[int], layout: str
     ) -> tuple[list[EngineSequence], torch.Tensor, torch.Tensor]:
         device = self.pool.device
-        cache = PagedKVCache(
-            self.pool,
-            [seq.block_table for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            num_new,
-            layout,
-        )
+        if layout == "padded" and self.slots is not None:
+            rows = self.slots.arrange(seqs)  # batch row i reads slot row i
+            seqs = [seq for _, seq in sorted(zip(rows, seqs, strict=True), key=lambda p: p[0])]
+            cache = SlotKVCache(self.slots, seqs)
+        else:
+            cache = PagedKVCache(
+                self.pool,
+                [seq.block_table for seq in seqs],
+                [seq.num_computed_tokens for seq in seqs],
+                num_new,
+                layout,
+            )
         ids = [
             seq.all_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
             for seq, n in zip(seqs, num_new, strict=True)
@@ -100,6 +119,8 @@ class ModelRunner:
             idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
             out = self.model(idx, cache=cache, last_only=True, validate=False)
             logits = out.logits[done, -1, :]
+            if self.slots is not None:
+                self.slots.advance()
         else:
             idx = torch.tensor([sum(ids, [])], device=device)  # (1, total new tokens)
             ends = torch.cumsum(torch.tensor(num_new), 0) - 1  # each sequence's last new token

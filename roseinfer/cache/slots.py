@@ -1,0 +1,155 @@
+"""Decode slots: each decoding sequence's keys and values kept contiguous, in a row of
+its own, so a decode step's attention reads them where they lie.
+
+The padded layout of the paged cache (roseinfer.cache.paged) gathers every decoding
+sequence's blocks into a new tensor, in every layer, every step: the whole context
+copied to read it once. Here the pool stays the memory of record (every new key and
+value is written there as before, so prefix caching, preemption and the pool's
+invariants are unchanged), and beside it `DecodeSlots` keeps, per layer, a buffer of
+shape (rows, n_head, capacity, head_dim): row r holds one decoding sequence's keys at
+positions 0 .. held - 1. A step writes each sequence's one new key at its position and
+attention reads rows 0 .. n - 1 as a view: no gather, nothing allocated per layer.
+
+A sequence gets a row the first step it decodes (its context copied from the pool
+once) and keeps it while it decodes step after step; a sequence that was not in a
+step's decode batch loses its row (the last row moves into its place, so the rows in
+use stay 0 .. n - 1, and the batch's row i is buffer row i). The buffers grow (rows
+and capacity, doubling) when a step needs more, so their size follows the longest
+running context rather than the model's whole window times every sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from roseinfer.cache.paged import KVPool, PagedKVCache
+from rosetrainer.config import GPTConfig
+from rosetrainer.model import LayerPast
+
+
+class DecodingSequence(Protocol):
+    """What the slots read of a sequence (the engine's EngineSequence has it)."""
+
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+class DecodeSlots:
+    def __init__(self, config: GPTConfig, max_rows: int, pool: KVPool) -> None:
+        self.pool = pool
+        self.max_rows = max_rows
+        bs = pool.kv_block_size
+        self.max_capacity = -(-config.block_size // bs) * bs  # a full context, in whole blocks
+        shape = (0, config.n_head, 0, config.head_dim)
+        dtype, device = pool.k[0].dtype, pool.device
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in pool.k]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in pool.v]
+        self.owners: list[DecodingSequence] = []  # row r's sequence
+        self.held: list[int] = []  # how many of its tokens row r holds
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def arrange(self, seqs: list[DecodingSequence]) -> list[int]:
+        """Give this step's decoding sequences rows 0 .. len(seqs) - 1 (rows of sequences
+        not decoding now are given up); return each sequence's row."""
+        decoding = {id(seq) for seq in seqs}
+        row = 0
+        while row < len(self.owners):
+            seq = self.owners[row]
+            if id(seq) in decoding and self.held[row] == seq.num_computed_tokens:
+                row += 1
+            else:
+                self._drop(row)
+        width = max((len(seq.block_table) for seq in seqs), default=0) * self.pool.kv_block_size
+        self._grow(len(seqs), width)
+        has_row = {id(seq) for seq in self.owners}
+        for seq in seqs:
+            if id(seq) not in has_row:
+                self._fill(seq)
+        rows = {id(seq): row for row, seq in enumerate(self.owners)}
+        return [rows[id(seq)] for seq in seqs]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, width: int
+    ) -> LayerPast:
+        """Write the new key and value of rows 0 .. n - 1 ((n, n_head, 1, head_dim), in row
+        order) at their positions; return the rows' first `width` keys and values (views)."""
+        n = k.size(0)
+        rows = torch.arange(n, device=k.device)
+        self.k[layer][rows, :, positions] = k[:, :, 0]
+        self.v[layer][rows, :, positions] = v[:, :, 0]
+        return self.k[layer][:n, :, :width], self.v[layer][:n, :, :width]
+
+    def advance(self) -> None:
+        """After a decode step: every row holds one more token."""
+        self.held = [n + 1 for n in self.held]
+
+    def _drop(self, row: int) -> None:
+        last = len(self.owners) - 1
+        if row != last:  # the last row moves into the hole
+            held = self.held[last]
+            for buffers in (self.k, self.v):
+                for buffer in buffers:
+                    buffer[row, :, :held] = buffer[last, :, :held]
+            self.owners[row], self.held[row] = self.owners[last], held
+        self.owners.pop()
+        self.held.pop()
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, _, old_capacity, _ = self.k[0].shape
+        if rows <= old_rows and width <= old_capacity:
+            return
+        new_rows = grown(old_rows, rows, self.max_rows)
+        capacity = grown(old_capacity, width, self.max_capacity)
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                n_head, head_dim = old.size(1), old.size(3)
+                new = old.new_zeros(new_rows, n_head, capacity, head_dim)
+                new[:old_rows, :, :old_capacity] = old
+                buffers[i] = new
+
+    def _fill(self, seq: DecodingSequence) -> None:
+        """A new row for seq: its num_computed_tokens keys and values, copied from the
+        pool once."""
+        row, held, bs = len(self.owners), seq.num_computed_tokens, self.pool.kv_block_size
+        blocks = seq.block_table[: -(-held // bs)]
+        blocks = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
+        for pool_buffers, buffers in ((self.pool.k, self.k), (self.pool.v, self.v)):
+            for pool_layer, buffer in zip(pool_buffers, buffers, strict=True):
+                # (blocks, n_head, bs, head_dim) -> (n_head, blocks * bs, head_dim)
+                context = pool_layer[blocks].transpose(0, 1).flatten(1, 2)
+                buffer[row, :, :held] = context[:, :held]
+        self.owners.append(seq)
+        self.held.append(held)
+
+
+def grown(size: int, needed: int, most: int) -> int:
+    """A buffer dimension after growing to hold `needed`: doubled (up to `most`), or
+    what is needed when that is more; unchanged when it already holds it."""
+    return size if needed <= size else max(needed, min(most, 2 * size))
+
+
+class SlotKVCache(PagedKVCache):
+    """The paged cache's padded layout (one decoding sequence per row, the same positions,
+    slots and mask), its sequences given in row order of `slots`: new keys and values go
+    to the pool and to the rows; attention reads the rows."""
+
+    def __init__(self, slots: DecodeSlots, seqs: list[DecodingSequence]) -> None:
+        super().__init__(
+            slots.pool,
+            [seq.block_table for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            [1] * len(seqs),
+            "padded",
+        )
+        self.slots = slots
+        self.positions = self.num_computed.to(slots.pool.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
+        self.write(layer, k, v)
+        width = self.tables.size(1) * self.kv_block_size  # the mask's keys (see prepare)
+        return self.slots.update(layer, k, v, self.positions, width)
