@@ -18,12 +18,15 @@ from unittest import mock
 import pytest
 import torch
 from models import assert_clear_margins, make_test_model
+from torch import nn
 
 import roseinfer
 from roseinfer.cache import paged as paged_cache
+from roseinfer.cache import slots as slots_module
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
+from roseinfer.engine.packed import PackedLinear
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
@@ -333,6 +336,59 @@ def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -
                     assert torch.equal(buffer[layer][row, :, :held], context)
     assert most_rows > 1
     assert slots.k[0].size(0) <= 4  # never more rows than running sequences
+    assert slots.nbytes == 0 and not slots.owners  # no request left: every row given back
+
+
+def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> None:
+    """The rows' buffers hold what the step needs, never over twice that (a long request
+    gone, they shrink); the engine reports their bytes beside the pool's. (Small steps of
+    rows and capacity, so that the test's short contexts show both.)"""
+    with mock.patch.multiple(slots_module, ROW_STEP=2, CAPACITY_STEP=8):
+        engine = engine_for(model, tokenizer, num_kv_blocks=200, max_num_seqs=8)
+    slots = engine.runner.slots
+    long_one = engine.add_request(list(range(40)), SamplingParams(max_tokens=20))
+    for i in range(6):
+        engine.add_request(list(range(i, i + 5)), SamplingParams(max_tokens=30 + i))
+    shrank = False
+    while engine.has_unfinished():
+        before = slots.k[0].shape
+        engine.step()
+        rows, _, capacity, _ = slots.k[0].shape
+        # (a request that finished in this step keeps its row until the next one)
+        if slots.owners and all(seq.request_id in engine.requests for seq in slots.owners):
+            width = max(len(seq.block_table) for seq in slots.owners) * KV_BLOCK
+            assert len(slots.owners) <= rows <= 2 * max(len(slots.owners), 2)
+            assert width <= capacity <= 2 * max(width, 8)
+        shrank |= long_one not in engine.requests and capacity < before[2]
+        stats = engine.stats()
+        assert (stats.decode_slot_bytes, stats.kv_pool_bytes) == (slots.nbytes, engine.pool.nbytes)
+    assert shrank  # the long request's capacity went with it
+    assert engine.stats().decode_slot_bytes == 0
+
+
+def test_packed_weights_are_a_view_of_the_model_with_the_oracle_tokens(model, tokenizer) -> None:
+    """On a CPU the runner packs the linear layers for oneDNN; the caller's model stays
+    as it was (every parameter shared, none copied but the packed weights), and the
+    engine's tokens and log-probabilities are the oracle's with or without packing."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
+    params = SamplingParams(max_tokens=10, logprobs=1)
+    runs = {}
+    for pack in (True, False):
+        engine = engine_for(model, tokenizer, num_kv_blocks=80, pack_weights=pack)
+        runner_model = engine.runner.model
+        assert (runner_model is not model) == pack
+        ids = [engine.add_request(p, params) for p in prompts]
+        finished = run_to_end(engine)
+        runs[pack] = [finished[i] for i in ids]
+    packed = engine_for(model, tokenizer, pack_weights=True).runner.model
+    assert isinstance(packed.lm_head, PackedLinear) and isinstance(model.lm_head, nn.Linear)
+    assert packed.transformer.wte.weight is model.transformer.wte.weight
+    assert packed.transformer.h[0].attn.c_attn.bias is model.transformer.h[0].attn.c_attn.bias
+    for prompt, with_packing, without in zip(prompts, runs[True], runs[False], strict=True):
+        assert with_packing.token_ids == without.token_ids == solo(model, tokenizer, prompt, params)
+        for a, b in zip(with_packing.logprobs, without.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
 
 
 # ---------------------------------------------------------------------------

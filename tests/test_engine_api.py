@@ -130,13 +130,16 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     prefilled = [int(line.split("prefilled ")[1].split(",")[0]) for line in (off, on)]
     assert prefilled[1] < prefilled[0]
     assert "same tokens with and without: True" in out
-    # The decode floor: both decode attentions at 2 and 4 running sequences, each step
-    # beside a positive floor (the bytes it reads over the bandwidth measured).
+    # The decode floor: the fast attention with packed and plain weights, and the gather
+    # one, at 2 and 4 running sequences, each step beside a positive floor (the bytes it
+    # reads over the bandwidth measured).
     floor = [line.split() for line in out.split("decode floor:")[1].splitlines()[2:]]
-    assert [(row[0], row[1]) for row in floor] == [
-        (n, attention) for n in ("2", "4") for attention in ("fast", "gather")
+    assert [tuple(row[:3]) for row in floor] == [
+        (n, attention, weights)
+        for n in ("2", "4")
+        for attention, weights in (("fast", "packed"), ("fast", "plain"), ("gather", "plain"))
     ], out
     for row in floor:
-        step_ms, byte_floor_ms, times_floor = float(row[2]), float(row[5]), float(row[-1][:-1])
+        step_ms, byte_floor_ms, times_floor = float(row[3]), float(row[6]), float(row[-1][:-1])
         assert step_ms > 0 and byte_floor_ms > 0
-        assert times_floor == pytest.approx(step_ms / max(byte_floor_ms, float(row[7])), rel=0.25)
+        assert times_floor == pytest.approx(step_ms / max(byte_floor_ms, float(row[8])), rel=0.25)

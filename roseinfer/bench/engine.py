@@ -21,7 +21,8 @@ static preallocation), and a shared-prefix workload's prefill saved by the prefi
 Then the decode floor: for 32 and 64 running sequences (built directly: prompts of
 --floor-context tokens, read first), the engine's decode steps timed with each decode
 attention ("fast": the contiguous decode slots, "gather": the blocks gathered every
-step), beside what a step cannot beat: the bytes it must read (every weight once, and
+step) and with the linear layers' weights packed for oneDNN (the default on a CPU) or
+read as stored, beside what a step cannot beat: the bytes it must read (every weight once, and
 each live sequence's keys and values) over the streaming bandwidth measured here, and
 its floating-point work at the matrix-product rate measured here.
 
@@ -277,7 +278,8 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     quick = args.quick
     bandwidth = streaming_read_bandwidth("cpu", (64 if quick else 1024) << 20)
     rate = matmul_rate("cpu", 256 if quick else 1024)
-    attentions = ("fast", "gather")
+    # (attention, weights packed for oneDNN): the engine's default first
+    variants = [("fast", True), ("fast", False), ("gather", False)]
     prefill_steps = -(
         -max(args.floor_seqs) * args.floor_context // config["max_num_batched_tokens"]
     )
@@ -289,22 +291,29 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
         f"streaming read {bandwidth / 1e9:.1f} GB/s, matrix products {rate / 1e9:.1f} GFLOP/s"
     )
     say(
-        f"{'seqs':>5}{'attention':>11}{'step ms':>9}{'model ms':>10}{'MB read':>9}"
+        f"{'seqs':>5}{'attention':>11}{'weights':>8}{'step ms':>9}{'model ms':>10}{'MB read':>9}"
         f"{'bytes floor':>13}{'flops floor':>13}{'x floor':>9}"
     )
     rng = random.Random(args.seed + 2)
     vocab = model.config.vocab_size
     for n in args.floor_seqs:
-        engine = LLMEngine(model, tokenizer, EngineConfig(**{**config, "max_num_seqs": n}))
-        runners = {a: ModelRunner(model, engine.pool, a, max_num_seqs=n) for a in attentions}
+        # (the engine's own runner reads the prompts only: the timed runners replace it)
+        settings = {**config, "max_num_seqs": n, "pack_weights": False}
+        engine = LLMEngine(model, tokenizer, EngineConfig(**settings))
+        runners = {
+            (attention, packed): ModelRunner(
+                model, engine.pool, attention, max_num_seqs=n, pack_weights=packed
+            )
+            for attention, packed in variants
+        }
         for _ in range(n):
             prompt = [rng.randrange(vocab - 1) for _ in range(context)]
             # Room to run to the context's end: none finishes while it is timed.
             engine.add_request(prompt, params_for(model.config.block_size - context))
         while any(not seq.output_ids for seq in engine.requests.values()):  # read the prompts
             engine.step()
-        for attention in attentions:
-            engine.runner = runners[attention]
+        for attention, packed in variants:
+            engine.runner = runners[attention, packed]
             engine.step()
             steps, models, reads, flops = [], [], [], []
             for _ in range(FLOOR_STEPS):
@@ -319,7 +328,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
             byte_floor = statistics.median(reads) / bandwidth
             flop_floor = statistics.median(flops) / rate
             say(
-                f"{n:>5}{attention:>11}{step * 1e3:>9.1f}{statistics.median(models) * 1e3:>10.1f}"
+                f"{n:>5}{attention:>11}{'packed' if packed else 'plain':>8}{step * 1e3:>9.1f}{statistics.median(models) * 1e3:>10.1f}"
                 f"{statistics.median(reads) / 1e6:>9.1f}{byte_floor * 1e3:>10.1f} ms"
                 f"{flop_floor * 1e3:>10.1f} ms{step / max(byte_floor, flop_floor):>8.2f}x"
             )

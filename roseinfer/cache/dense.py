@@ -45,6 +45,7 @@ class DenseKVCache(KVCache, Protocol):
     row of positions per sequence (concat, static, quantized)."""
 
     compilable: bool
+    windowed: bool  # honours the model's sliding window (the rolling caches)
     pad_lengths: torch.Tensor | None
 
     @property
@@ -74,6 +75,7 @@ class ConcatKVCache:
     """Past keys/values as a list of per-layer (k, v), grown by concatenation."""
 
     compilable = False  # the past grows every step: each step has a new shape
+    windowed = False  # it keeps every position
 
     def __init__(self) -> None:
         self.past_kv: list[LayerPast] = []  # one (k, v) per layer, (B, n_head, seq_len, head_dim)
@@ -168,6 +170,7 @@ class StaticKVCache:
     """
 
     compilable = True  # every decode step has the same shapes: torch.compile can take it
+    windowed = False
 
     def __init__(self, model: Blocks, batch_size: int = 1, max_len: int | None = None) -> None:
         # One buffer pair per block the model holds (a pipeline stage holds only its own,

@@ -50,13 +50,27 @@ from rosetrainer.errors import RoseError
 from rosetrainer.model import LayerPast
 
 
-class KVPool:
+class BlockGeometry:
+    """What every pool knows: how many blocks of how many tokens, and the model's window."""
+
+    def __init__(self, config: GPTConfig, num_blocks: int, kv_block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_block_size = kv_block_size
+        self.n_head = config.n_head
+        self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
+        # one layer's keys (or values) of every block
+        self.layer_shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
+
+
+class KVPool(BlockGeometry):
     """Keys and values of every block, per layer: (num_blocks, n_head, kv_block_size, head_dim).
 
     Heads before tokens, as in the model's own (batch, n_head, time, head_dim): a
     sequence's blocks gathered in table order are then the keys attention reads, in one
     copy and already in the layout its matrix products want.
     """
+
+    quantized = False
 
     def __init__(
         self,
@@ -66,12 +80,8 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.num_blocks = num_blocks
-        self.kv_block_size = kv_block_size
-        self.n_head = config.n_head
-        self.quantized = False
-        self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
-        shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
+        super().__init__(config, num_blocks, kv_block_size)
+        shape = self.layer_shape
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
 
@@ -84,7 +94,7 @@ class KVPool:
         return sum(t.nbytes for t in self.k + self.v)
 
 
-class QuantizedKVPool:
+class QuantizedKVPool(BlockGeometry):
     """A pool whose blocks are stored in int8 or int4 (roseinfer.cache.quantized), the recent ones exact.
 
     Every block has quantized codes: keys per channel, one group per block (the
@@ -114,10 +124,9 @@ class QuantizedKVPool:
         group_size: int,
         num_exact_blocks: int,
     ) -> None:
-        self.num_blocks, self.kv_block_size, self.n_head = num_blocks, kv_block_size, config.n_head
+        super().__init__(config, num_blocks, kv_block_size)
         self.dtype, self.window = dtype, window
-        self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
-        shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
+        shape = self.layer_shape
         bits = BITS[kv_cache_dtype]
         self.k = [
             QuantizedStore(shape, bits, kv_block_size, TIME_DIM, device)

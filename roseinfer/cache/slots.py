@@ -12,10 +12,15 @@ attention reads rows 0 .. n - 1 as a view: no gather, nothing allocated per laye
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a
-step's decode batch loses its row (the last row moves into its place, so the rows in
-use stay 0 .. n - 1, and the batch's row i is buffer row i). The buffers grow (rows
-and capacity, doubling) when a step needs more, so their size follows the longest
-running context rather than the model's whole window times every sequence.
+step's decode batch loses its row (a kept row from further down moves into its place,
+so the rows in use stay 0 .. n - 1, and the batch's row i is buffer row i).
+
+The price is memory: the rows hold a second copy of the decoding sequences' keys and
+values, padded to the longest of them. So the buffers are sized to the step, not to
+the model's whole window times every sequence: rows in steps of ROW_STEP and capacity
+in steps of CAPACITY_STEP tokens, reallocated (and copied) when a step needs more,
+and cut down when they hold more than twice what a step needs. `nbytes` is what they
+hold now; the engine reports it beside the pool's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import torch
 from roseinfer.cache.paged import KVPool, PagedKVCache
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import LayerPast
+
+ROW_STEP = 8  # rows are allocated in multiples of this
+CAPACITY_STEP = 64  # token capacity in multiples of this (and of kv_block_size)
 
 
 class DecodingSequence(Protocol):
@@ -41,7 +49,9 @@ class DecodeSlots:
         self.pool = pool
         self.max_rows = max_rows
         bs = pool.kv_block_size
-        self.max_capacity = -(-config.block_size // bs) * bs  # a full context, in whole blocks
+        self.capacity_step = -(-CAPACITY_STEP // bs) * bs  # whole blocks
+        # A full context, in whole blocks (a windowed model's rows never hold more).
+        self.max_capacity = -(-config.block_size // bs) * bs
         shape = (0, config.n_head, 0, config.head_dim)
         dtype, device = pool.k[0].dtype, pool.device
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in pool.k]
@@ -57,21 +67,28 @@ class DecodeSlots:
         """Give this step's decoding sequences rows 0 .. len(seqs) - 1 (rows of sequences
         not decoding now are given up); return each sequence's row."""
         decoding = {id(seq) for seq in seqs}
-        row = 0
-        while row < len(self.owners):
-            seq = self.owners[row]
-            if id(seq) in decoding and self.held[row] == seq.num_computed_tokens:
-                row += 1
-            else:
-                self._drop(row)
+        self._keep(
+            [
+                row
+                for row, seq in enumerate(self.owners)
+                if id(seq) in decoding and self.held[row] == seq.num_computed_tokens
+            ]
+        )
         width = max((len(seq.block_table) for seq in seqs), default=0) * self.pool.kv_block_size
-        self._grow(len(seqs), width)
+        self._fit(len(seqs), width)
         has_row = {id(seq) for seq in self.owners}
         for seq in seqs:
             if id(seq) not in has_row:
                 self._fill(seq)
         rows = {id(seq): row for row, seq in enumerate(self.owners)}
         return [rows[id(seq)] for seq in seqs]
+
+    def clear(self) -> None:
+        """Give every row up, and the buffers' memory with them."""
+        self.owners, self.held = [], []
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                buffers[i] = old.new_zeros(0, old.size(1), 0, old.size(3))
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, width: int
@@ -88,28 +105,34 @@ class DecodeSlots:
         """After a decode step: every row holds one more token."""
         self.held = [n + 1 for n in self.held]
 
-    def _drop(self, row: int) -> None:
-        last = len(self.owners) - 1
-        if row != last:  # the last row moves into the hole
-            held = self.held[last]
+    def _keep(self, kept: list[int]) -> None:
+        """Keep only these rows (ascending), as rows 0 .. len(kept) - 1: each hole below
+        that is filled by a kept row from above it (one row copied per hole)."""
+        n, staying = len(kept), set(kept)
+        holes = [row for row in range(n) if row not in staying]
+        movers = [row for row in kept if row >= n]
+        for hole, row in zip(holes, movers, strict=True):
+            held = self.held[row]
             for buffers in (self.k, self.v):
                 for buffer in buffers:
-                    buffer[row, :, :held] = buffer[last, :, :held]
-            self.owners[row], self.held[row] = self.owners[last], held
-        self.owners.pop()
-        self.held.pop()
+                    buffer[hole, :, :held] = buffer[row, :, :held]
+            self.owners[hole], self.held[hole] = self.owners[row], held
+        del self.owners[n:], self.held[n:]
 
-    def _grow(self, rows: int, width: int) -> None:
+    def _fit(self, rows: int, width: int) -> None:
+        """Buffers that hold `rows` rows of `width` tokens: reallocated (rows in use and
+        their tokens copied over) when they are too small, or over twice too large."""
         old_rows, _, old_capacity, _ = self.k[0].shape
-        if rows <= old_rows and width <= old_capacity:
+        new_rows = fitted(old_rows, rows, ROW_STEP, self.max_rows)
+        capacity = fitted(old_capacity, width, self.capacity_step, self.max_capacity)
+        if (new_rows, capacity) == (old_rows, old_capacity):
             return
-        new_rows = grown(old_rows, rows, self.max_rows)
-        capacity = grown(old_capacity, width, self.max_capacity)
+        kept, held = len(self.owners), max(self.held, default=0)
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
                 n_head, head_dim = old.size(1), old.size(3)
                 new = old.new_zeros(new_rows, n_head, capacity, head_dim)
-                new[:old_rows, :, :old_capacity] = old
+                new[:kept, :, :held] = old[:kept, :, :held]
                 buffers[i] = new
 
     def _fill(self, seq: DecodingSequence) -> None:
@@ -127,10 +150,13 @@ class DecodeSlots:
         self.held.append(held)
 
 
-def grown(size: int, needed: int, most: int) -> int:
-    """A buffer dimension after growing to hold `needed`: doubled (up to `most`), or
-    what is needed when that is more; unchanged when it already holds it."""
-    return size if needed <= size else max(needed, min(most, 2 * size))
+def fitted(size: int, needed: int, step: int, most: int) -> int:
+    """A buffer dimension for `needed`: kept while it holds it and is at most twice the
+    need, else `needed` rounded up to a multiple of `step` (at most `most`, unless more
+    is needed)."""
+    if needed <= size <= 2 * max(needed, step):
+        return size
+    return max(needed, min(most, -(-needed // step) * step))
 
 
 class SlotKVCache(PagedKVCache):

@@ -58,6 +58,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="do not reuse the KV blocks of prompts' shared prefixes",
     )
     engine.add_argument(
+        "--no-pack-weights",
+        action="store_true",
+        help="on a CPU, run the linear layers on the weights as stored instead of a copy "
+        "packed once for oneDNN (slower steps, one copy of the weights less)",
+    )
+    engine.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=DEFAULTS.kv_cache_dtype,
@@ -92,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        pack_weights=not args.no_pack_weights,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_window=args.kv_cache_window,
         kv_cache_group_size=args.kv_cache_group_size,

@@ -52,6 +52,9 @@ class EngineConfig:
     # the pool every step (the readable paged decode; a quantized pool always reads so);
     # "reference": every token of the step in one flat row.
     attention: str = "fast"
+    # On a CPU: the model's linear layers run with their weights packed once for oneDNN
+    # (roseinfer.engine.packed: about one more copy of the weights, a faster step).
+    pack_weights: bool = True
     # Tests and chapters check the pool's invariants after every step (check_pool); that
     # needs each step's written slots and the writers' block tables recorded (runner.
     # written_slots / writer_tables): work a server does not need, so it is off unless

@@ -69,7 +69,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(
-            model, self.pool, config.attention, config.check_invariants, config.max_num_seqs
+            model,
+            self.pool,
+            config.attention,
+            config.check_invariants,
+            config.max_num_seqs,
+            config.pack_weights,
         )
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
@@ -147,6 +152,8 @@ class LLMEngine:
         seq.finish("abort")
         self.scheduler.finish(seq)
         self.aborted.append(seq)
+        if not self.requests:
+            self.runner.release()
 
     # -- one step: schedule -> run -> postprocess --
 
@@ -205,6 +212,8 @@ class LLMEngine:
                 if seq.is_finished:
                     self.scheduler.finish(seq)
                     del self.requests[seq.request_id]
+            if not self.requests:
+                self.runner.release()
             return [seq.report() for seq in sampling]
 
     def _sample(
@@ -272,6 +281,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            kv_pool_bytes=self.pool.nbytes,
+            decode_slot_bytes=self.runner.slots.nbytes if self.runner.slots else 0,
         )
 
 

@@ -21,6 +21,7 @@ import torch
 
 from roseinfer.cache.paged import KVPool, PagedKVCache
 from roseinfer.cache.slots import DecodeSlots, SlotKVCache
+from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
 
@@ -33,8 +34,12 @@ class ModelRunner:
         attention: str = "fast",
         record_writes: bool = False,
         max_num_seqs: int = 64,
+        pack_weights: bool = False,
     ) -> None:
-        self.model = model
+        # The model the steps run: on a CPU its linear layers packed once for the
+        # decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
+        packing = pack_weights and can_pack(model)
+        self.model = packed_linears(model, max_num_seqs) if packing else model
         self.pool = pool
         self.attention = attention
         # A quantized pool's old blocks are read dequantized, so its decode rows gather.
@@ -47,6 +52,12 @@ class ModelRunner:
         self.written_slots: list[int] = []
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
+
+    def release(self) -> None:
+        """No request is left: the decode slots give back their rows and memory (while
+        requests run, a finished one's row goes at the next step)."""
+        if self.slots is not None:
+            self.slots.clear()
 
     @torch.inference_mode()
     def run(

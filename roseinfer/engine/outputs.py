@@ -48,6 +48,10 @@ class EngineStats:
     num_preemptions: int  # cumulative
     prompt_tokens: int  # cumulative, prompt tokens admitted
     generation_tokens: int  # cumulative, tokens sampled
+    kv_pool_bytes: int  # the pool, allocated once
+    # The decode slots now (roseinfer/cache/slots.py): a second copy of the decoding
+    # sequences' keys and values, padded to the longest; 0 with attention="gather"
+    decode_slot_bytes: int
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:

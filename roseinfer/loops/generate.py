@@ -187,7 +187,7 @@ def generate_batch(
         return results
     cache = default_cache(model, len(prompts)) if cache is None else cache
     cache.check_rows(len(prompts))
-    if model.config.sliding_window is not None and not getattr(cache, "windowed", False):
+    if model.config.sliding_window is not None and not cache.windowed:
         raise RoseError(
             f"the model attends over a sliding window of {model.config.sliding_window} "
             f"tokens; {type(cache).__name__} keeps no window: use a RollingKVCache"

@@ -97,6 +97,8 @@ def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
         "generation_tokens": engine.generation_tokens,
         "prompt_tokens": engine.prompt_tokens,
         "num_preemptions": scheduler.num_preemptions,
+        "pool_bytes": engine.pool.nbytes,
+        "decode_slot_bytes": engine.runner.slots.nbytes if engine.runner.slots else 0,
     }
 
 

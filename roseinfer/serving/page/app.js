@@ -143,7 +143,12 @@ function drawPool(snapshot) {
   }
   $("pool-summary").textContent =
     `${n} blocks of ${snapshot.kv_block_size} tokens: ${used} used, ${cached} cached, ` +
-    `${n - used - cached} free · step ${snapshot.step} · ${snapshot.num_preemptions} preemptions`;
+    `${n - used - cached} free · step ${snapshot.step} · ${snapshot.num_preemptions} preemptions · ` +
+    `pool ${mib(snapshot.pool_bytes)}, decode slots ${mib(snapshot.decode_slot_bytes)}`;
+}
+
+function mib(bytes) {
+  return `${(bytes / 2 ** 20).toFixed(1)} MiB`;
 }
 
 function stateText(request) {
