@@ -123,7 +123,8 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
         for line in out.splitlines()
         if line.startswith(("one by one", "static batches", "engine ", "transformers"))
     }
-    assert len(rows) == 4, out
+    assert len(rows) == 6, out  # (one by one and static batches also with packed weights)
+    assert "the engine against the packed-weight paths" in out
     assert all(row.endswith("8/8") for row in rows.values()), out  # equal tokens everywhere
     assert "KV bytes held per live token" in out
     off, on = (line for line in out.splitlines() if "prefix cache o" in line)

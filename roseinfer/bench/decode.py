@@ -19,6 +19,7 @@ until the step turns compute-bound.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -27,9 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
+from roseinfer.engine.packed import PackedLinear, can_pack
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
@@ -142,15 +145,24 @@ def streaming_read_bandwidth(device: str, n_bytes: int = 1 << 30) -> float:
 
 
 def matmul_rate(device: str, n: int = 1024) -> float:
-    """Floating-point operations/s of a large float32 matrix product (the best of five)."""
+    """Floating-point operations/s of a large float32 matrix product: the best of five,
+    with PyTorch's default product and, on a CPU with oneDNN, with the weight packed for
+    it once (as the engine multiplies), whichever is faster."""
     a = torch.randn(n, n, device=device)
+    products = [lambda: a @ a]
+    square = nn.Linear(n, n, bias=False, device=device)
+    if can_pack(square):
+        with torch.no_grad():
+            square.weight.copy_(a)
+        products.append(functools.partial(PackedLinear(square, n), a))
     best = float("inf")
-    for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
-        a @ a
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
+    for product in products:
+        for _ in range(5):
+            _sync(device)
+            start = time.perf_counter()
+            product()
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
 

@@ -11,6 +11,8 @@ It runs, each on the same weights, greedy:
 * one by one: each request alone on a static cache (the fastest single-request path);
 * static batches of 16: `generate_batch` on a StaticKVCache, as the CLI ran batches
   before the engine (a batch lasts as long as its longest request, padding included);
+* both again with the linear layers' weights packed for oneDNN, as the engine's are
+  on a CPU (roseinfer.engine.packed);
 * the engine: all requests submitted at once, continuous batching on the paged cache;
 * transformers' continuous batching (`generate_batch`'s manager, per-request lengths).
 
@@ -54,6 +56,7 @@ from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.model_runner import ModelRunner
+from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
@@ -361,6 +364,8 @@ def bench(argv: list[str] | None = None) -> int:
     warm = [(requests[0][0][:8], 2)]
     one_by_one(model, warm)
     static_batches(model, warm, 1)
+    if can_pack(model):
+        one_by_one(packed_linears(model, 1), warm)
     run_engine(model, tokenizer, warm, **engine_config)
 
     results: dict[str, tuple[list[list[int]], float]] = {}
@@ -368,6 +373,15 @@ def bench(argv: list[str] | None = None) -> int:
     results[f"static batches of {args.batch_size}"] = timed(
         static_batches, model, requests, args.batch_size
     )
+    # The same two with the weights the engine multiplies by on a CPU (packed for oneDNN
+    # once), so that the engine's lead over them is its batching's, not its weights'.
+    if can_pack(model):
+        results["one by one, packed weights"] = timed(
+            one_by_one, packed_linears(model, 1), requests
+        )
+        results["static batches, packed weights"] = timed(
+            static_batches, packed_linears(model, args.batch_size), requests, args.batch_size
+        )
     engine_run, engine_seconds = timed(run_engine, model, tokenizer, requests, **engine_config)
     results["engine"] = (engine_run.outputs, engine_seconds)
     hf_note = ""
@@ -392,6 +406,13 @@ def bench(argv: list[str] | None = None) -> int:
         )
     if hf_note:
         say(hf_note)
+    packed_paths = ("one by one, packed weights", "static batches, packed weights")
+    if all(name in results for name in packed_paths):
+        one, static = (results[name][1] / engine_seconds for name in packed_paths)
+        say(
+            f"the engine against the packed-weight paths: {one:.2f}x one by one, "
+            f"{static:.2f}x static batches"
+        )
 
     engine = engine_run.engine
     stats = engine.stats()

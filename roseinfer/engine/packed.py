@@ -4,18 +4,19 @@ A decode step multiplies a few dozen rows (one per running sequence) by every we
 matrix. PyTorch's default CPU matrix product takes the weight as it is stored and lays
 it out for its kernel on every call; for so few rows that work rivals the product
 itself. oneDNN (the CPU library PyTorch ships with) can lay each weight out once, for
-the row count expected, and then read it straight through: on the 2-core build machine
-the vocabulary projection of 32 rows took 41 ms plainly and 16 ms packed, the MLP's
-output projection 4.0 ms and 0.8 ms. These are the calls PyTorch's own compiler makes
-for a frozen CPU model (torch.compile with freezing); here they are made without
-compiling anything.
+the row count expected, and then read it straight through. On the 2-core build machine
+(AVX-512) GPT-2's vocabulary projection of 32 rows took 41 ms plainly and 16 ms packed,
+and a whole engine decode step of 32 sequences about 1.5x less time. These are
+operations PyTorch's compiler (inductor) emits for a CPU model whose weights it
+freezes; here they are called directly, without compiling anything.
 
 `packed_linears(model)` returns a view of the model in which every `nn.Linear` is a
-`PackedLinear`: the same forward, the same parameters for everything else (the
-embeddings and layer norms are shared, not copied), and a packed copy of each linear
-weight (so about one more copy of the weights in memory). The results are the plain
-ones bit for bit on the machines measured; the tests compare the engine's logits with
-the uncached oracle either way.
+`PackedLinear`: the same forward, every parameter shared with the model (nothing is
+copied), and beside each linear weight its packed copy (so about one more copy of
+the weights in memory). The sums run in another order than the plain product's, so
+logits differ in their last bits (within the oracle's tolerance,
+rosetrainer.numerics); the tests compare the engine's tokens and logits with the
+uncached oracle with and without packing.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, rows: int) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, rows))
-        self.bias = linear.bias  # shared with the plain layer
+        # The plain weight and bias stay, shared with the plain layer (no copy): code that
+        # asks a layer for its weight's dtype or device, or saves it, still can.
+        self.weight, self.bias = linear.weight, linear.bias
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
