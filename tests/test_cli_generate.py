@@ -211,6 +211,10 @@ BAD_INPUTS = {
         ["--prompt", "a", "--prompt", "b", "--max-num-seqs", "0"],
         "max_num_seqs must be an integer >= 1, got 0",
     ),
+    "decode slots memory that is not a size": (
+        ["--prompt", "a", "--prompt", "b", "--decode-slots-memory", "lots"],
+        "decode_slots_memory must be a byte count or a size like '2GiB'",
+    ),
     "float16 on CPU": (
         ["--device", "cpu", "--dtype", "float16"],
         "float16 is not supported on CPU; use bfloat16 or float32",
@@ -254,7 +258,8 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
 
     argv = ["--kv-block-size", "8", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
     argv += ["--kv-cache-memory", "1MiB", "--no-prefix-caching", "--kv-cache-dtype", "int8"]
-    argv += ["--kv-cache-window", "0", "--kv-cache-group-size", "16"]
+    argv += ["--kv-cache-window", "0", "--kv-cache-group-size", "16", "--no-pack-weights"]
+    argv += ["--decode-slots-memory", "64MiB"]
     wanted = EngineConfig(
         kv_block_size=8,
         max_num_seqs=3,
@@ -264,6 +269,8 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
         kv_cache_dtype="int8",
         kv_cache_window=0,
         kv_cache_group_size=16,
+        pack_weights=False,
+        decode_slots_memory="64MiB",
     )
     for front_door in (serve, cli_generate):
         assert engine_config(front_door.build_parser().parse_args(argv)) == wanted
@@ -317,6 +324,26 @@ def test_every_path_and_every_prompt_start_fresh(
     for path in (["--cache", "concat"], ["--no-kv-cache"]):
         other = run_json(capsys, *common, *prompts, *path)
         assert [r["token_ids"] for r in other] == [r["token_ids"] for r in together]
+
+
+def test_a_cached_prompt_runs_on_packed_weights_with_the_oracles_tokens(
+    hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """One prompt on the static cache multiplies by weights packed for oneDNN (said on
+    stderr); --no-pack-weights keeps them as stored; both give the uncached tokens."""
+    common = ["--hf-model", hf_gpt2_dir, "--prompt", "To be", "--max-new-tokens", "12"]
+    common += ["--temperature", "0"]
+    runs = {}
+    for name, flags in (
+        ("packed", []),
+        ("plain", ["--no-pack-weights"]),
+        ("oracle", ["--no-kv-cache"]),
+    ):
+        code, out, err = main(capsys, "--json", *common, *flags)
+        assert code == 0, err
+        runs[name] = json_lines(out)[0]["token_ids"]
+        assert ("packed for oneDNN" in err) == (name == "packed"), err
+    assert runs["packed"] == runs["plain"] == runs["oracle"]
 
 
 RAGGED_PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog, again and again"]

@@ -11,6 +11,7 @@ order, so a logical block number used as a physical one cannot pass by luck.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Callable
 from unittest import mock
@@ -364,6 +365,35 @@ def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> 
         assert (stats.decode_slot_bytes, stats.kv_pool_bytes) == (slots.nbytes, engine.pool.nbytes)
     assert shrank  # the long request's capacity went with it
     assert engine.stats().decode_slot_bytes == 0
+
+
+def note_the_road(engine: LLMEngine, budget: int, seen: set[str]) -> None:
+    """After a step: the slots within budget, and which road the step's decode took."""
+    assert engine.runner.slots.nbytes <= budget
+    if "decode" in engine.runner.seconds:
+        seen.add("slots" if engine.runner.slots.owners else "gather")
+
+
+def test_past_the_slots_budget_a_step_gathers_with_the_same_tokens(model, tokenizer) -> None:
+    """The decode slots never take more than decode_slots_memory: a step that would need
+    more reads its decoding sequences through the gather (the slots given up), and every
+    request still gets its solo tokens. Under a budget that holds a few sequences but
+    not all of them, the engine takes both roads in one run. (Rows and capacity sized
+    to the token, so that the buffers follow the step closely.)"""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=4 + 5 * i) for i in range(6)]
+    per_token = 2 * model.config.n_layer * model.config.n_embd * torch.float32.itemsize
+    for budget, roads in ((1, {"gather"}), (100 * per_token, {"gather", "slots"})):
+        with mock.patch.multiple(slots_module, ROW_STEP=1, CAPACITY_STEP=1):
+            engine = engine_for(model, tokenizer, num_kv_blocks=120, decode_slots_memory=budget)
+        ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        seen = set()
+        watch = functools.partial(note_the_road, engine, budget, seen)
+        finished = run_to_end(engine, after_step=watch)
+        assert seen == roads
+        for i, prompt, q in zip(ids, prompts, params, strict=True):
+            assert finished[i].token_ids == solo(model, tokenizer, prompt, q)
 
 
 def test_packed_weights_are_a_view_of_the_model_with_the_oracle_tokens(model, tokenizer) -> None:

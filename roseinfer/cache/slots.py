@@ -45,10 +45,12 @@ class DecodingSequence(Protocol):
 
 
 class DecodeSlots:
-    def __init__(self, config: GPTConfig, max_rows: int, pool: KVPool) -> None:
+    def __init__(self, config: GPTConfig, max_rows: int, pool: KVPool, budget: int) -> None:
         self.pool = pool
         self.max_rows = max_rows
+        self.budget = budget  # bytes the buffers may take at most (see fits)
         bs = pool.kv_block_size
+        self.row_step = ROW_STEP
         self.capacity_step = -(-CAPACITY_STEP // bs) * bs  # whole blocks
         # A full context, in whole blocks (a windowed model's rows never hold more).
         self.max_capacity = -(-config.block_size // bs) * bs
@@ -82,6 +84,18 @@ class DecodeSlots:
                 self._fill(seq)
         rows = {id(seq): row for row, seq in enumerate(self.owners)}
         return [rows[id(seq)] for seq in seqs]
+
+    def fits(self, seqs: list[DecodingSequence]) -> bool:
+        """Whether rows for these decoding sequences stay within the budget (the buffers
+        `arrange` would size for them, in bytes)."""
+        rows, _, capacity, _ = self.k[0].shape
+        width = max(len(seq.block_table) for seq in seqs) * self.pool.kv_block_size
+        rows = fitted(rows, len(seqs), self.row_step, self.max_rows)
+        capacity = fitted(capacity, width, self.capacity_step, self.max_capacity)
+        per_slot = sum(
+            t[0, :, 0].nbytes for t in self.pool.k + self.pool.v
+        )  # one token, all layers
+        return rows * capacity * per_slot <= self.budget
 
     def clear(self) -> None:
         """Give every row up, and the buffers' memory with them."""
@@ -123,7 +137,7 @@ class DecodeSlots:
         """Buffers that hold `rows` rows of `width` tokens: reallocated (rows in use and
         their tokens copied over) when they are too small, or over twice too large."""
         old_rows, _, old_capacity, _ = self.k[0].shape
-        new_rows = fitted(old_rows, rows, ROW_STEP, self.max_rows)
+        new_rows = fitted(old_rows, rows, self.row_step, self.max_rows)
         capacity = fitted(old_capacity, width, self.capacity_step, self.max_capacity)
         if (new_rows, capacity) == (old_rows, old_capacity):
             return

@@ -58,10 +58,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="do not reuse the KV blocks of prompts' shared prefixes",
     )
     engine.add_argument(
+        "--decode-slots-memory",
+        help="bytes the decode slots may take, e.g. 512MiB: a second copy of the decoding "
+        "requests' keys and values, read without a gather; past it a step gathers from the "
+        "pool (default: as much as the KV pool)",
+    )
+    engine.add_argument(
         "--no-pack-weights",
         action="store_true",
         help="on a CPU, run the linear layers on the weights as stored instead of a copy "
-        "packed once for oneDNN (slower steps, one copy of the weights less)",
+        "packed once for oneDNN (slower steps, one copy of the weights less; the engine and "
+        "the cached single-prompt paths pack by default)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
@@ -99,6 +106,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         pack_weights=not args.no_pack_weights,
+        decode_slots_memory=args.decode_slots_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_window=args.kv_cache_window,
         kv_cache_group_size=args.kv_cache_group_size,

@@ -46,6 +46,7 @@ from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
 from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.cli.engine_flags import add_engine_flags, engine_config
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
+from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
 from roseinfer.loops import onnx_generate
 from roseinfer.loops.generate import COMPILE_MODES, GenerationResult, generate_batch
@@ -610,7 +611,13 @@ def run(args: argparse.Namespace) -> int:
             "channel",
         )
         if engine_settings is not None:
-            engine = LLMEngine(model, tokenizer, engine_settings)
+            engine = LLMEngine(model, tokenizer, engine_settings)  # (it packs its own)
+        # A cached decode multiplies a few rows by every weight: on a CPU, by weights
+        # packed once for oneDNN, as the engine does (roseinfer.engine.packed).
+        packing = not (args.no_kv_cache or args.compile or args.no_pack_weights)
+        if engine is None and packing and can_pack(model):
+            model = packed_linears(model, args.batch_size or len(prompts))
+            status("weights", "linear layers packed for oneDNN (--no-pack-weights: as stored)")
         status("device", device)
         status("dtype", args.dtype)
         status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")

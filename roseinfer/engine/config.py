@@ -55,6 +55,10 @@ class EngineConfig:
     # On a CPU: the model's linear layers run with their weights packed once for oneDNN
     # (roseinfer.engine.packed: about one more copy of the weights, a faster step).
     pack_weights: bool = True
+    # The decode slots ("fast") hold a second copy of the decoding sequences' keys and
+    # values, padded to the longest: at most this many bytes (None: as many as the
+    # pool), past which a step's decode gathers from the pool instead.
+    decode_slots_memory: int | str | None = None
     # Tests and chapters check the pool's invariants after every step (check_pool); that
     # needs each step's written slots and the writers' block tables recorded (runner.
     # written_slots / writer_tables): work a server does not need, so it is off unless
@@ -76,6 +80,8 @@ class EngineConfig:
             raise RoseError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        if self.decode_slots_memory is not None:
+            parse_bytes(self.decode_slots_memory, "decode_slots_memory")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise RoseError(
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}: choose one of "
@@ -85,6 +91,12 @@ class EngineConfig:
             raise RoseError(
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
             )
+
+    def slots_bytes(self) -> int | None:
+        """The decode slots' budget in bytes (None: as many as the pool)."""
+        if self.decode_slots_memory is None:
+            return None
+        return parse_bytes(self.decode_slots_memory, "decode_slots_memory")
 
     def check_model(self, model: GPTConfig) -> None:
         """The settings that depend on the model (a quantized pool's group size)."""
@@ -140,16 +152,16 @@ class EngineConfig:
         return max(1, min(self.max_num_seqs * full_context, cap))
 
 
-def parse_bytes(size: int | str) -> int:
-    """2147483648, "2GiB", "512MiB", "1.5GB" -> bytes."""
+def parse_bytes(size: int | str, name: str = "kv_cache_memory") -> int:
+    """2147483648, "2GiB", "512MiB", "1.5GB" -> bytes (`name`: the setting, for errors)."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size < 1:
-            raise RoseError(f"kv_cache_memory must be > 0 bytes, got {size}")
+            raise RoseError(f"{name} must be > 0 bytes, got {size}")
         return size
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
         raise RoseError(
-            f"kv_cache_memory must be a byte count or a size like '2GiB' / '512MiB', got {size!r}"
+            f"{name} must be a byte count or a size like '2GiB' / '512MiB', got {size!r}"
         )
     return int(float(match.group(1)) * _UNITS[unit])

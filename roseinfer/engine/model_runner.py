@@ -35,6 +35,7 @@ class ModelRunner:
         record_writes: bool = False,
         max_num_seqs: int = 64,
         pack_weights: bool = False,
+        slots_memory: int | None = None,
     ) -> None:
         # The model the steps run: on a CPU its linear layers packed once for the
         # decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
@@ -44,7 +45,9 @@ class ModelRunner:
         self.attention = attention
         # A quantized pool's old blocks are read dequantized, so its decode rows gather.
         fast = attention == "fast" and not pool.quantized
-        self.slots = DecodeSlots(model.config, max_num_seqs, pool) if fast else None
+        # The decode slots take at most slots_memory bytes (None: as much as the pool).
+        budget = pool.nbytes if slots_memory is None else slots_memory
+        self.slots = DecodeSlots(model.config, max_num_seqs, pool, budget) if fast else None
         # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
         # and the block tables of the sequences that wrote them, as they were then. Off,
         # a step copies no table and never waits for the device to hand the slots back.
@@ -104,7 +107,12 @@ class ModelRunner:
         self, seqs: list[EngineSequence], num_new: list[int], layout: str
     ) -> tuple[list[EngineSequence], torch.Tensor, torch.Tensor]:
         device = self.pool.device
-        if layout == "padded" and self.slots is not None:
+        slotted = layout == "padded" and self.slots is not None
+        if slotted and not self.slots.fits(seqs):
+            # Past the slots' memory budget this step gathers instead (same tokens).
+            self.slots.clear()
+            slotted = False
+        if slotted:
             rows = self.slots.arrange(seqs)  # batch row i reads slot row i
             seqs = [seq for _, seq in sorted(zip(rows, seqs, strict=True), key=lambda p: p[0])]
             cache = SlotKVCache(self.slots, seqs)
@@ -130,7 +138,7 @@ class ModelRunner:
             idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
             out = self.model(idx, cache=cache, last_only=True, validate=False)
             logits = out.logits[done, -1, :]
-            if self.slots is not None:
+            if slotted:
                 self.slots.advance()
         else:
             idx = torch.tensor([sum(ids, [])], device=device)  # (1, total new tokens)
