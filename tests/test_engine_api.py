@@ -110,6 +110,17 @@ def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
     assert llm.engine.pool.nbytes == 12 * 8 * 2 * 2 * 32 * torch.float32.itemsize
 
 
+def test_bench_engine_on_cuda_where_there_is_none_is_one_line(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roseinfer.bench import engine as bench_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_engine.main(["--quick", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda, but CUDA is not available here" in err
+
+
 def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     capsys: pytest.CaptureFixture,
 ) -> None:

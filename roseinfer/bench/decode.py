@@ -193,7 +193,7 @@ def decode_flops(model: GPT, kv_len: int, batch: int = 1) -> int:
 
 
 def _sync(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 

@@ -3,6 +3,7 @@ many requests, on one workload, in one run.
 
     python -m roseinfer.bench.engine            # GPT-2 124M, random weights, 64 requests
     python -m roseinfer.bench.engine --quick    # a tiny model, a few requests (a smoke test)
+    python -m roseinfer.bench.engine --device cuda   # on a GPU (no packed weights there)
 
 The workload (seeded): requests with prompts of 16-256 random tokens and 16-128 new
 tokens each (end-of-text ignored, so every path makes the same number of tokens).
@@ -62,6 +63,7 @@ from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
+from rosetrainer.runtime import pick_device
 from rosetrainer.tokenizer import Tokenizer
 
 Request = tuple[list[int], int]  # prompt ids, new tokens
@@ -88,6 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda or cuda:N: every path and the floor's measurements run there",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip transformers' continuous batching")
     p.add_argument(
         "--floor-seqs",
@@ -103,6 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--floor-only", action="store_true", help="only the decode-floor table")
     args = p.parse_args(argv)
+    args.device = pick_device(args.device)
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")
     seqs = args.floor_seqs or ("2,4" if args.quick else "32,64")
@@ -265,6 +273,12 @@ def timed(fn, *args, **kwargs):
     return out, seconds
 
 
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"the CPU, {torch.get_num_threads()} threads"
+
+
 def say(text: str = "") -> None:
     print(text, flush=True)
 
@@ -279,8 +293,9 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     runner per decode attention in turn, over the same pool and sequences (the first step
     of each is left out: the fast one fills its rows then)."""
     quick = args.quick
-    bandwidth = streaming_read_bandwidth("cpu", (64 if quick else 1024) << 20)
-    rate = matmul_rate("cpu", 256 if quick else 1024)
+    device = str(args.device)
+    bandwidth = streaming_read_bandwidth(device, (64 if quick else 1024) << 20)
+    rate = matmul_rate(device, 256 if quick else 1024)
     # (attention, weights packed for oneDNN): the engine's default first
     variants = [("fast", True), ("fast", False), ("gather", False)]
     prefill_steps = -(
@@ -344,7 +359,8 @@ def bench(argv: list[str] | None = None) -> int:
         work = dataclasses.replace(work, requests=args.requests)
     config = QUICK_CONFIG if args.quick else GPTConfig.from_preset("gpt2")
     torch.manual_seed(args.seed)
-    model = wide_random_init(GPT(config), args.seed)  # varied greedy tokens: a fair comparison
+    # varied greedy tokens: a fair comparison
+    model = wide_random_init(GPT(config), args.seed).to(args.device)
     tokenizer = Tokenizer("gpt2")
     engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
     if args.floor_only:
@@ -354,8 +370,8 @@ def bench(argv: list[str] | None = None) -> int:
     requests = make_requests(work, config.vocab_size, args.seed)
     out_tokens = sum(n for _, n in requests)
     say(
-        f"model: {'tiny' if args.quick else 'gpt2 124M'} random weights, float32, "
-        f"{torch.get_num_threads()} threads; {len(requests)} requests, prompts "
+        f"model: {'tiny' if args.quick else 'gpt2 124M'} random weights, float32, on "
+        f"{device_name(args.device)}; {len(requests)} requests, prompts "
         f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
         f"{work.output_range[0]}-{work.output_range[1]} ({out_tokens} output tokens)"
     )
