@@ -83,6 +83,16 @@ def run_to_end(
     return finished
 
 
+def note_the_road(engine: LLMEngine, seen: set[str], budget: int | None = None) -> None:
+    """After a step: which road the step's decode took (and the slots within budget)."""
+    slots = engine.runner.slots
+    if budget is not None:
+        assert slots.nbytes <= budget
+    # (after the last request the slots are given back: nothing to tell there)
+    if "decode" in engine.runner.seconds and engine.requests:
+        seen.add("slots" if slots is not None and slots.owners else "gather")
+
+
 # ---------------------------------------------------------------------------
 # Random schedules
 # ---------------------------------------------------------------------------
@@ -301,8 +311,12 @@ def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
     for attention in ATTENTIONS:
         engine = engine_for(model, tokenizer, num_kv_blocks=80, attention=attention)
         ids = [engine.add_request(p, params) for p in prompts]
-        finished = run_to_end(engine)
+        roads: set[str] = set()
+        finished = run_to_end(engine, after_step=functools.partial(note_the_road, engine, roads))
         runs[attention] = [finished[i] for i in ids]
+        # "fast" decodes through the slots (a budget too small would make it gather);
+        # "reference" has no decode batch (every token in one flat row)
+        assert roads == {"fast": {"slots"}, "gather": {"gather"}, "reference": set()}[attention]
     for attention in ("fast", "gather"):
         for fast, reference in zip(runs[attention], runs["reference"], strict=True):
             assert fast.token_ids == reference.token_ids
@@ -341,8 +355,8 @@ def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -
 
 
 def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> None:
-    """The rows' buffers hold what the step needs, never over twice that (a long request
-    gone, they shrink); the engine reports their bytes beside the pool's. (Small steps of
+    """The rows' buffers hold what the step needs, never over three times that (a long
+    request gone, they shrink); the engine reports their bytes beside the pool's. (Small steps of
     rows and capacity, so that the test's short contexts show both.)"""
     with mock.patch.multiple(slots_module, ROW_STEP=2, CAPACITY_STEP=8):
         engine = engine_for(model, tokenizer, num_kv_blocks=200, max_num_seqs=8)
@@ -358,8 +372,8 @@ def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> 
         # (a request that finished in this step keeps its row until the next one)
         if slots.owners and all(seq.request_id in engine.requests for seq in slots.owners):
             width = max(len(seq.block_table) for seq in slots.owners) * KV_BLOCK
-            assert len(slots.owners) <= rows <= 2 * max(len(slots.owners), 2)
-            assert width <= capacity <= 2 * max(width, 8)
+            assert len(slots.owners) <= rows <= 3 * max(len(slots.owners), 2)
+            assert width <= capacity <= 3 * max(width, 8)
         shrank |= long_one not in engine.requests and capacity < before[2]
         stats = engine.stats()
         assert (stats.decode_slot_bytes, stats.kv_pool_bytes) == (slots.nbytes, engine.pool.nbytes)
@@ -367,11 +381,27 @@ def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> 
     assert engine.stats().decode_slot_bytes == 0
 
 
-def note_the_road(engine: LLMEngine, budget: int, seen: set[str]) -> None:
-    """After a step: the slots within budget, and which road the step's decode took."""
-    assert engine.runner.slots.nbytes <= budget
-    if "decode" in engine.runner.seconds:
-        seen.add("slots" if engine.runner.slots.owners else "gather")
+def test_rows_allocated_ahead_may_hold_anything(model, tokenizer) -> None:
+    """Rows the slots allocate but have not filled are never written (their memory is
+    taken only when used), so they may hold anything: here NaN after every reallocation.
+    A row filled later still gives the solo tokens (its unwritten tail is zeroed: masked
+    keys' values are multiplied by zero, and NaN times zero is NaN)."""
+    original = slots_module.DecodeSlots._fit
+
+    def fit_then_poison(self, rows: int, width: int) -> None:
+        original(self, rows, width)
+        for buffer in self.k + self.v:
+            buffer[len(self.owners) :] = float("nan")
+
+    rng = random.Random(8)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    params = SamplingParams(max_tokens=10)
+    with mock.patch.object(slots_module.DecodeSlots, "_fit", fit_then_poison):
+        engine = engine_for(model, tokenizer, num_kv_blocks=80)
+        ids = [engine.add_request(p, params) for p in prompts]
+        finished = run_to_end(engine)
+    for i, prompt in zip(ids, prompts, strict=True):
+        assert finished[i].token_ids == solo(model, tokenizer, prompt, params)
 
 
 def test_past_the_slots_budget_a_step_gathers_with_the_same_tokens(model, tokenizer) -> None:
@@ -389,7 +419,7 @@ def test_past_the_slots_budget_a_step_gathers_with_the_same_tokens(model, tokeni
             engine = engine_for(model, tokenizer, num_kv_blocks=120, decode_slots_memory=budget)
         ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
         seen = set()
-        watch = functools.partial(note_the_road, engine, budget, seen)
+        watch = functools.partial(note_the_road, engine, seen, budget)
         finished = run_to_end(engine, after_step=watch)
         assert seen == roads
         for i, prompt, q in zip(ids, prompts, params, strict=True):

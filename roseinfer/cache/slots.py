@@ -17,10 +17,13 @@ so the rows in use stay 0 .. n - 1, and the batch's row i is buffer row i).
 
 The price is memory: the rows hold a second copy of the decoding sequences' keys and
 values, padded to the longest of them. So the buffers are sized to the step, not to
-the model's whole window times every sequence: rows in steps of ROW_STEP and capacity
-in steps of CAPACITY_STEP tokens, reallocated (and copied) when a step needs more,
-and cut down when they hold more than twice what a step needs. `nbytes` is what they
-hold now; the engine reports it beside the pool's.
+the model's whole window times every sequence: capacity in steps of CAPACITY_STEP
+tokens, rows in steps of ROW_STEP and at least doubled when they grow (a batch that
+ramps up to 64 sequences copies its rows a few times, not eight), reallocated when a
+step needs more and cut when they hold over three times what it needs. Only the rows
+in use are written, so rows allocated ahead take no memory from the OS until a
+sequence fills one. `nbytes` is what they hold allocated; the engine reports it
+beside the pool's, and keeps it under a budget (`fits`).
 """
 
 from __future__ import annotations
@@ -86,16 +89,9 @@ class DecodeSlots:
         return [rows[id(seq)] for seq in seqs]
 
     def fits(self, seqs: list[DecodingSequence]) -> bool:
-        """Whether rows for these decoding sequences stay within the budget (the buffers
-        `arrange` would size for them, in bytes)."""
-        rows, _, capacity, _ = self.k[0].shape
+        """Whether rows for these decoding sequences, and no more, stay within the budget."""
         width = max(len(seq.block_table) for seq in seqs) * self.pool.kv_block_size
-        rows = fitted(rows, len(seqs), self.row_step, self.max_rows)
-        capacity = fitted(capacity, width, self.capacity_step, self.max_capacity)
-        per_slot = sum(
-            t[0, :, 0].nbytes for t in self.pool.k + self.pool.v
-        )  # one token, all layers
-        return rows * capacity * per_slot <= self.budget
+        return self._bytes(*self._dims(len(seqs), width, grow=False)) <= self.budget
 
     def clear(self) -> None:
         """Give every row up, and the buffers' memory with them."""
@@ -134,24 +130,40 @@ class DecodeSlots:
         del self.owners[n:], self.held[n:]
 
     def _fit(self, rows: int, width: int) -> None:
-        """Buffers that hold `rows` rows of `width` tokens: reallocated (rows in use and
-        their tokens copied over) when they are too small, or over twice too large."""
+        """Buffers that hold `rows` rows of `width` tokens: reallocated when too small, or
+        over three times too large. Only the rows in use are copied over (their tails
+        zeroed where the capacity grew); the others are left unwritten, so the memory
+        behind them is only taken when a sequence fills one (`_fill`)."""
         old_rows, _, old_capacity, _ = self.k[0].shape
-        new_rows = fitted(old_rows, rows, self.row_step, self.max_rows)
-        capacity = fitted(old_capacity, width, self.capacity_step, self.max_capacity)
+        new_rows, capacity = self._dims(rows, width, grow=True)
+        if self._bytes(new_rows, capacity) > self.budget:  # (the runner checked `fits`)
+            new_rows, capacity = self._dims(rows, width, grow=False)
         if (new_rows, capacity) == (old_rows, old_capacity):
             return
-        kept, held = len(self.owners), max(self.held, default=0)
+        kept, copied = len(self.owners), min(old_capacity, capacity)
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
-                n_head, head_dim = old.size(1), old.size(3)
-                new = old.new_zeros(new_rows, n_head, capacity, head_dim)
-                new[:kept, :, :held] = old[:kept, :, :held]
+                new = old.new_empty(new_rows, old.size(1), capacity, old.size(3))
+                new[:kept, :, :copied] = old[:kept, :, :copied]
+                new[:kept, :, copied:] = 0
                 buffers[i] = new
+
+    def _dims(self, rows: int, width: int, grow: bool) -> tuple[int, int]:
+        """(rows, capacity) of buffers for `rows` rows of `width` tokens, from the present
+        ones; with grow, rows grow to at least twice what they were (see `fitted`)."""
+        old_rows, _, old_capacity, _ = self.k[0].shape
+        return (
+            fitted(old_rows, rows, self.row_step, self.max_rows, double=grow),
+            fitted(old_capacity, width, self.capacity_step, self.max_capacity, double=False),
+        )
+
+    def _bytes(self, rows: int, capacity: int) -> int:
+        one_token = sum(t[0, :, 0].nbytes for t in self.pool.k + self.pool.v)  # every layer
+        return rows * capacity * one_token
 
     def _fill(self, seq: DecodingSequence) -> None:
         """A new row for seq: its num_computed_tokens keys and values, copied from the
-        pool once."""
+        pool once (the rest of the row zeroed)."""
         row, held, bs = len(self.owners), seq.num_computed_tokens, self.pool.kv_block_size
         blocks = seq.block_table[: -(-held // bs)]
         blocks = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
@@ -160,17 +172,22 @@ class DecodeSlots:
                 # (blocks, n_head, bs, head_dim) -> (n_head, blocks * bs, head_dim)
                 context = pool_layer[blocks].transpose(0, 1).flatten(1, 2)
                 buffer[row, :, :held] = context[:, :held]
+                # Never-written memory may hold anything, even NaN, and attention
+                # multiplies the masked keys' values by zero: zeros instead.
+                buffer[row, :, held:] = 0
         self.owners.append(seq)
         self.held.append(held)
 
 
-def fitted(size: int, needed: int, step: int, most: int) -> int:
-    """A buffer dimension for `needed`: kept while it holds it and is at most twice the
-    need, else `needed` rounded up to a multiple of `step` (at most `most`, unless more
-    is needed)."""
-    if needed <= size <= 2 * max(needed, step):
+def fitted(size: int, needed: int, step: int, most: int, double: bool) -> int:
+    """A buffer dimension for `needed`, in multiples of `step` (at most `most`, unless
+    more is needed). Kept while it holds the need and is at most three times it, else
+    cut or grown to the need; with `double`, grown to at least twice its size, so that
+    a batch ramping up copies its rows a few times rather than at every `step`."""
+    if needed <= size <= 3 * max(needed, step):
         return size
-    return max(needed, min(most, -(-needed // step) * step))
+    target = max(needed, 2 * size) if double and needed > size else needed
+    return max(needed, min(most, -(-target // step) * step))
 
 
 class SlotKVCache(PagedKVCache):

@@ -27,7 +27,11 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
 _UNITS["gb"] = 1000**3
-ATTENTIONS = ("fast", "gather", "reference")  # see EngineConfig.attention
+ATTENTIONS = ("fast", "gather", "reference")
+# The decode slots' default budget is the pool's size, but never below this: a small
+# pool (a small model, a test's) would otherwise be smaller than the slots' least
+# allocation (8 rows of 64 tokens) and never decode through them.
+MIN_SLOTS_BYTES = 64 * 1024**2  # see EngineConfig.attention
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,8 @@ class EngineConfig:
     # (roseinfer.engine.packed: about one more copy of the weights, a faster step).
     pack_weights: bool = True
     # The decode slots ("fast") hold a second copy of the decoding sequences' keys and
-    # values, padded to the longest: at most this many bytes (None: as many as the
-    # pool), past which a step's decode gathers from the pool instead.
+    # values, padded to the longest: at most this many bytes (None: as many as the pool,
+    # and at least MIN_SLOTS_BYTES), past which a step's decode gathers instead.
     decode_slots_memory: int | str | None = None
     # Tests and chapters check the pool's invariants after every step (check_pool); that
     # needs each step's written slots and the writers' block tables recorded (runner.
@@ -92,10 +96,10 @@ class EngineConfig:
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
             )
 
-    def slots_bytes(self) -> int | None:
-        """The decode slots' budget in bytes (None: as many as the pool)."""
+    def slots_bytes(self, pool_bytes: int) -> int:
+        """The decode slots' budget in bytes, beside a pool of pool_bytes."""
         if self.decode_slots_memory is None:
-            return None
+            return default_slots_bytes(pool_bytes)
         return parse_bytes(self.decode_slots_memory, "decode_slots_memory")
 
     def check_model(self, model: GPTConfig) -> None:
@@ -150,6 +154,12 @@ class EngineConfig:
         full_context = -(-model.block_size // self.kv_block_size)
         cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
         return max(1, min(self.max_num_seqs * full_context, cap))
+
+
+def default_slots_bytes(pool_bytes: int) -> int:
+    """The decode slots' budget when none is given: as much as the pool, at least
+    MIN_SLOTS_BYTES."""
+    return max(pool_bytes, MIN_SLOTS_BYTES)
 
 
 def parse_bytes(size: int | str, name: str = "kv_cache_memory") -> int:

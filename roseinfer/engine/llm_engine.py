@@ -75,7 +75,7 @@ class LLMEngine:
             config.check_invariants,
             config.max_num_seqs,
             config.pack_weights,
-            config.slots_bytes(),
+            config.slots_bytes(self.pool.nbytes),
         )
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)

@@ -21,6 +21,7 @@ import torch
 
 from roseinfer.cache.paged import KVPool, PagedKVCache
 from roseinfer.cache.slots import DecodeSlots, SlotKVCache
+from roseinfer.engine.config import default_slots_bytes
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
@@ -45,8 +46,8 @@ class ModelRunner:
         self.attention = attention
         # A quantized pool's old blocks are read dequantized, so its decode rows gather.
         fast = attention == "fast" and not pool.quantized
-        # The decode slots take at most slots_memory bytes (None: as much as the pool).
-        budget = pool.nbytes if slots_memory is None else slots_memory
+        # The decode slots take at most slots_memory bytes (None: the default budget).
+        budget = default_slots_bytes(pool.nbytes) if slots_memory is None else slots_memory
         self.slots = DecodeSlots(model.config, max_num_seqs, pool, budget) if fast else None
         # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
         # and the block tables of the sequences that wrote them, as they were then. Off,
