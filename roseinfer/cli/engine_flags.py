@@ -61,7 +61,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--decode-slots-memory",
         help="bytes the decode slots may take, e.g. 512MiB: a second copy of the decoding "
         "requests' keys and values, read without a gather; past it a step gathers from the "
-        "pool (default: as much as the KV pool)",
+        "pool (default: as much as the KV pool, at least 64MiB)",
     )
     engine.add_argument(
         "--no-pack-weights",
