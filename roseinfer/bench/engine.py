@@ -205,8 +205,8 @@ def run_engine(
             if output.finished:
                 done[output.request_id] = output.token_ids
         steps += 1
-        slots = engine.runner.slots  # the decoding sequences' contiguous copy, allocated
-        held_bytes += engine.block_manager.num_used * block_bytes + (slots.nbytes if slots else 0)
+        # the pool's blocks in use, and the decode slots (the decoding sequences' copy)
+        held_bytes += engine.block_manager.num_used * block_bytes + engine.runner.decode_slot_bytes
         live_tokens += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
     return EngineRun([done[i] for i in ids], engine, steps, held_bytes, live_tokens)
 
@@ -380,8 +380,11 @@ def bench(argv: list[str] | None = None) -> int:
     warm = [(requests[0][0][:8], 2)]
     one_by_one(model, warm)
     static_batches(model, warm, 1)
-    if can_pack(model):
-        one_by_one(packed_linears(model, 1), warm)
+    # The weights the engine multiplies by on a CPU (packed for oneDNN once), for one by
+    # one and static batches too: the engine's lead over them is then its batching's.
+    packed = packed_linears(model, 1) if can_pack(model) else None
+    if packed is not None:
+        one_by_one(packed, warm)
     run_engine(model, tokenizer, warm, **engine_config)
 
     results: dict[str, tuple[list[list[int]], float]] = {}
@@ -389,12 +392,8 @@ def bench(argv: list[str] | None = None) -> int:
     results[f"static batches of {args.batch_size}"] = timed(
         static_batches, model, requests, args.batch_size
     )
-    # The same two with the weights the engine multiplies by on a CPU (packed for oneDNN
-    # once), so that the engine's lead over them is its batching's, not its weights'.
-    if can_pack(model):
-        results["one by one, packed weights"] = timed(
-            one_by_one, packed_linears(model, 1), requests
-        )
+    if packed is not None:
+        results["one by one, packed weights"] = timed(one_by_one, packed, requests)
         results["static batches, packed weights"] = timed(
             static_batches, packed_linears(model, args.batch_size), requests, args.batch_size
         )

@@ -52,6 +52,8 @@ class DecodeSlots:
         self.pool = pool
         self.max_rows = max_rows
         self.budget = budget  # bytes the buffers may take at most (see fits)
+        # one token's keys and values, every layer
+        self.token_bytes = sum(t[0, :, 0].nbytes for t in pool.k + pool.v)
         bs = pool.kv_block_size
         self.row_step = ROW_STEP
         self.capacity_step = -(-CAPACITY_STEP // bs) * bs  # whole blocks
@@ -158,8 +160,7 @@ class DecodeSlots:
         )
 
     def _bytes(self, rows: int, capacity: int) -> int:
-        one_token = sum(t[0, :, 0].nbytes for t in self.pool.k + self.pool.v)  # every layer
-        return rows * capacity * one_token
+        return rows * capacity * self.token_bytes
 
     def _fill(self, seq: DecodingSequence) -> None:
         """A new row for seq: its num_computed_tokens keys and values, copied from the

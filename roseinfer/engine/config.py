@@ -27,11 +27,11 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
 _UNITS["gb"] = 1000**3
-ATTENTIONS = ("fast", "gather", "reference")
+ATTENTIONS = ("fast", "gather", "reference")  # see EngineConfig.attention
 # The decode slots' default budget is the pool's size, but never below this: a small
 # pool (a small model, a test's) would otherwise be smaller than the slots' least
 # allocation (8 rows of 64 tokens) and never decode through them.
-MIN_SLOTS_BYTES = 64 * 1024**2  # see EngineConfig.attention
+MIN_SLOTS_BYTES = 64 * 1024**2
 
 
 @dataclass(frozen=True)

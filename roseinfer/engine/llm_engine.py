@@ -283,7 +283,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             kv_pool_bytes=self.pool.nbytes,
-            decode_slot_bytes=self.runner.slots.nbytes if self.runner.slots else 0,
+            decode_slot_bytes=self.runner.decode_slot_bytes,
         )
 
 

@@ -57,6 +57,11 @@ class ModelRunner:
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
 
+    @property
+    def decode_slot_bytes(self) -> int:
+        """What the decode slots hold allocated now (0 without them)."""
+        return self.slots.nbytes if self.slots is not None else 0
+
     def release(self) -> None:
         """No request is left: the decode slots give back their rows and memory (while
         requests run, a finished one's row goes at the next step)."""
@@ -111,7 +116,8 @@ class ModelRunner:
         slotted = layout == "padded" and self.slots is not None
         if slotted and not self.slots.fits(seqs):
             # Past the slots' memory budget this step gathers instead (same tokens).
-            self.slots.clear()
+            if self.slots.nbytes:
+                self.slots.clear()
             slotted = False
         if slotted:
             rows = self.slots.arrange(seqs)  # batch row i reads slot row i

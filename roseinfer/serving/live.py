@@ -98,7 +98,7 @@ def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
         "prompt_tokens": engine.prompt_tokens,
         "num_preemptions": scheduler.num_preemptions,
         "pool_bytes": engine.pool.nbytes,
-        "decode_slot_bytes": engine.runner.slots.nbytes if engine.runner.slots else 0,
+        "decode_slot_bytes": engine.runner.decode_slot_bytes,
     }
 
 
