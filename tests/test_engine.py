@@ -346,9 +346,11 @@ def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -
             assert held == seq.num_computed_tokens
             blocks = torch.tensor(seq.block_table)
             for layer in range(model.config.n_layer):
-                for pool, buffer in ((engine.pool.k, slots.k), (engine.pool.v, slots.v)):
+                # (values are stored transposed: (n_head, head_dim, capacity) per row)
+                rows = (slots.k[layer][row], slots.v[layer][row].transpose(-2, -1))
+                for pool, mine in zip((engine.pool.k, engine.pool.v), rows, strict=True):
                     context = pool[layer][blocks].transpose(0, 1).flatten(1, 2)[:, :held]
-                    assert torch.equal(buffer[layer][row, :, :held], context)
+                    assert torch.equal(mine[:, :held], context)
     assert most_rows > 1
     assert slots.k[0].size(0) <= 4  # never more rows than running sequences
     assert slots.nbytes == 0 and not slots.owners  # no request left: every row given back

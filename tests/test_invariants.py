@@ -93,17 +93,21 @@ def test_the_naive_functions_are_the_bugs_they_name() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_query_attention_is_sdpa(dtype: torch.dtype) -> None:
     """The decode step's written-out attention equals SDPA's for one query: over every key,
-    and under a padding mask that hides a different number of keys per row."""
+    and under a padding mask that hides a different number of keys per row; with the
+    values laid out as usual and stored transposed (as the engine's decode slots hold them)."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, n, 16, generator=generator) for n in (1, 37, 37))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     real_keys = torch.arange(37)[None, :] >= torch.tensor([0, 5, 36])[:, None]
     mask = real_keys[:, None, None, :]  # (B, 1, 1, kv_len): row 2 sees only its last key
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    v_stored_transposed = v.transpose(-2, -1).contiguous().transpose(-2, -1)
+    assert v_stored_transposed.stride(-1) != 1 and torch.equal(v_stored_transposed, v)
     for attn_mask in (None, mask):
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        got = one_query_attention(q, k, v, attn_mask)
-        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        for values in (v, v_stored_transposed):
+            got = one_query_attention(q, k, values, attn_mask)
+            torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     # Row 2 attends to its one real key only: its output is exactly that key's value.
     torch.testing.assert_close(one_query_attention(q, k, v, mask)[2], v[2, :, -1:])
 

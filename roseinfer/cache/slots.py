@@ -5,10 +5,17 @@ The padded layout of the paged cache (roseinfer.cache.paged) gathers every decod
 sequence's blocks into a new tensor, in every layer, every step: the whole context
 copied to read it once. Here the pool stays the memory of record (every new key and
 value is written there as before, so prefix caching, preemption and the pool's
-invariants are unchanged), and beside it `DecodeSlots` keeps, per layer, a buffer of
-shape (rows, n_head, capacity, head_dim): row r holds one decoding sequence's keys at
+invariants are unchanged), and beside it `DecodeSlots` keeps, per layer, a key buffer
+of shape (rows, n_head, capacity, head_dim): row r holds one decoding sequence's keys at
 positions 0 .. held - 1. A step writes each sequence's one new key at its position and
 attention reads rows 0 .. n - 1 as a view: no gather, nothing allocated per layer.
+
+The values are stored transposed, (rows, n_head, head_dim, capacity), and handed to
+attention as a transposed view. Attention's last product, the softmax weights times
+the values, is then one matrix-vector product per sequence and head with the matrix's
+rows contiguous, the form CPU BLAS runs near memory speed; over values laid out like
+the keys it runs as many one-row products, about 1.6x slower at 32 sequences
+(`one_query_attention` in rosetrainer/model.py picks the form from the layout).
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a
@@ -59,10 +66,13 @@ class DecodeSlots:
         self.capacity_step = -(-CAPACITY_STEP // bs) * bs  # whole blocks
         # A full context, in whole blocks (a windowed model's rows never hold more).
         self.max_capacity = -(-config.block_size // bs) * bs
-        shape = (0, config.n_head, 0, config.head_dim)
         dtype, device = pool.k[0].dtype, pool.device
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in pool.k]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in pool.v]
+        k_shape, v_shape = (
+            (0, config.n_head, 0, config.head_dim),
+            (0, config.n_head, config.head_dim, 0),
+        )
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in pool.k]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in pool.v]
         self.owners: list[DecodingSequence] = []  # row r's sequence
         self.held: list[int] = []  # how many of its tokens row r holds
 
@@ -100,7 +110,7 @@ class DecodeSlots:
         self.owners, self.held = [], []
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
-                buffers[i] = old.new_zeros(0, old.size(1), 0, old.size(3))
+                buffers[i] = old.new_zeros(resized(old.shape, 0, 0, buffers is self.v))
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, width: int
@@ -110,8 +120,9 @@ class DecodeSlots:
         n = k.size(0)
         rows = torch.arange(n, device=k.device)
         self.k[layer][rows, :, positions] = k[:, :, 0]
-        self.v[layer][rows, :, positions] = v[:, :, 0]
-        return self.k[layer][:n, :, :width], self.v[layer][:n, :, :width]
+        self.v[layer][rows, :, :, positions] = v[:, :, 0]
+        # the values as (n, n_head, width, head_dim), like the keys: a transposed view
+        return self.k[layer][:n, :, :width], self.v[layer][:n, ..., :width].transpose(-2, -1)
 
     def advance(self) -> None:
         """After a decode step: every row holds one more token."""
@@ -125,9 +136,10 @@ class DecodeSlots:
         movers = [row for row in kept if row >= n]
         for hole, row in zip(holes, movers, strict=True):
             held = self.held[row]
-            for buffers in (self.k, self.v):
-                for buffer in buffers:
-                    buffer[hole, :, :held] = buffer[row, :, :held]
+            for buffer in self.k:
+                buffer[hole, :, :held] = buffer[row, :, :held]
+            for buffer in self.v:
+                buffer[hole, ..., :held] = buffer[row, ..., :held]
             self.owners[hole], self.held[hole] = self.owners[row], held
         del self.owners[n:], self.held[n:]
 
@@ -145,9 +157,14 @@ class DecodeSlots:
         kept, copied = len(self.owners), min(old_capacity, capacity)
         for buffers in (self.k, self.v):
             for i, old in enumerate(buffers):
-                new = old.new_empty(new_rows, old.size(1), capacity, old.size(3))
-                new[:kept, :, :copied] = old[:kept, :, :copied]
-                new[:kept, :, copied:] = 0
+                values = buffers is self.v
+                new = old.new_empty(resized(old.shape, new_rows, capacity, values))
+                # in each kept row: (n_head, capacity, head_dim), or transposed for values
+                kept_new, kept_old = new[:kept], old[:kept]
+                if values:
+                    kept_new, kept_old = kept_new.transpose(-2, -1), kept_old.transpose(-2, -1)
+                kept_new[:, :, :copied] = kept_old[:, :, :copied]
+                kept_new[:, :, copied:] = 0
                 buffers[i] = new
 
     def _dims(self, rows: int, width: int, grow: bool) -> tuple[int, int]:
@@ -172,12 +189,20 @@ class DecodeSlots:
             for pool_layer, buffer in zip(pool_buffers, buffers, strict=True):
                 # (blocks, n_head, bs, head_dim) -> (n_head, blocks * bs, head_dim)
                 context = pool_layer[blocks].transpose(0, 1).flatten(1, 2)
-                buffer[row, :, :held] = context[:, :held]
+                mine = buffer[row] if buffers is self.k else buffer[row].transpose(-2, -1)
+                mine[:, :held] = context[:, :held]
                 # Never-written memory may hold anything, even NaN, and attention
                 # multiplies the masked keys' values by zero: zeros instead.
-                buffer[row, :, held:] = 0
+                mine[:, held:] = 0
         self.owners.append(seq)
         self.held.append(held)
+
+
+def resized(shape: torch.Size, rows: int, capacity: int, values: bool) -> tuple[int, ...]:
+    """A key buffer's shape (rows, n_head, capacity, head_dim) or a value buffer's
+    (rows, n_head, head_dim, capacity), from one of the same kind."""
+    _, n_head, a, b = shape
+    return (rows, n_head, a, capacity) if values else (rows, n_head, capacity, b)
 
 
 def fitted(size: int, needed: int, step: int, most: int, double: bool) -> int:
