@@ -29,7 +29,11 @@ from serving import (
 )
 
 from roseinfer.bench import serving as bench_serving
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.request.sampling_params import SamplingParams
+from roseinfer.serving.app import ServerSettings, build_app
+from roseinfer.serving.background import BackgroundServer
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -421,3 +425,31 @@ def test_a_busy_port_is_one_clear_line(
     port = server.url.rsplit(":", 1)[1]
     assert serve.main(["--checkpoint-path", str(checkpoint[0]), "--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_the_engine_thread_runs_the_model_with_the_torch_threads_it_was_given(
+    model: GPT, tokenizer: Tokenizer
+) -> None:
+    """The server's threads keep to one torch thread (this module's fixture, the CLI's
+    main thread) and its engine thread takes the count it is given: every step runs with
+    it, and the other threads keep theirs (OpenMP's thread count is per thread)."""
+    assert torch.get_num_threads() == 1
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    threads_in_steps: list[int] = []
+    step = engine.step
+
+    def counting_step() -> list:
+        threads_in_steps.append(torch.get_num_threads())
+        return step()
+
+    engine.step = counting_step
+    app = build_app(engine, tokenizer, ServerSettings(model_name="tiny", torch_threads=2))
+    try:
+        with BackgroundServer(app) as server:
+            body = {"prompt": [15496, 11], "max_tokens": 4, "temperature": 0}
+            response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    finally:
+        torch.set_num_threads(1)  # the count new threads start with, as the fixture left it
+    assert response.status_code == 200
+    assert threads_in_steps and set(threads_in_steps) == {2}
+    assert torch.get_num_threads() == 1

@@ -4,10 +4,12 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
 
-The model runs in the serving engine (roseinfer/engine/), owned by one thread; FastAPI
-and uvicorn answer HTTP on the event loop (roseinfer/serving/). Ctrl-C or SIGTERM stops
-accepting connections, lets the requests in flight finish (for --shutdown-timeout
-seconds, then aborts them) and exits 0.
+The model runs in the serving engine (roseinfer/engine/), owned by one thread, the only
+one that runs tensor operations on several threads (this one, which loads the model and
+then runs the event loop, keeps to one: roseinfer/serving/engine_thread.py says why);
+FastAPI and uvicorn answer HTTP on the event loop (roseinfer/serving/). Ctrl-C or
+SIGTERM stops accepting connections, lets the requests in flight finish (for
+--shutdown-timeout seconds, then aborts them) and exits 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+import torch
 import uvicorn
 
 from roseinfer.cli.engine_flags import add_engine_flags, engine_config
@@ -112,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     chat_template = ChatTemplate.from_file(args.chat_template)
+    # From here this thread uses one torch thread, and the engine's thread all of them.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
@@ -124,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         live_page=not args.no_live_page,
         max_body_bytes=args.max_body_bytes,
+        torch_threads=torch_threads,
     )
     app = build_app(engine, tokenizer, settings)
 

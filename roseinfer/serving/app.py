@@ -55,10 +55,11 @@ class ServerSettings:
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     live_page: bool = True  # the page at / and its /live/* state endpoints
+    torch_threads: int | None = None  # the engine thread's torch threads (see engine_thread.py)
 
 
 def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
-    engine_thread = EngineThread(engine)
+    engine_thread = EngineThread(engine, torch_threads=settings.torch_threads)
     metrics = ServerMetrics(lambda: engine_thread.stats)
     engine_thread.on_finished = metrics.observe_finished
     client = EngineClient(engine_thread, settings.max_waiting)
