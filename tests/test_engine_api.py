@@ -144,7 +144,7 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     assert "same tokens with and without: True" in out
     # The decode floor: the fast attention with packed and plain weights, and the gather
     # one, at 2 and 4 running sequences, each step beside a positive floor (the bytes it
-    # reads over the bandwidth measured).
+    # reads over the bandwidth measured), and the serial floor, never below it.
     floor = [line.split() for line in out.split("decode floor:")[1].splitlines()[2:]]
     assert [tuple(row[:3]) for row in floor] == [
         (n, attention, weights)
@@ -152,6 +152,9 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
         for attention, weights in (("fast", "packed"), ("fast", "plain"), ("gather", "plain"))
     ], out
     for row in floor:
-        step_ms, byte_floor_ms, times_floor = float(row[3]), float(row[6]), float(row[-1][:-1])
+        step_ms, byte_floor_ms, flop_floor_ms = float(row[3]), float(row[6]), float(row[8])
+        times_floor, serial_ms, times_serial = float(row[10][:-1]), float(row[11]), row[13]
         assert step_ms > 0 and byte_floor_ms > 0
-        assert times_floor == pytest.approx(step_ms / max(byte_floor_ms, float(row[8])), rel=0.25)
+        assert times_floor == pytest.approx(step_ms / max(byte_floor_ms, flop_floor_ms), rel=0.25)
+        assert serial_ms >= max(byte_floor_ms, flop_floor_ms) - 0.05  # (printed to 0.1 ms)
+        assert float(times_serial[:-1]) == pytest.approx(step_ms / serial_ms, rel=0.25)

@@ -27,7 +27,12 @@ attention ("fast": the contiguous decode slots, "gather": the blocks gathered ev
 step) and with the linear layers' weights packed for oneDNN (the default on a CPU) or
 read as stored, beside what a step cannot beat: the bytes it must read (every weight once, and
 each live sequence's keys and values) over the streaming bandwidth measured here, and
-its floating-point work at the matrix-product rate measured here.
+its floating-point work at the matrix-product rate measured here; "x floor" is the step
+over the larger of the two. Nor can a step beat its serial floor, which is never below
+that one: the products with the weights, then attention over the keys and values, one
+after the other as every step here runs them, each part at the floor of its own bytes
+or its own arithmetic (on a CPU the products are bound by arithmetic and leave the
+memory bus idle; attention is bound by its reading and leaves the arithmetic idle).
 
     python -m roseinfer.bench.engine --floor-only   # only the decode floor
 """
@@ -310,7 +315,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     )
     say(
         f"{'seqs':>5}{'attention':>11}{'weights':>8}{'step ms':>9}{'model ms':>10}{'MB read':>9}"
-        f"{'bytes floor':>13}{'flops floor':>13}{'x floor':>9}"
+        f"{'bytes floor':>13}{'flops floor':>13}{'x floor':>9}{'serial floor':>14}{'x serial':>10}"
     )
     rng = random.Random(args.seed + 2)
     vocab = model.config.vocab_size
@@ -333,7 +338,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
         for attention, packed in variants:
             engine.runner = runners[attention, packed]
             engine.step()
-            steps, models, reads, flops = [], [], [], []
+            steps, models, reads, flops, serial = [], [], [], [], []
             for _ in range(FLOOR_STEPS):
                 lengths = [seq.num_computed_tokens + 1 for seq in engine.scheduler.running]
                 started = time.perf_counter()
@@ -342,13 +347,21 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
                 models.append(engine.runner.seconds["decode"])
                 reads.append(weight_bytes(model) + cache_bytes(model, sum(lengths)))
                 flops.append(sum(decode_flops(model, kv_len=length) for length in lengths))
+                # each part bound by the slower of its reading and its arithmetic
+                product_flops = decode_flops(model, kv_len=0, batch=len(lengths))
+                products = max(product_flops / rate, weight_bytes(model) / bandwidth)
+                attention_flops = flops[-1] - product_flops
+                keys_values = cache_bytes(model, sum(lengths))
+                serial.append(products + max(keys_values / bandwidth, attention_flops / rate))
             step = statistics.median(steps)
             byte_floor = statistics.median(reads) / bandwidth
             flop_floor = statistics.median(flops) / rate
+            serial_floor = statistics.median(serial)
             say(
                 f"{n:>5}{attention:>11}{'packed' if packed else 'plain':>8}{step * 1e3:>9.1f}{statistics.median(models) * 1e3:>10.1f}"
                 f"{statistics.median(reads) / 1e6:>9.1f}{byte_floor * 1e3:>10.1f} ms"
                 f"{flop_floor * 1e3:>10.1f} ms{step / max(byte_floor, flop_floor):>8.2f}x"
+                f"{serial_floor * 1e3:>11.1f} ms{step / serial_floor:>9.2f}x"
             )
 
 
