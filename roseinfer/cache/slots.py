@@ -14,7 +14,7 @@ The values are stored transposed, (rows, n_head, head_dim, capacity), and handed
 attention as a transposed view. Attention's last product, the softmax weights times
 the values, is then one matrix-vector product per sequence and head with the matrix's
 rows contiguous, the form CPU BLAS runs near memory speed; over values laid out like
-the keys it runs as many one-row products, about 1.6x slower at 32 sequences
+the keys it runs as many one-row products, 2.2x slower at 32 GPT-2 sequences
 (`one_query_attention` in rosetrainer/model.py picks the form from the layout).
 
 A sequence gets a row the first step it decodes (its context copied from the pool
