@@ -319,6 +319,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
     )
     rng = random.Random(args.seed + 2)
     vocab = model.config.vocab_size
+    weights = weight_bytes(model)
     for n in args.floor_seqs:
         # (the engine's own runner reads the prompts only: the timed runners replace it)
         settings = {**config, "max_num_seqs": n, "pack_weights": False}
@@ -345,13 +346,13 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
                 engine.step()
                 steps.append(time.perf_counter() - started)
                 models.append(engine.runner.seconds["decode"])
-                reads.append(weight_bytes(model) + cache_bytes(model, sum(lengths)))
+                keys_values = cache_bytes(model, sum(lengths))
+                reads.append(weights + keys_values)
                 flops.append(sum(decode_flops(model, kv_len=length) for length in lengths))
                 # each part bound by the slower of its reading and its arithmetic
                 product_flops = decode_flops(model, kv_len=0, batch=len(lengths))
-                products = max(product_flops / rate, weight_bytes(model) / bandwidth)
+                products = max(product_flops / rate, weights / bandwidth)
                 attention_flops = flops[-1] - product_flops
-                keys_values = cache_bytes(model, sum(lengths))
                 serial.append(products + max(keys_values / bandwidth, attention_flops / rate))
             step = statistics.median(steps)
             byte_floor = statistics.median(reads) / bandwidth

@@ -66,13 +66,8 @@ class DecodeSlots:
         self.capacity_step = -(-CAPACITY_STEP // bs) * bs  # whole blocks
         # A full context, in whole blocks (a windowed model's rows never hold more).
         self.max_capacity = -(-config.block_size // bs) * bs
-        dtype, device = pool.k[0].dtype, pool.device
-        k_shape, v_shape = (
-            (0, config.n_head, 0, config.head_dim),
-            (0, config.n_head, config.head_dim, 0),
-        )
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in pool.k]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in pool.v]
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.k, self.v = self._new_buffers(0, 0)  # per layer; the values stored transposed
         self.owners: list[DecodingSequence] = []  # row r's sequence
         self.held: list[int] = []  # how many of its tokens row r holds
 
@@ -108,9 +103,7 @@ class DecodeSlots:
     def clear(self) -> None:
         """Give every row up, and the buffers' memory with them."""
         self.owners, self.held = [], []
-        for buffers in (self.k, self.v):
-            for i, old in enumerate(buffers):
-                buffers[i] = old.new_zeros(resized(old.shape, 0, 0, buffers is self.v))
+        self.k, self.v = self._new_buffers(0, 0)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, width: int
@@ -120,6 +113,7 @@ class DecodeSlots:
         n = k.size(0)
         rows = torch.arange(n, device=k.device)
         self.k[layer][rows, :, positions] = k[:, :, 0]
+        # (written in the stored layout: through the transposed view it takes longer)
         self.v[layer][rows, :, :, positions] = v[:, :, 0]
         # the values as (n, n_head, width, head_dim), like the keys: a transposed view
         return self.k[layer][:n, :, :width], self.v[layer][:n, ..., :width].transpose(-2, -1)
@@ -136,10 +130,8 @@ class DecodeSlots:
         movers = [row for row in kept if row >= n]
         for hole, row in zip(holes, movers, strict=True):
             held = self.held[row]
-            for buffer in self.k:
+            for buffer in self._by_token():
                 buffer[hole, :, :held] = buffer[row, :, :held]
-            for buffer in self.v:
-                buffer[hole, ..., :held] = buffer[row, ..., :held]
             self.owners[hole], self.held[hole] = self.owners[row], held
         del self.owners[n:], self.held[n:]
 
@@ -155,17 +147,31 @@ class DecodeSlots:
         if (new_rows, capacity) == (old_rows, old_capacity):
             return
         kept, copied = len(self.owners), min(old_capacity, capacity)
-        for buffers in (self.k, self.v):
-            for i, old in enumerate(buffers):
-                values = buffers is self.v
-                new = old.new_empty(resized(old.shape, new_rows, capacity, values))
-                # in each kept row: (n_head, capacity, head_dim), or transposed for values
-                kept_new, kept_old = new[:kept], old[:kept]
-                if values:
-                    kept_new, kept_old = kept_new.transpose(-2, -1), kept_old.transpose(-2, -1)
-                kept_new[:, :, :copied] = kept_old[:, :, :copied]
-                kept_new[:, :, copied:] = 0
-                buffers[i] = new
+        olds = self._by_token()
+        self.k, self.v = self._new_buffers(new_rows, capacity)
+        for new, old in zip(self._by_token(), olds, strict=True):
+            new[:kept, :, :copied] = old[:kept, :, :copied]
+            new[:kept, :, copied:] = 0
+
+    def _new_buffers(
+        self, rows: int, capacity: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Unwritten buffers for `rows` rows of `capacity` tokens, one per layer: keys
+        (rows, n_head, capacity, head_dim), values (rows, n_head, head_dim, capacity)."""
+        pool_layer = self.pool.k[0]
+        keys = [
+            pool_layer.new_empty(rows, self.n_head, capacity, self.head_dim) for _ in self.pool.k
+        ]
+        values = [
+            pool_layer.new_empty(rows, self.n_head, self.head_dim, capacity) for _ in self.pool.v
+        ]
+        return keys, values
+
+    def _by_token(self) -> list[torch.Tensor]:
+        """Every layer's key buffer, then every layer's value buffer, each seen as (rows,
+        n_head, capacity, head_dim) (the values through a transposed view): what writes
+        and copies index, whatever the layout."""
+        return self.k + [values.transpose(-2, -1) for values in self.v]
 
     def _dims(self, rows: int, width: int, grow: bool) -> tuple[int, int]:
         """(rows, capacity) of buffers for `rows` rows of `width` tokens, from the present
@@ -185,24 +191,15 @@ class DecodeSlots:
         row, held, bs = len(self.owners), seq.num_computed_tokens, self.pool.kv_block_size
         blocks = seq.block_table[: -(-held // bs)]
         blocks = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
-        for pool_buffers, buffers in ((self.pool.k, self.k), (self.pool.v, self.v)):
-            for pool_layer, buffer in zip(pool_buffers, buffers, strict=True):
-                # (blocks, n_head, bs, head_dim) -> (n_head, blocks * bs, head_dim)
-                context = pool_layer[blocks].transpose(0, 1).flatten(1, 2)
-                mine = buffer[row] if buffers is self.k else buffer[row].transpose(-2, -1)
-                mine[:, :held] = context[:, :held]
-                # Never-written memory may hold anything, even NaN, and attention
-                # multiplies the masked keys' values by zero: zeros instead.
-                mine[:, held:] = 0
+        for pool_layer, buffer in zip(self.pool.k + self.pool.v, self._by_token(), strict=True):
+            # (blocks, n_head, bs, head_dim) -> (n_head, blocks * bs, head_dim)
+            context = pool_layer[blocks].transpose(0, 1).flatten(1, 2)
+            buffer[row, :, :held] = context[:, :held]
+            # Never-written memory may hold anything, even NaN, and attention
+            # multiplies the masked keys' values by zero: zeros instead.
+            buffer[row, :, held:] = 0
         self.owners.append(seq)
         self.held.append(held)
-
-
-def resized(shape: torch.Size, rows: int, capacity: int, values: bool) -> tuple[int, ...]:
-    """A key buffer's shape (rows, n_head, capacity, head_dim) or a value buffer's
-    (rows, n_head, head_dim, capacity), from one of the same kind."""
-    _, n_head, a, b = shape
-    return (rows, n_head, a, capacity) if values else (rows, n_head, capacity, b)
 
 
 def fitted(size: int, needed: int, step: int, most: int, double: bool) -> int:
