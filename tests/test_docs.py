@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import html
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -323,6 +324,25 @@ def test_every_page_is_in_the_navigation() -> None:
     assert {page.name for page in DOCS.glob("*.md")} <= listed
 
 
+def test_links_out_of_docs_are_made_right_for_the_site() -> None:
+    """A page written to read on GitHub (links to ../chapters, ../roseinfer) builds."""
+    spec = importlib.util.spec_from_file_location("site_hooks", DOCS / "site_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = (
+        "[chapter 04](../chapters/04-position-offsets.md#the-check), "
+        "[the notebook](../notebooks/11_paged_kv_cache.ipynb), "
+        "[`roseinfer/cache/paged.py`](../roseinfer/cache/paged.py), "
+        "[the pool](../roseinfer/cache/paged.py), [gone](../roseinfer/gone.py), [a page](engine.md)"
+    )
+    assert hooks.repository_links(page, "vllm.md") == (
+        "[chapter 04](notebooks/04_position_offsets.ipynb#the-check), "
+        "[the notebook](notebooks/11_paged_kv_cache.ipynb), "
+        "`roseinfer/cache/paged.py`, "
+        "the pool (`roseinfer/cache/paged.py`), [gone](../roseinfer/gone.py), [a page](engine.md)"
+    )
+
+
 # ---------------------------------------------------------------- the built site
 
 
@@ -397,12 +417,16 @@ def test_each_chapter_is_on_the_site_with_its_stored_outputs(site: Path, noteboo
     assert page.count('src="data:image/png;base64,') == images
 
 
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # no line per request on the test's stderr
+
+
 @pytest.fixture(scope="module")
 def served(site: Path) -> Iterator[str]:
     """The built site over HTTP on a free loopback port, as `mkdocs serve` would give it
     (search runs in a web worker, which a page opened from disk may not start)."""
-    handler = partial(SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    handler = partial(QuietHandler, directory=str(site))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
