@@ -369,6 +369,9 @@ def test_the_site_builds_strict_with_every_page(site: Path) -> None:
     assert {page.with_suffix(".html").name for page in DOCS.glob("*.md")} <= pages
     chapters = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert {f"notebooks/{chapter.stem}.html" for chapter in chapters} <= pages
+    menu = (site / "index.html").read_text(encoding="utf-8")
+    unlisted = [c.stem for c in chapters if f'href="notebooks/{c.stem}.html"' not in menu]
+    assert not unlisted, f"chapters missing from the site's menu: {unlisted}"
 
 
 @pytest.mark.slow
