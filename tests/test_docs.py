@@ -137,7 +137,10 @@ def rose_invocations(line: str, where: str, standalone: bool = True) -> list[Inv
     """
     lexer = shlex.shlex(PLACEHOLDER.sub("VALUE", line), posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
-    tokens = list(lexer)  # `# comments` are dropped here
+    try:
+        tokens = list(lexer)  # `# comments` are dropped here
+    except ValueError:  # an unclosed quote: prose with an apostrophe, read word by word
+        tokens = line.split()
     segments: list[list[str]] = [[]]
     skip_next = False
     for token in tokens:
@@ -145,7 +148,7 @@ def rose_invocations(line: str, where: str, standalone: bool = True) -> list[Inv
             skip_next = False
         elif token in SEPARATORS:
             segments.append([])
-        elif set(token) <= set("<>&"):  # > out.jsonl, 2>&1
+        elif set(token) <= set("<>"):  # > out.jsonl, < prompts.txt
             skip_next = True
         else:
             segments[-1].append(token)
