@@ -153,7 +153,8 @@ def stopped_at(timeout: float) -> str:
 
 def stop(child: subprocess.Popen) -> None:
     """Kill the child's process group (it, and whatever it started), then reap the child."""
-    with contextlib.suppress(ProcessLookupError):  # the group has ended already
+    # ProcessLookupError: the group has ended already (PermissionError, on macOS).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     if child.stdout is not None:
@@ -179,7 +180,7 @@ def ended_without_verdict(child: subprocess.Popen) -> str:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    return f"the check's process {how} before its verdict: your code ended it (os._exit?)"
+    return f"the check's process {how} before its verdict: does your code call os._exit?"
 
 
 # ---------------------------------------------------------------------------
@@ -196,6 +197,7 @@ class ChangedDefault(BaseException):
 
 
 def child_main(chapter: str, directory: Path, channel_fd: int) -> NoReturn:
+    """Grade one chapter, print its line, send the verdict over `channel_fd`, and exit."""
     channel = socket.socket(fileno=channel_fd)
     channel.set_inheritable(False)  # nothing the learner's code starts holds it open
     threading.Thread(target=exit_with_grader, args=(channel,), daemon=True).start()

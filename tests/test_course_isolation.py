@@ -187,7 +187,7 @@ def test_ctrl_c_stops_the_check_and_its_process(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chapter", ["", "x", " 2", "1.0", "019"])
+@pytest.mark.parametrize("chapter", ["", "x"])
 def test_a_chapter_that_is_not_one_is_one_line(
     chapter: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
