@@ -83,8 +83,13 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "start":
         written, kept = write_workspace(args.dir, args.solutions)
         kind = "reference solutions" if args.solutions else "stubs"
-        yours = f" (kept {len(kept)} you wrote: {' '.join(p.name for p in kept)})" if kept else ""
-        print(f"wrote {len(written)} {kind} in {args.dir}{yours}")
+        there = len(LESSONS) - len(written) - len(kept)
+        print(
+            f"wrote {len(written)} {kind} in {args.dir}"
+            + (f", {there} there already" if there else "")
+        )
+        if kept:
+            print(f"kept your work: {' '.join(path.name for path in kept)}")
         if not args.solutions:
             print(f"next: write one, then `{PROG} check NN --dir {args.dir}`")
         return 0

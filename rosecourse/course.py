@@ -183,7 +183,8 @@ STUB_RECORD = ".rose-course-stubs.json"
 
 def write_workspace(directory: Path, solutions: bool) -> tuple[list[Path], list[Path]]:
     """One file per lesson in `directory`: the stubs, or the reference solutions; returns
-    the files written and the files kept.
+    the files written and the learner's files kept (a file that holds the text already is
+    neither).
 
     A learner's work is never overwritten: a file already there is replaced only when it
     holds nothing of theirs (`holds_no_work`). Every file is written atomically (a
@@ -199,18 +200,21 @@ def write_workspace(directory: Path, solutions: bool) -> tuple[list[Path], list[
         text = inspect.getsource(chosen.solution_module()).encode() if solutions else stub
         if path.exists() and not path.is_file():
             raise not_a_file(path, directory)
-        stubs = {sha256(stub), record.get(chosen.file_name)}
-        if path.is_file() and not holds_no_work(path.read_bytes(), text, stubs):
-            kept.append(path)
-        else:
+        old = path.read_bytes() if path.is_file() else b""
+        if old == text:
+            continue  # there already (and no space needed to write it again)
+        if holds_no_work(old, text, {sha256(stub), record.get(chosen.file_name)}):
             to_write.append((path, text))
+        else:
+            kept.append(path)
     for path, text in to_write:
         write_bytes_atomically(path, text)
         if solutions:
             record.pop(path.name, None)
         else:
             record[path.name] = sha256(text)
-    write_bytes_atomically(directory / STUB_RECORD, json.dumps(record, indent=1).encode())
+    if to_write:
+        write_bytes_atomically(directory / STUB_RECORD, json.dumps(record, indent=1).encode())
     return [path for path, _ in to_write], kept
 
 

@@ -7,9 +7,9 @@ check; `check all` always ends with its table. `start` writes stubs atomically a
 never overwrites a learner's work. Every mistake is one `rose-course: error:` line and
 exit code 2; Ctrl-C is one line and exit code 130.
 
-The hostile cases run the real command line in a subprocess, each on chapter 10 (its
-check is the quickest): the reference solution, wrapped so that its function does the
-hostile thing before answering, or its module does it on import.
+The hostile cases run the real command line in a subprocess on a workspace of reference
+solutions, each on chapter 10 (its check is the quickest) with its solution wrapped so
+that its function does the hostile thing before answering, or its module on import.
 """
 
 from __future__ import annotations
@@ -116,12 +116,12 @@ HOSTILE = {
 @pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
 def test_hostile_code_is_one_failed_line(case: str, tmp_path: Path) -> None:
     in_function, at_import, said, timeout = HOSTILE[case]
+    course.write_workspace(tmp_path, solutions=True)
     solution_file(tmp_path, "10", in_function, at_import)
     flags = ["--timeout", timeout] if timeout else []
     checked = rose_course("check", "10", "--dir", str(tmp_path), *flags)
     assert checked.returncode == 1, checked
     assert "Traceback" not in checked.stdout + checked.stderr, checked
-    assert checked.stderr == "", checked.stderr
     lines = checked.stdout.splitlines()
     verdicts = [line for line in lines if line.startswith("decode_read_bytes:")]
     assert verdicts == [lines[-1]], lines[-3:]  # one verdict, the last line
@@ -261,11 +261,19 @@ def test_start_on_a_full_or_read_only_disk_leaves_no_half_stub(
     assert sorted(p.name for p in workspace.iterdir()) == [mine.name]  # no stub, no temp file
     # Space again: every stub written whole, the learner's file kept.
     assert cli.main(["start", str(workspace)]) == 0
-    assert f"kept 1 you wrote: {mine.name}" in capsys.readouterr().out
+    assert f"kept your work: {mine.name}\n" in capsys.readouterr().out
     assert mine.read_text() == "my work\n"
     for chosen in LESSONS:
         if chosen.chapter != "03":
             assert (workspace / chosen.file_name).read_text() == stub_source(chosen)
+    # Full again: a workspace with every file there needs no space.
+    with monkeypatch.context() as patch:
+        patch.setattr(*target, fail)
+        assert cli.main(["start", str(workspace)]) == 0
+    assert (
+        f"wrote 0 stubs in {workspace}, {len(LESSONS) - 1} there already\n"
+        in capsys.readouterr().out
+    )
 
 
 def test_a_later_start_replaces_only_files_that_hold_no_work(
@@ -290,7 +298,7 @@ def test_a_later_start_replaces_only_files_that_hold_no_work(
 
     # The solutions replace the untouched stubs, and only them.
     assert cli.main(["start", str(workspace), "--solutions"]) == 0
-    assert f"kept 1 you wrote: {files['02'].name}" in capsys.readouterr().out
+    assert f"kept your work: {files['02'].name}\n" in capsys.readouterr().out
     assert files["02"].read_text().endswith("return 'my work'\n")
     for chosen in LESSONS:
         if chosen.chapter != "02":
