@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--solutions", action="store_true", help="write the reference solutions instead"
     )
     check = commands.add_parser("check", help="grade one chapter's file, or all")
-    check.add_argument("chapter", help="a chapter number (00 .. 18), or all")
+    check.add_argument("chapter", help="a chapter number (as `rose-course list` shows), or all")
     check.add_argument("--dir", type=Path, default=Path("."), help="the workspace (default: .)")
     check.add_argument(
         "--timeout",
