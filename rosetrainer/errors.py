@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_USER_ERROR = 2  # what argparse uses too
+EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
 
 class RoseError(Exception):

@@ -62,7 +62,7 @@ from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.errors import EXIT_INTERRUPTED, ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 from rosetrainer.tokenizer import Tokenizer
@@ -70,7 +70,6 @@ from rosetrainer.tokenizer import Tokenizer
 PROG = "roseinfer"
 STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
 DEFAULT_BATCH_SIZE = 32
-EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
