@@ -1,11 +1,14 @@
-"""The course's lessons: one exercise per chapter, its stub, its solution and its check.
+"""The course's lessons and builds: each one's stub, its solution and its check.
 
 A lesson is the piece a chapter is about. Its reference solution is a module of
 `rosecourse/solutions/` (`chNN_name.py`) holding one function whose docstring is the
 contract; the learner's stub is made from that module, with the body cut off after
 the docstring, so the stub and the solution never disagree on the signature or the
-contract. `rose-course` (rosecourse/cli.py) writes the stubs into a workspace and
-grades the files there with the lesson's check.
+contract. A build (rosecourse/builds/) is one of rose's main pieces written whole: its
+solution (`build_name.py`) holds classes and functions, and its stub keeps every one of
+them with its body cut off after the docstring. `rose-course` (rosecourse/cli.py)
+writes the stubs into a workspace and grades the files there with the lesson's check,
+or the build's parts.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from types import ModuleType
 
 from rosecourse import exercises, exercises_engine, exercises_model
+from rosecourse.builds.grading import Build, check_build
+from rosecourse.builds.model import MODEL
 from rosecourse.exercises import CheckResult
 
 
@@ -134,6 +139,10 @@ LESSONS = [
 ]
 
 
+# Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
+BUILDS: list[Build] = [MODEL]
+
+
 def lesson(chapter: str) -> Lesson:
     """The lesson of chapter `chapter` ("2", "02")."""
     number = chapter.zfill(2)
@@ -141,7 +150,18 @@ def lesson(chapter: str) -> Lesson:
         if candidate.chapter == number:
             return candidate
     chapters = ", ".join(c.chapter for c in LESSONS)
-    raise CourseError(f"no exercise for chapter {chapter!r}: choose one of {chapters}, or all")
+    builds = ", ".join(b.name for b in BUILDS)
+    raise CourseError(
+        f"no exercise for chapter {chapter!r}: choose one of {chapters}, a build ({builds}), or all"
+    )
+
+
+def find(name: str) -> Lesson | Build:
+    """A build by its name ("model"), or the lesson of a chapter number ("2", "02")."""
+    for build in BUILDS:
+        if build.name == name:
+            return build
+    return lesson(name)
 
 
 # ---------------------------------------------------------------------------
@@ -149,25 +169,28 @@ def lesson(chapter: str) -> Lesson:
 # ---------------------------------------------------------------------------
 
 
-def stub_source(chosen: Lesson) -> str:
-    """The learner's starting file: the solution module as it is up to the function (its
-    docstring and imports), then the function's signature and contract, raising
-    NotImplementedError."""
+def stub_source(chosen: Lesson | Build) -> str:
+    """The learner's starting file: the solution module with the body of every function
+    and method cut off after its docstring (the signature and the contract stay), each
+    raising NotImplementedError; everything else (imports, constants) as it is."""
     source = inspect.getsource(chosen.solution_module())
     lines = source.splitlines()
-    (function,) = (
-        node
-        for node in ast.parse(source).body
-        if isinstance(node, ast.FunctionDef) and node.name == chosen.name
-    )
-    contract = function.body[0]
-    assert isinstance(contract, ast.Expr), f"{chosen.file_name}: no contract docstring"
-    indent = " " * contract.col_offset
-    stub = [
-        *lines[: contract.end_lineno],
-        f'{indent}raise NotImplementedError("write {chosen.name}")',
-    ]
-    return "\n".join(stub) + "\n"
+    cuts = []  # (first line, last line, indent, name) of each body, 1-based
+    nodes = [(node, "") for node in ast.parse(source).body]
+    while nodes:
+        node, owner = nodes.pop()
+        if isinstance(node, ast.ClassDef):
+            nodes += [(child, f"{node.name}.") for child in node.body]
+        elif isinstance(node, ast.FunctionDef):
+            contract = node.body[0]
+            assert isinstance(contract, ast.Expr) and isinstance(contract.value, ast.Constant), (
+                f"{chosen.file_name}: {owner}{node.name} has no contract docstring"
+            )
+            indent = " " * contract.col_offset
+            cuts.append((contract.end_lineno + 1, node.end_lineno, indent, owner + node.name))
+    for first, last, indent, name in sorted(cuts, reverse=True):
+        lines[first - 1 : last] = [f'{indent}raise NotImplementedError("write {name}")']
+    return "\n".join(lines) + "\n"
 
 
 def write_workspace(directory: Path, solutions: bool) -> list[Path]:
@@ -175,7 +198,7 @@ def write_workspace(directory: Path, solutions: bool) -> list[Path]:
     are there already are kept (a learner's work is never overwritten)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for chosen in LESSONS:
+    for chosen in [*LESSONS, *BUILDS]:
         path = directory / chosen.file_name
         if path.exists():
             continue
@@ -190,8 +213,8 @@ def write_workspace(directory: Path, solutions: bool) -> list[Path]:
 # ---------------------------------------------------------------------------
 
 
-def load_learner(chosen: Lesson, directory: Path) -> Callable:
-    """The learner's function from `directory`, or a CourseError saying what is wrong."""
+def load_module(chosen: Lesson | Build, directory: Path) -> ModuleType:
+    """The learner's module from `directory`, or a CourseError saying what is wrong."""
     path = directory / chosen.file_name
     if not path.is_file():
         raise CourseError(
@@ -206,14 +229,33 @@ def load_learner(chosen: Lesson, directory: Path) -> Callable:
         raise CourseError(f"{path}:{error.lineno}: syntax error: {error.msg}") from None
     except Exception as error:  # anything the learner's module raises on import
         raise CourseError(f"{path} does not import: {type(error).__name__}: {error}") from None
-    fn = getattr(module, chosen.name, None)
+    return module
+
+
+def load_learner(chosen: Lesson, directory: Path) -> Callable:
+    """The learner's function from `directory`, or a CourseError saying what is wrong."""
+    fn = getattr(load_module(chosen, directory), chosen.name, None)
     if not callable(fn):
-        raise CourseError(f"{path} has no function {chosen.name}: keep the stub's name")
+        raise CourseError(
+            f"{directory / chosen.file_name} has no function {chosen.name}: keep the stub's name"
+        )
     return fn
 
 
-def grade(chosen: Lesson, directory: Path) -> CheckResult:
-    """Check the learner's file for `chosen`; a file that cannot be loaded fails in one line."""
+def grade(chosen: Lesson | Build, directory: Path) -> CheckResult:
+    """Check the learner's file for `chosen`; a file that cannot be loaded fails in one line.
+    A build prints one line per part, and passes when every part does."""
+    if isinstance(chosen, Build):
+        try:
+            parts = check_build(chosen, load_module(chosen, directory))
+        except CourseError as error:
+            result = CheckResult(chosen.name, False, None, str(error))
+            print(result)
+            return result
+        passed = sum(part.passed for part in parts)
+        return CheckResult(
+            chosen.name, passed == len(parts), None, f"{passed}/{len(parts)} parts pass"
+        )
     try:
         fn = load_learner(chosen, directory)
     except CourseError as error:

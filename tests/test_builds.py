@@ -1,0 +1,227 @@
+"""The builds: rose's main pieces written whole, each graded part by part against rose.
+
+For every build: the reference solution passes every part; each known wrong answer fails
+with its own diagnosis (and its probe tells it apart from the reference and from every
+other known mistake); every mutant below (a plausible wrong answer beyond the known
+ones, written against the contract) fails at least one part; an answer written another
+way that meets the contract passes; the stub fails every part in one "not written yet"
+line; and `rose-course` lists the builds apart and grades one by name, a line per part.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from rosecourse import cli
+from rosecourse.builds.grading import Build, check_build, edited, known_probes, module_from_source
+from rosecourse.course import BUILDS, stub_source
+from rosecourse.exercises import same
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BUILD = {build.name: build for build in BUILDS}
+
+# Plausible wrong answers beyond each build's known ones: (name, edits of the reference).
+MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
+    "model": [
+        ("scaled_by_sqrt_n_embd", (("/ math.sqrt(head_dim)", "/ math.sqrt(C)"),)),
+        (
+            "softmax_over_queries",
+            (("torch.softmax(scores, dim=-1)", "torch.softmax(scores, dim=-2)"),),
+        ),  # fmt: skip
+        (
+            "keys_first",
+            (
+                (
+                    "q, k, v = self.c_attn(x).split(C, dim=2)",
+                    "k, q, v = self.c_attn(x).split(C, dim=2)",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "heads_joined_without_transpose",
+            (("y.transpose(1, 2).contiguous().view(B, T, C)", "y.reshape(B, T, C)"),),
+        ),  # fmt: skip
+        (
+            "attention_without_residual",
+            (("x = x + self.attn(self.ln_1(x))", "x = self.attn(self.ln_1(x))"),),
+        ),  # fmt: skip
+        (
+            "ln_2_for_attention",
+            (("x = x + self.attn(self.ln_1(x))", "x = x + self.attn(self.ln_2(x))"),),
+        ),  # fmt: skip
+        (
+            "no_final_layer_norm",
+            (("return self.lm_head(self.transformer.ln_f(x))", "return self.lm_head(x)"),),
+        ),  # fmt: skip
+        ("query_blind_to_itself", (("device=x.device).tril()", "device=x.device).tril(-1)"),)),
+        ("relu", (('F.gelu(self.c_fc(x), approximate="tanh")', "F.relu(self.c_fc(x))"),)),
+    ],
+}
+
+# Answers that meet the contract written another way than the reference: they must pass.
+ALTERNATIVES: dict[str, str] = {
+    "model": """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        mask = torch.ones(config.block_size, config.block_size).tril().bool()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (
+            t.reshape(B, T, self.n_head, -1).permute(0, 2, 1, 3)
+            for t in self.c_attn(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T])
+        return self.c_proj(y.permute(0, 2, 1, 3).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)[None]
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x) @ self.transformer.wte.weight.T
+""",
+}
+
+KNOWN = [(build, wrong) for build in BUILDS for wrong in build.known_wrong]
+MUTATED = [(BUILD[name], mutant) for name, mutants in MUTANTS.items() for mutant in mutants]
+
+
+def code_lines(source: str) -> int:
+    """Lines of code in the bodies of a module's functions and methods: no docstring,
+    comment or blank line."""
+    lines = source.splitlines()
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef):
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body
+            for line in lines[body[0].lineno - 1 : body[-1].end_lineno]:
+                count += bool(line.split("#")[0].strip())
+    return count
+
+
+def test_every_build_has_mutants_and_an_alternative() -> None:
+    assert sorted(MUTANTS) == sorted(BUILD) == sorted(ALTERNATIVES)
+    for name, mutants in MUTANTS.items():
+        known = {edits for edits in (w.edits for w in BUILD[name].known_wrong)}
+        assert len(mutants) >= 5 and not known & {edits for _, edits in mutants}
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_reference_passes_every_part_and_is_a_real_build(build: Build) -> None:
+    results = check_build(build, build.solution_module())
+    assert [r.part for r in results] == [p.name for p in build.parts]
+    assert all(r.passed for r in results), "\n".join(map(str, results))
+    assert code_lines(inspect.getsource(build.solution_module())) >= 40
+
+
+@pytest.mark.parametrize(("build", "wrong"), KNOWN, ids=[f"{b.name}-{w.name}" for b, w in KNOWN])
+def test_known_wrong_answer_fails_with_its_diagnosis(build: Build, wrong) -> None:
+    results = check_build(build, edited(build, wrong.edits, wrong.name))
+    failed = [r for r in results if not r.passed]
+    assert failed, f"{wrong.name} passes every part"
+    assert all(wrong.explanation in r.explanation for r in failed), "\n".join(map(str, failed))
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_each_known_wrong_probe_tells_it_apart(build: Build) -> None:
+    reference = build.probe(build.solution_module())
+    probes = known_probes(build)
+    for i, (wrong, outcomes) in enumerate(probes):
+        assert outcomes is not None, f"{wrong.name} breaks the probe"
+        assert not same(outcomes, reference), f"{wrong.name} probes like the reference"
+        for other, other_outcomes in probes[:i]:
+            assert not same(outcomes, other_outcomes), f"{wrong.name} probes like {other.name}"
+
+
+@pytest.mark.parametrize(("build", "mutant"), MUTATED, ids=[f"{b.name}-{m[0]}" for b, m in MUTATED])
+def test_mutant_fails(build: Build, mutant) -> None:
+    name, edits = mutant
+    results = check_build(build, edited(build, edits, name))
+    assert not all(r.passed for r in results), f"the mutant {name} passes every part"
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_another_answer_that_meets_the_contract_passes(build: Build) -> None:
+    module = module_from_source(ALTERNATIVES[build.name], f"alternative_{build.name}")
+    results = check_build(build, module)
+    assert all(r.passed for r in results), "\n".join(map(str, results))
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_stub_fails_every_part_in_one_line(build: Build, tmp_path: Path, capsys) -> None:
+    stub = stub_source(build)
+    assert "NotImplementedError" in stub and code_lines(stub) == stub.count("NotImplementedError")
+    (tmp_path / build.file_name).write_text(stub, encoding="utf-8")
+    assert cli.main(["check", build.name, "--dir", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(build.parts)
+    for line, part in zip(lines, build.parts, strict=True):
+        assert line.startswith(f"{build.name}/{part.name}: FAILED: not written yet"), line
+
+
+def test_list_shows_builds_apart_and_check_grades_one_by_name(tmp_path: Path, capsys) -> None:
+    assert cli.main(["list"]) == 0
+    listing = capsys.readouterr().out
+    exercises, builds = listing.split("\n\n")
+    assert "build_" not in exercises
+    assert [line.split()[0] for line in builds.splitlines()[1:]] == list(BUILD)
+    assert cli.main(["start", str(tmp_path), "--solutions"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "model", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"model/{p.name}: passed: {BUILD['model'].passed}" for p in BUILD["model"].parts
+    ]
