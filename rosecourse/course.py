@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from rosecourse import exercises, exercises_engine, exercises_model
+from rosecourse.builds.cached_loop import CACHED_LOOP
 from rosecourse.builds.grading import Build, check_build
 from rosecourse.builds.model import MODEL
 from rosecourse.exercises import CheckResult
@@ -140,7 +141,7 @@ LESSONS = [
 
 
 # Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
-BUILDS: list[Build] = [MODEL]
+BUILDS: list[Build] = [MODEL, CACHED_LOOP]
 
 
 def lesson(chapter: str) -> Lesson:

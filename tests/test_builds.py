@@ -32,7 +32,7 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
         (
             "softmax_over_queries",
             (("torch.softmax(scores, dim=-1)", "torch.softmax(scores, dim=-2)"),),
-        ),  # fmt: skip
+        ),
         (
             "keys_first",
             (
@@ -41,25 +41,80 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
                     "k, q, v = self.c_attn(x).split(C, dim=2)",
                 ),
             ),
-        ),  # fmt: skip
+        ),
         (
             "heads_joined_without_transpose",
             (("y.transpose(1, 2).contiguous().view(B, T, C)", "y.reshape(B, T, C)"),),
-        ),  # fmt: skip
+        ),
         (
             "attention_without_residual",
             (("x = x + self.attn(self.ln_1(x))", "x = self.attn(self.ln_1(x))"),),
-        ),  # fmt: skip
+        ),
         (
             "ln_2_for_attention",
             (("x = x + self.attn(self.ln_1(x))", "x = x + self.attn(self.ln_2(x))"),),
-        ),  # fmt: skip
+        ),
         (
             "no_final_layer_norm",
             (("return self.lm_head(self.transformer.ln_f(x))", "return self.lm_head(x)"),),
-        ),  # fmt: skip
+        ),
         ("query_blind_to_itself", (("device=x.device).tril()", "device=x.device).tril(-1)"),)),
         ("relu", (('F.gelu(self.c_fc(x), approximate="tanh")', "F.relu(self.c_fc(x))"),)),
+    ],
+    "cached_loop": [
+        (
+            "written_out_of_place",
+            (
+                ("self.k[:, :, input_pos] = k", "self.k = self.k.index_copy(2, input_pos, k)"),
+                ("self.v[:, :, input_pos] = v", "self.v = self.v.index_copy(2, input_pos, v)"),
+            ),
+        ),
+        (
+            "query_blind_to_itself",
+            (
+                (
+                    "slots[None, :] <= self.input_pos[:, None]",
+                    "slots[None, :] < self.input_pos[:, None]",
+                ),
+            ),
+        ),
+        ("filled_never_advances", (("        self.filled += q_len\n", ""),)),
+        (
+            "padding_taken_from_the_right",
+            (
+                (
+                    "slots[None, :] >= self.pads[:, None]",
+                    "slots[None, :] < max_len - self.pads[:, None]",
+                ),
+            ),
+        ),
+        (
+            "one_real_slot_masked",
+            (("slots[None, :] >= self.pads[:, None]", "slots[None, :] > self.pads[:, None]"),),
+        ),
+        (
+            "keeps_every_mask",
+            (
+                (
+                    "        return pos, mask\n",
+                    "        self.masks = [*getattr(self, 'masks', []), mask]\n        return pos, mask\n",
+                ),
+            ),
+        ),
+        (
+            "argmax_over_rows",
+            (("next_ids = logits.argmax(dim=-1)", "next_ids = logits.argmax(dim=0)"),),
+        ),
+        ("last_chunk_skipped", (("range(0, longest, chunk)", "range(0, longest - chunk, chunk)"),)),
+        (
+            "prefill_logits_of_the_first_token",
+            (
+                (
+                    "cache=cache).logits[:, -1]\n    new_tokens",
+                    "cache=cache).logits[:, 0]\n    new_tokens",
+                ),
+            ),
+        ),
     ],
 }
 
@@ -132,6 +187,70 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         return self.transformer.ln_f(x) @ self.transformer.wte.weight.T
+""",
+    "cached_loop": """
+import torch
+
+
+class StaticLayer:
+    def __init__(self, k, v):
+        self.buffers = (k, v)
+
+    def update(self, input_pos, k, v):
+        for buffer, new in zip(self.buffers, (k, v)):
+            buffer.index_copy_(2, input_pos, new)
+        return self.buffers
+
+
+class StaticCache:
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        c = model.config
+        w = model.lm_head.weight
+        shape = (batch_size, c.n_head, max_len, c.n_embd // c.n_head)
+        self.layers = [
+            StaticLayer(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layer)
+        ]
+        self.full = torch.ones(max_len, max_len, dtype=torch.bool, device=w.device).tril()
+        self.pads = pad_lengths or [0] * batch_size
+        self.filled = 0
+
+    @property
+    def seq_len(self):
+        return self.filled
+
+    def prepare(self, batch, q_len, device):
+        self.at = torch.arange(self.filled, self.filled + q_len, device=device)
+        self.filled += q_len
+        n = self.filled
+        rows = self.full[self.at, :n]  # only the filled slots
+        real = torch.stack([torch.arange(n, device=device) >= p for p in self.pads])
+        mask = rows[None, None] & real[:, None, None]
+        mask[~mask.any(-1)] = True
+        pads = torch.tensor(self.pads, device=device)[:, None]
+        return torch.relu(self.at[None] - pads), mask
+
+    def update(self, layer, k, v):
+        keys, values = self.layers[layer].update(self.at, k, v)
+        return keys[:, :, : self.filled], values[:, :, : self.filled]
+
+
+def generate_cached(model, prompts, max_new_tokens, prefill_chunk=None):
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    cache = StaticCache(model, len(prompts), width + max_new_tokens - 1, pads)
+    with torch.inference_mode():
+        done = 0
+        while done < width:
+            step = prefill_chunk or width
+            out = model(ids[:, done : done + step], cache=cache).logits
+            done += step
+        tokens = out[:, -1].argmax(-1, keepdim=True)
+        made = [tokens]
+        while len(made) < max_new_tokens:
+            tokens = model(tokens, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            made.append(tokens)
+    return torch.cat(made, dim=1).tolist()
 """,
 }
 
