@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 from rosecourse import exercises, exercises_engine, exercises_model
+from rosecourse.builds.block_manager import BLOCK_MANAGER
 from rosecourse.builds.cached_loop import CACHED_LOOP
 from rosecourse.builds.grading import Build, check_build
 from rosecourse.builds.model import MODEL
@@ -141,7 +142,7 @@ LESSONS = [
 
 
 # Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
-BUILDS: list[Build] = [MODEL, CACHED_LOOP]
+BUILDS: list[Build] = [MODEL, CACHED_LOOP, BLOCK_MANAGER]
 
 
 def lesson(chapter: str) -> Lesson:
