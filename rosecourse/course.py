@@ -27,6 +27,7 @@ from rosecourse.builds.block_manager import BLOCK_MANAGER
 from rosecourse.builds.cached_loop import CACHED_LOOP
 from rosecourse.builds.grading import Build, check_build
 from rosecourse.builds.model import MODEL
+from rosecourse.builds.training_step import TRAINING_STEP
 from rosecourse.exercises import CheckResult
 
 
@@ -142,7 +143,7 @@ LESSONS = [
 
 
 # Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
-BUILDS: list[Build] = [MODEL, CACHED_LOOP, BLOCK_MANAGER]
+BUILDS: list[Build] = [MODEL, TRAINING_STEP, CACHED_LOOP, BLOCK_MANAGER]
 
 
 def lesson(chapter: str) -> Lesson:
