@@ -11,7 +11,7 @@ Contract: rosecourse/solutions/build_block_manager.py. The parts:
   a workload of shared prefixes with room to spare, the same in a pool so small that
   requests are preempted and cached blocks evicted, and random schedules drawn by
   hypothesis (block sizes that are not powers of two, pool sizes, token budgets that
-  chunk the prefill, arrivals, aborts). After every engine step the pool's invariants
+  chunk the prefill, arrivals, aborts, now and then no prefix caching). After every engine step the pool's invariants
   hold; every request's tokens are its solo uncached run's (an aborted one's, the start
   of it); and each request's prompt tokens served by the prefix cache are what rose's
   own manager serves on the same schedule.
@@ -60,6 +60,7 @@ class Schedule:
     num_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
 
     def __str__(self) -> str:
         shown = ", ".join(
@@ -71,7 +72,9 @@ class Schedule:
         return (
             f"kv_block_size {self.kv_block_size}, {self.num_kv_blocks} blocks, "
             f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens "
-            f"{self.max_num_batched_tokens}; {shown}"
+            f"{self.max_num_batched_tokens}"
+            + ("" if self.enable_prefix_caching else ", no prefix caching")
+            + f"; {shown}"
         )
 
 
@@ -100,6 +103,7 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
         num_kv_blocks=schedule.num_kv_blocks,
         max_num_seqs=schedule.max_num_seqs,
         max_num_batched_tokens=schedule.max_num_batched_tokens,
+        enable_prefix_caching=schedule.enable_prefix_caching,
         check_invariants=True,
     )
     swap = contextlib.nullcontext()
@@ -320,6 +324,7 @@ def schedules(draw: st.DrawFn) -> Schedule:
         prompt = tuple(t for b in blocks for t in pieces[b]) + chunk(" and more", tail)
         arrives = 0 if i == 0 else draw(st.integers(0, 12))
         aborted = draw(st.one_of(st.none(), st.integers(1, 8))) if i else None
+        aborted = None if aborted is None else arrives + aborted  # some steps after it came
         requests.append(Request(prompt, draw(st.integers(1, 6)), arrives, aborted))
     longest = max(-(-(len(r.prompt) + r.max_tokens - 1) // size) for r in requests)
     return Schedule(
@@ -328,6 +333,7 @@ def schedules(draw: st.DrawFn) -> Schedule:
         num_kv_blocks=longest + draw(st.integers(0, 6)),
         max_num_seqs=draw(st.sampled_from([1, 2, 4])),
         max_num_batched_tokens=draw(st.sampled_from([4, 9, 64])),
+        enable_prefix_caching=draw(st.sampled_from([True, True, False])),
     )
 
 

@@ -72,11 +72,6 @@ class StaticCache:
         # (B, max_len): the slot holds a real token of the row, not padding.
         self.real = slots[None, :] >= self.pads[:, None]
 
-    @property
-    def seq_len(self) -> int:
-        """How many slots of each row are filled (padding included)."""
-        return self.filled
-
     def prepare(
         self, batch: int, q_len: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,8 +77,9 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, n_embd) -> (B, T, n_embd): c_fc, then GPT-2's GELU (the one OpenAI's
-        GPT-2 code computes, Hugging Face's "gelu_new"), then c_proj."""
+        """x: (B, T, n_embd) -> (B, T, n_embd): c_fc, then GPT-2's GELU, the tanh
+        approximation that OpenAI's GPT-2 code computes (Hugging Face's "gelu_new"), then
+        c_proj."""
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
