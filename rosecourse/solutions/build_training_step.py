@@ -12,9 +12,9 @@ min_lr, warmup_steps, max_steps, lr_decay_steps, weight_decay, beta1, beta2,
 grad_accum_steps and grad_clip.
 
 `rose-course check training_step` compares your AdamW and clipping with PyTorch's,
-your groups and schedule with rose's, and then trains rose's GPT (a tiny one) for 20 steps from one
-seed with your pieces beside rose's trainer doing the same: every step's loss and the
-final parameters must agree within the check's tolerance.
+your groups and schedule with rose's, and then trains rose's GPT (a tiny one) for 20
+steps from one seed with your pieces beside rose's trainer doing the same: every step's
+loss and the final parameters must agree within the check's tolerance.
 """
 
 from __future__ import annotations
@@ -99,12 +99,11 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> AdamW:
 def learning_rate(step: int, cfg: TrainConfig) -> float:
     """The learning rate of optimizer step `step` (0 for the first step of a run).
 
-    Linear warmup over the first warmup_steps steps, the first already above zero: step
-    s < warmup_steps takes learning_rate * (s + 1) / warmup_steps. Then a cosine from
-    learning_rate (at step warmup_steps) down to min_lr (at step D = lr_decay_steps, or
-    max_steps when lr_decay_steps is None): min_lr + (learning_rate - min_lr) * (1 +
-    cos(pi * progress)) / 2, progress going from 0 to 1 over those steps. From step D
-    on, min_lr for good.
+    A linear warmup over the first warmup_steps steps that climbs in equal steps from
+    learning_rate / warmup_steps at step 0 (no step runs at rate 0) to learning_rate at
+    step warmup_steps - 1. Then half a period of a cosine, from learning_rate at step
+    warmup_steps down to min_lr at step D (lr_decay_steps, or max_steps when that is
+    None). From step D on, min_lr for good.
     """
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
     if step < cfg.warmup_steps:
