@@ -164,6 +164,9 @@ def find(name: str) -> Lesson | Build:
     for build in BUILDS:
         if build.name == name:
             return build
+    if not name.isdigit():
+        builds = ", ".join(b.name for b in BUILDS)
+        raise CourseError(f"no build called {name!r}: choose one of {builds}, a chapter, or all")
     return lesson(name)
 
 

@@ -154,13 +154,15 @@ def _layer_update(module: types.ModuleType) -> None:
         expect_close(f"the {name} update returns", got, right, 0.0)
 
 
-class RoseStaticCache(StaticKVCache):
-    """rose's static cache under the learner's constructor: the loop is graded on its own."""
-
-    def __init__(self, model: GPT, batch_size: int, max_len: int, pad_lengths=None) -> None:
-        super().__init__(model, batch_size, max_len)
-        if pad_lengths is not None and max(pad_lengths) > 0:
-            self.reset(torch.tensor(pad_lengths))
+def roses_static_cache(
+    model: GPT, batch_size: int, max_len: int, pad_lengths: list[int] | None = None
+) -> StaticKVCache:
+    """rose's static cache, built as the learner's loop builds its own: the loop is graded
+    on its own."""
+    cache = StaticKVCache(model, batch_size, max_len)
+    if pad_lengths is not None and max(pad_lengths) > 0:
+        cache.reset(torch.tensor(pad_lengths))
+    return cache
 
 
 def loop(batch: int, chunk: int | None):
@@ -168,7 +170,7 @@ def loop(batch: int, chunk: int | None):
 
     def run(module: types.ModuleType) -> None:
         rows = prompts(batch)
-        with mock.patch.object(module, "StaticCache", RoseStaticCache):
+        with mock.patch.object(module, "StaticCache", roses_static_cache):
             got = module.generate_cached(oracle_model(), [list(r) for r in rows], NEW, chunk)
         if not isinstance(got, list) or len(got) != len(rows):
             raise Mismatch(f"it returns {type(got).__name__} where {len(rows)} lists are right")
@@ -199,7 +201,7 @@ def _probe(module: types.ModuleType) -> list[object]:
     module.StaticLayer(*buffers).update(torch.tensor([1, 2]), *new)
     rows = [encoded(PROMPT), encoded("Good night")]
     steps = [logits for _, logits in cached_steps(new_cache(module, rows), rows, 2)]
-    with mock.patch.object(module, "StaticCache", RoseStaticCache):
+    with mock.patch.object(module, "StaticCache", roses_static_cache):
         tokens = module.generate_cached(oracle_model(), [list(r) for r in rows], 4, 2)
     return [buffers, steps, tokens]
 

@@ -233,7 +233,7 @@ def _probe(module: types.ModuleType) -> list[object]:
 TRAINING_STEP = Build(
     name="training_step",
     chapters="00",
-    task="AdamW's groups, warmup + cosine, clipping, accumulation: rose's optimizer step",
+    task="AdamW, its groups, warmup + cosine, clipping, accumulation: one optimizer step",
     parts=(
         Part("AdamW", _adamw),
         Part("parameter groups", _groups),
