@@ -3,7 +3,8 @@
 For every build: the reference solution passes every part; each known wrong answer fails
 with its own diagnosis (and its probe tells it apart from the reference and from every
 other known mistake); every mutant below (a plausible wrong answer beyond the known
-ones, written against the contract) fails at least one part; an answer written another
+ones, written against the contract) fails at least one part, and is not told it is one
+of the known mistakes; an answer written another
 way that meets the contract passes; the stub fails every part in one "not written yet"
 line; and `rose-course` lists the builds apart and grades one by name, a line per part.
 """
@@ -180,6 +181,13 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
         (
             "decay_before_the_rate_is_known",
             (('p.mul_(1 - lr * group["weight_decay"])', 'p.mul_(1 - group["weight_decay"])'),),
+        ),  # fmt: skip
+        (
+            "everything_decays",
+            (
+                ("no_decay = [p for p in params if p.dim() < 2]", "no_decay = []"),
+                ("decay = [p for p in params if p.dim() >= 2]", "decay = params"),
+            ),
         ),  # fmt: skip
         ("gradients_never_cleared", (("    optimizer.zero_grad(set_to_none=True)\n", ""),)),
         (
@@ -590,6 +598,9 @@ def test_mutant_fails(build: Build, mutant) -> None:
     name, edits = mutant
     results = check_build(build, edited(build, edits, name))
     assert not all(r.passed for r in results), f"the mutant {name} passes every part"
+    # None of the known mistakes, so none of their diagnoses.
+    named = [w.name for w in build.known_wrong for r in results if w.explanation in r.explanation]
+    assert not named, f"the mutant {name} is told it is {named[0]}"
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)

@@ -108,7 +108,8 @@ def edited(build: Build, edits: tuple[Edit, ...], name: str = "edited") -> types
 
 
 @functools.cache
-def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object]], ...]:
+def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object] | None], ...]:
+    """Each known wrong answer of `build` with its probe's outcomes (computed once)."""
     return tuple(
         (wrong, probed(build, edited(build, wrong.edits, wrong.name)))
         for wrong in build.known_wrong
@@ -125,6 +126,7 @@ def probed(build: Build, module: types.ModuleType) -> list[object] | None:
 
 
 def diagnosis(build: Build, module: types.ModuleType) -> str | None:
+    """The explanation of the known mistake whose probe `module` matches, if any."""
     seen = probed(build, module)
     if seen is None:
         return None

@@ -250,11 +250,16 @@ TRAINING_STEP = Build(
         KnownWrong(
             "decay_on_layernorm",
             (
-                ("no_decay = [p for p in params if p.dim() < 2]", "no_decay = []"),
-                ("decay = [p for p in params if p.dim() >= 2]", "decay = params"),
-            ),  # fmt: skip
-            "every parameter decays, the biases and LayerNorm weights too: decay only the "
-            "matrices (weight decay pulls a LayerNorm's gain toward 0)",
+                (
+                    "    decay = [p for p in params if p.dim() >= 2]\n"
+                    "    no_decay = [p for p in params if p.dim() < 2]\n",
+                    "    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]\n"
+                    '    decay = [p for n, p in named if not n.endswith("bias")]\n'
+                    '    no_decay = [p for n, p in named if n.endswith("bias")]\n',
+                ),
+            ),
+            "the LayerNorm weights decay: weight decay pulls a LayerNorm's gain toward 0; "
+            "decay only the matrices (two dimensions or more)",
         ),
         KnownWrong(
             "unscaled_accumulation",
