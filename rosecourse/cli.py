@@ -1,14 +1,17 @@
 """rose-course: write each chapter's piece in a workspace, and let the oracle grade it.
 
-    rose-course list                   one line per exercise: chapter, name, what to write
-    rose-course start DIR              a workspace of stubs, one file per chapter
-    rose-course start DIR --solutions  the reference solutions instead (CI; a stuck learner)
-    rose-course check NN [--dir DIR]   grade chapter NN's file (exit 0 passed, 1 failed)
-    rose-course check all [--dir DIR]  grade every chapter's file, then a table of verdicts
+    rose-course list                    one line per exercise, then one per build
+    rose-course start DIR               a workspace of stubs, one file per chapter and build
+    rose-course start DIR --solutions   the reference solutions instead (CI; a stuck learner)
+    rose-course check NN [--dir DIR]    grade chapter NN's file (exit 0 passed, 1 failed)
+    rose-course check BUILD [--dir DIR] grade a build's file, one line per part (model, ...)
+    rose-course check all [--dir DIR]   grade every chapter's and build's file, then a table
 
 A check swaps the learner's function in for the real piece, runs the real system on a
 small seeded model and compares it with the oracle (rosecourse/exercises.py). Its
 verdict is one line: the first step that differs and, for a known mistake, which one.
+A build (rosecourse/builds/) is one of rose's main pieces written whole; its check runs
+each part of it beside rose's own and prints a line per part.
 Each check runs in a fresh process with a time limit (rosecourse/runner.py): code that
 exits, loops, floods the output or changes torch's defaults fails in one line, and no
 chapter's code reaches another's check.
@@ -52,14 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="rose's course: write each chapter's piece, and check it against the oracle.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="one line per exercise")
+    commands.add_parser("list", help="one line per exercise and per build")
     start = commands.add_parser("start", help="write a workspace of stub files")
     start.add_argument("dir", type=Path, help="the workspace folder (created if missing)")
     start.add_argument(
         "--solutions", action="store_true", help="write the reference solutions instead"
     )
-    check = commands.add_parser("check", help="grade one chapter's file, or all")
-    check.add_argument("chapter", help="a chapter number (as `rose-course list` shows), or all")
+    check = commands.add_parser("check", help="grade one chapter's or build's file, or all")
+    check.add_argument(
+        "chapter", help="a chapter number or a build's name (as `rose-course list` shows), or all"
+    )
     check.add_argument("--dir", type=Path, default=Path("."), help="the workspace (default: .)")
     check.add_argument(
         "--timeout",
@@ -73,17 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `rose-course --help` and bad arguments answer without loading torch.
-    from rosecourse.course import LESSONS, CourseError, lesson, write_workspace
+    from rosecourse.course import BUILDS, LESSONS, CourseError, find, key, write_workspace
     from rosecourse.runner import grade_in_child
 
     if args.command == "list":
         for chosen in LESSONS:
             print(f"{chosen.chapter}  {chosen.file_name:<30} {chosen.task}")
+        print(f"\nbuilds: rose's main pieces, written whole ({PROG} check NAME)")
+        for build in BUILDS:
+            where = f"chapter{'s' * ('-' in build.chapters)} {build.chapters}"
+            print(f"{build.name:<15} {build.file_name:<26} {where:<15} {build.task}")
         return 0
     if args.command == "start":
         written, kept = write_workspace(args.dir, args.solutions)
         kind = "reference solutions" if args.solutions else "stubs"
-        there = len(LESSONS) - len(written) - len(kept)
+        there = len(LESSONS) + len(BUILDS) - len(written) - len(kept)
         print(
             f"wrote {len(written)} {kind} in {args.dir}"
             + (f", {there} there already" if there else "")
@@ -91,22 +100,21 @@ def run(args: argparse.Namespace) -> int:
         if kept:
             print(f"kept your work: {' '.join(path.name for path in kept)}")
         if not args.solutions:
-            print(f"next: write one, then `{PROG} check NN --dir {args.dir}`")
+            print(f"next: write one, then `{PROG} check NN (or a build) --dir {args.dir}`")
         return 0
-    chosen = LESSONS if args.chapter == "all" else [lesson(args.chapter)]
+    chosen = [*LESSONS, *BUILDS] if args.chapter == "all" else [find(args.chapter)]
     if not args.dir.is_dir():
         raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
     # One after the other, each in a process of its own: one chapter's code cannot stop,
     # stall or change the grading of the next.
-    passed = {c.chapter: grade_in_child(c, args.dir, args.timeout) for c in chosen}
+    passed = {key(c): grade_in_child(c, args.dir, args.timeout) for c in chosen}
     if len(chosen) > 1:
-        width = max(len(c.name) for c in chosen)
-        print(f"\nchapter  {'exercise':<{width}}  verdict")
+        width = max(len(c.file_name) for c in chosen)
+        print(f"\n{'check':<13}  {'file':<{width}}  verdict")
         for c in chosen:
-            print(
-                f"{c.chapter:<7}  {c.name:<{width}}  {'passed' if passed[c.chapter] else 'FAILED'}"
-            )
-        failed = [chapter for chapter, ok in passed.items() if not ok]
+            verdict = "passed" if passed[key(c)] else "FAILED"
+            print(f"{key(c):<13}  {c.file_name:<{width}}  {verdict}")
+        failed = [name for name, ok in passed.items() if not ok]
         print(
             f"{len(chosen) - len(failed)}/{len(chosen)} passed"
             + (f"; failing: {' '.join(failed)}" if failed else "")

@@ -43,7 +43,8 @@ from typing import NoReturn
 
 import torch
 
-from rosecourse.course import CourseError, Lesson, grade, learner_file, lesson
+from rosecourse.builds.grading import Build
+from rosecourse.course import CourseError, Lesson, find, grade, key, learner_file
 from rosecourse.exercises import CheckResult
 
 # Bytes of a check's output shown on the terminal; more fails the check.
@@ -69,7 +70,7 @@ GLOBAL_DEFAULTS: dict[str, Callable[[], object]] = {
 
 
 def grade_in_child(
-    chosen: Lesson,
+    chosen: Lesson | Build,
     directory: Path,
     timeout: float,
     output_limit: int = OUTPUT_LIMIT,
@@ -86,7 +87,7 @@ def grade_in_child(
     with ours:
         with theirs:
             child = subprocess.Popen(
-                [sys.executable, "-m", __name__, chosen.chapter, str(directory)]
+                [sys.executable, "-m", __name__, key(chosen), str(directory)]
                 + [str(theirs.fileno())],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -196,15 +197,19 @@ class ChangedDefault(BaseException):
     """
 
 
-def child_main(chapter: str, directory: Path, channel_fd: int) -> NoReturn:
-    """Grade one chapter, print its line, send the verdict over `channel_fd`, and exit."""
+def child_main(name: str, directory: Path, channel_fd: int) -> NoReturn:
+    """Grade one chapter's exercise or one build (`name`: as `rose-course check` takes it),
+    print its lines, send the verdict over `channel_fd`, and exit."""
     channel = socket.socket(fileno=channel_fd)
     channel.set_inheritable(False)  # nothing the learner's code starts holds it open
     threading.Thread(target=exit_with_grader, args=(channel,), daemon=True).start()
     torch.set_num_threads(THREADS)
-    chosen = lesson(chapter)
+    chosen = find(name)
     try:
+        before = global_defaults()
         passed = grade(guarded(chosen), directory).passed
+        if isinstance(chosen, Build):  # an exercise's check did this call by call
+            require_unchanged(before)
     except BaseException as stopping:  # the learner's code raised what stops a program
         print(CheckResult(chosen.name, False, None, stopping_line(stopping)))
         passed = False
@@ -222,9 +227,13 @@ def exit_with_grader(channel: socket.socket) -> None:
     os._exit(1)
 
 
-def guarded(chosen: Lesson) -> Lesson:
+def guarded(chosen: Lesson | Build) -> Lesson | Build:
     """`chosen` with a check that fails the learner's function, with ChangedDefault, when
-    its module's import or any call of it leaves one of torch's global defaults changed."""
+    its module's import or any call of it leaves one of torch's global defaults changed.
+    A build's parts run the learner's classes in many places, so a build is checked once,
+    after its parts have run (`graded`)."""
+    if isinstance(chosen, Build):
+        return chosen
     before_import = global_defaults()
 
     def check(fn: Callable) -> CheckResult:
@@ -273,5 +282,5 @@ def stopping_line(stopping: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    chapter_arg, directory_arg, fd_arg = sys.argv[1:]
-    child_main(chapter_arg, Path(directory_arg), int(fd_arg))
+    name_arg, directory_arg, fd_arg = sys.argv[1:]
+    child_main(name_arg, Path(directory_arg), int(fd_arg))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rosecourse import cli, exercises_engine, exercises_model
-from rosecourse.course import LESSONS, lesson, stub_source
+from rosecourse.course import BUILDS, LESSONS, lesson, stub_source
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,16 +137,15 @@ def test_stub_keeps_signature_and_contract_but_not_the_answer() -> None:
 
 def test_cli_list_start_and_its_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["list"]) == 0
-    listing = capsys.readouterr().out.splitlines()
+    listing = capsys.readouterr().out.split("\n\n")[0].splitlines()  # (then the builds)
     assert [line[:2] for line in listing] == [c.chapter for c in LESSONS]
 
     assert cli.main(["start", str(tmp_path / "ws")]) == 0
-    assert f"wrote {len(LESSONS)} stubs" in capsys.readouterr().out
-    for chosen in LESSONS:
+    assert f"wrote {len(LESSONS) + len(BUILDS)} stubs" in capsys.readouterr().out
+    for chosen in [*LESSONS, *BUILDS]:
+        # each stub fails its check: test_stub_is_not_written_yet, tests/test_builds.py
         text = (tmp_path / "ws" / chosen.file_name).read_text(encoding="utf-8")
-        assert text == stub_source(
-            chosen
-        )  # each stub fails its check: test_stub_is_not_written_yet
+        assert text == stub_source(chosen)
 
     assert cli.main(["check", "99", "--dir", str(tmp_path)]) == 2
     assert "no exercise for chapter '99'" in capsys.readouterr().err
@@ -203,5 +202,6 @@ def test_console_script_solutions_pass_check_all(tmp_path: Path) -> None:
         cwd=REPO_ROOT,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert f"{len(LESSONS)}/{len(LESSONS)} passed" in checked.stdout
+    every = len(LESSONS) + len(BUILDS)  # the chapters' exercises and the builds
+    assert f"{every}/{every} passed" in checked.stdout
     assert "Traceback" not in checked.stdout + checked.stderr

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from rosecourse import cli, course
-from rosecourse.course import LESSONS, lesson, stub_source
+from rosecourse.course import BUILDS, LESSONS, key, lesson, stub_source
 from rosecourse.runner import OUTPUT_LIMIT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -149,13 +149,14 @@ def test_check_all_grades_every_chapter_in_a_fresh_process_and_ends_with_its_tab
         line.startswith("greedy_decode: FAILED") and "SystemExit(0)" in line for line in lines
     )
     assert any(line.startswith("export_prepare: passed") for line in lines), lines
-    table = lines[-len(LESSONS) - 2 :]
-    assert table[0].split() == ["chapter", "exercise", "verdict"]
+    graded = [*LESSONS, *BUILDS]  # the builds' files are missing too
+    table = lines[-len(graded) - 2 :]
+    assert table[0].split() == ["check", "file", "verdict"]
     rows = [row.split() for row in table[1:-1]]
-    expected = [[c.chapter, c.name, "passed" if c.chapter == "15" else "FAILED"] for c in LESSONS]
+    expected = [[key(c), c.file_name, "passed" if key(c) == "15" else "FAILED"] for c in graded]
     assert rows == expected
-    failing = " ".join(c.chapter for c in LESSONS if c.chapter != "15")
-    assert table[-1] == f"1/{len(LESSONS)} passed; failing: {failing}"
+    failing = " ".join(key(c) for c in graded if key(c) != "15")
+    assert table[-1] == f"1/{len(graded)} passed; failing: {failing}"
 
 
 @pytest.mark.slow
@@ -194,10 +195,10 @@ def test_a_chapter_that_is_not_one_is_one_line(
     assert cli.main(["check", chapter, "--dir", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    chapters = ", ".join(c.chapter for c in LESSONS)
-    assert (
-        captured.err
-        == f"{ERROR}no exercise for chapter {chapter!r}: choose one of {chapters}, or all\n"
+    builds = ", ".join(b.name for b in BUILDS)
+    assert captured.err == (
+        f"{ERROR}no build or chapter called {chapter!r}: choose a build ({builds}), a "
+        "chapter's number (as `rose-course list` shows), or all\n"
     )
 
 
@@ -271,7 +272,7 @@ def test_start_on_a_full_or_read_only_disk_leaves_no_half_stub(
         patch.setattr(*target, fail)
         assert cli.main(["start", str(workspace)]) == 0
     assert (
-        f"wrote 0 stubs in {workspace}, {len(LESSONS) - 1} there already\n"
+        f"wrote 0 stubs in {workspace}, {len(LESSONS) + len(BUILDS) - 1} there already\n"
         in capsys.readouterr().out
     )
 
@@ -290,7 +291,7 @@ def test_a_later_start_replaces_only_files_that_hold_no_work(
     capsys.readouterr()
 
     assert cli.main(["start", str(workspace)]) == 0
-    assert f"wrote {len(LESSONS) - 1} stubs" in capsys.readouterr().out
+    assert f"wrote {len(LESSONS) + len(BUILDS) - 1} stubs" in capsys.readouterr().out
     assert files["02"].read_text().endswith("return 'my work'\n")
     for chosen in LESSONS:
         if chosen.chapter != "02":
