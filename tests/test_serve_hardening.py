@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import resource
 import selectors
 import socket
 import time
@@ -139,6 +141,29 @@ def test_past_max_connections_a_new_one_gets_503_and_the_server_recovers(server:
         sock.close()
     wait_until_served(server)
     assert "Traceback" not in server.log()
+
+
+@pytest.mark.slow
+def test_out_of_file_descriptors_is_one_log_line_and_the_server_recovers(
+    checkpoint: tuple[Path, GPT], tmp_path: Path
+) -> None:
+    """The server's open-file limit lowered to what it holds plus 16, then 64 clients that
+    send nothing: accepts fail for seconds (asyncio retries every second) while the head
+    timeout frees places 16 at a time; the log says so once, without a traceback."""
+    flags = ["--request-head-timeout", "1"]
+    with running_server(checkpoint[0], tmp_path / "server.log", *flags) as server:
+        pid = server.process.pid
+        _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(
+            pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + 16, hard)
+        )
+        clients = [open_connection(server, b"") for _ in range(64)]
+        held = seconds_until_closed(clients, dribble=False)  # every one, in turn
+        assert max(held) < 30, held
+        wait_until_served(server)
+        log = server.log()
+    assert log.count("Too many open files") == 1, log
+    assert "Traceback" not in log, log
 
 
 # -- class 12: the API's description follows the key --
