@@ -14,7 +14,7 @@ The engine is not thread-safe, so a snapshot is taken by the engine thread itsel
 between two steps (`LiveState.after_step`), from what the engine already holds: the
 block manager's free and cached lists, the scheduler's queues, each sequence's counts
 and block table, the batch it just ran. It is a handful of list copies, and it happens
-only while someone watches (a watcher renews its interest at every event it is sent),
+only while someone watches (the interest is renewed every tick while a stream is open),
 plus once whenever the engine runs out of work, so that the last picture of a burst
 is the idle pool. Nobody watching costs one comparison per step.
 
@@ -197,7 +197,7 @@ class LiveState:
             return f"the live page has {self.max_watchers} watchers already: try again later"
         return None
 
-    async def stream(self, client: str) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str]:
         """One watcher's events: the newest snapshot whenever there is a new one. The
         caller has counted it in `watchers` (WatcherStream takes it out at the end)."""
         if self.feeder is None:
@@ -233,7 +233,7 @@ class WatcherStream(StreamingResponse):
     (the client left, the server closed, an error)."""
 
     def __init__(self, live: LiveState, client: str) -> None:
-        super().__init__(live.stream(client), media_type="text/event-stream")
+        super().__init__(live.stream(), media_type="text/event-stream")
         self.live, self.client = live, client
         live.watchers[client] += 1
 
