@@ -56,7 +56,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
 def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactory) -> Server:
     log = tmp_path_factory.mktemp("hardening-log") / "server.log"
     flags = ["--api-key", API_KEY, "--request-head-timeout", str(HEAD_TIMEOUT_S),
-             "--max-connections", str(MAX_CONNECTIONS), "--root-path", "/rose"]  # fmt: skip
+             "--request-body-timeout", str(HEAD_TIMEOUT_S), "--max-connections",
+             str(MAX_CONNECTIONS), "--root-path", "/rose"]  # fmt: skip
     with running_server(checkpoint[0], log, *flags) as running:
         yield running
 
@@ -126,6 +127,19 @@ def test_a_head_sent_slowly_or_never_is_closed_in_time_and_health_still_answers(
     for held in (seconds_until_closed(dribblers, dribble=True),
                  seconds_until_closed(silent, dribble=False)):  # fmt: skip
         assert max(held) < HEAD_TIMEOUT_S + SLACK_S, held
+
+
+@pytest.mark.slow
+def test_a_body_sent_too_slowly_gets_408(server: Server) -> None:
+    wait_until_served(server)
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: rose\r\ncontent-type: application/json\r\n"
+            "content-length: 100\r\n\r\n")  # fmt: skip
+    sock = open_connection(server, head.encode() + b'{"prompt": ')  # and the rest never
+    sock.settimeout(HEAD_TIMEOUT_S + SLACK_S)
+    answer = sock.recv(4096).decode()
+    sock.close()
+    assert answer.startswith("HTTP/1.1 408 "), answer
+    assert '"code": "request_timeout"' in answer.replace('":"', '": "'), answer
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ from roseinfer.serving.connections import (
     QuietResourceErrors,
     bounded_protocol,
 )
-from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES
+from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from roseinfer.serving.live import MAX_WATCHERS, MAX_WATCHERS_PER_CLIENT, end_streams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "it opens or its last response ended; then it is closed (default: %(default)s)",
     )
     p.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take to arrive once its head has; then 408 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a Jinja2 chat template (sees `messages` and `add_generation_prompt`); default: "
@@ -152,10 +159,11 @@ def run(args: argparse.Namespace) -> int:
         raise RoseError(f"--port must be in [0, 65535] (0 picks a free one), got {args.port}")
     if not 0 <= args.shutdown_timeout < math.inf:
         raise RoseError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if not 0 < args.request_head_timeout < math.inf:
-        raise RoseError(
-            f"--request-head-timeout must be > 0 seconds, got {args.request_head_timeout}"
-        )
+    for flag in ("request_head_timeout", "request_body_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise RoseError(
+                f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}"
+            )
     for flag in ("max_connections", "max_live_watchers", "max_live_watchers_per_client"):
         if getattr(args, flag) < 1:
             raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         live_page=not args.no_live_page,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.request_body_timeout,
         torch_threads=torch_threads,
         max_live_watchers=args.max_live_watchers,
         max_live_watchers_per_client=args.max_live_watchers_per_client,

@@ -35,7 +35,7 @@ from roseinfer.serving.errors import (
     server_error,
 )
 from roseinfer.serving.handling import answer
-from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from roseinfer.serving.metrics import ServerMetrics
 from roseinfer.serving.protocol import (
     ChatCompletionRequest,
@@ -55,6 +55,7 @@ class ServerSettings:
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a request body may take to arrive
     live_page: bool = True  # the page at / and its /live/* state endpoints
     max_live_watchers: int = live.MAX_WATCHERS  # /live/events streams at once
     max_live_watchers_per_client: int = live.MAX_WATCHERS_PER_CLIENT  # from one address
@@ -91,7 +92,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         openapi_url=None,
     )
     app.state.engine_thread = engine_thread  # the server's shutdown aborts what is left
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     install_error_handlers(app)
     if settings.live_page:
         app.state.live = live.LiveState(
