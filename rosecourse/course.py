@@ -5,15 +5,18 @@ A lesson is the piece a chapter is about. Its reference solution is a module of
 contract; the learner's stub is made from that module, with the body cut off after
 the docstring, so the stub and the solution never disagree on the signature or the
 contract. `rose-course` (rosecourse/cli.py) writes the stubs into a workspace and
-grades the files there with the lesson's check.
+grades the files there with the lesson's check, each in a process of its own
+(rosecourse/runner.py).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +24,11 @@ from types import ModuleType
 
 from rosecourse import exercises, exercises_engine, exercises_model
 from rosecourse.exercises import CheckResult
+from rosetrainer.errors import RoseError
+from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 
 
-class CourseError(Exception):
+class CourseError(RoseError):
     """A workspace problem a learner can fix, in one line."""
 
 
@@ -136,7 +141,8 @@ LESSONS = [
 
 def lesson(chapter: str) -> Lesson:
     """The lesson of chapter `chapter` ("2", "02")."""
-    number = chapter.zfill(2)
+    # Only digits are padded: "".zfill(2) is "00", and an empty argument is no chapter.
+    number = chapter.zfill(2) if chapter.isascii() and chapter.isdigit() else chapter
     for candidate in LESSONS:
         if candidate.chapter == number:
             return candidate
@@ -170,19 +176,75 @@ def stub_source(chosen: Lesson) -> str:
     return "\n".join(stub) + "\n"
 
 
-def write_workspace(directory: Path, solutions: bool) -> list[Path]:
-    """One file per lesson in `directory`: the stubs, or the reference solutions. Files that
-    are there already are kept (a learner's work is never overwritten)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for chosen in LESSONS:
+# Where `start` notes the sha256 of each stub it wrote, so that a later `start` can tell a
+# stub nobody has touched (of this rose or of an earlier one) from a learner's work.
+STUB_RECORD = ".rose-course-stubs.json"
+
+
+def write_workspace(directory: Path, solutions: bool) -> tuple[list[Path], list[Path]]:
+    """One file per lesson in `directory`: the stubs, or the reference solutions; returns
+    the files written and the learner's files kept (a file that holds the text already is
+    neither).
+
+    A learner's work is never overwritten: a file already there is replaced only when it
+    holds nothing of theirs (`holds_no_work`). Every file is written atomically (a
+    temporary file, fsync, rename), so a full disk leaves no empty or half stub behind,
+    only a one-line error naming the file.
+    """
+    ensure_writable_dir(directory, "workspace")
+    record = read_stub_record(directory)
+    to_write, kept = [], []
+    for chosen in LESSONS:  # every path is checked before anything is written
         path = directory / chosen.file_name
-        if path.exists():
-            continue
-        text = inspect.getsource(chosen.solution_module()) if solutions else stub_source(chosen)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+        stub = stub_source(chosen).encode()
+        text = inspect.getsource(chosen.solution_module()).encode() if solutions else stub
+        if path.exists() and not path.is_file():
+            raise not_a_file(path, directory)
+        old = path.read_bytes() if path.is_file() else b""
+        if old == text:
+            continue  # there already (and no space needed to write it again)
+        if holds_no_work(old, text, {sha256(stub), record.get(chosen.file_name)}):
+            to_write.append((path, text))
+        else:
+            kept.append(path)
+    for path, text in to_write:
+        write_bytes_atomically(path, text)
+        if solutions:
+            record.pop(path.name, None)
+        else:
+            record[path.name] = sha256(text)
+    if to_write:
+        write_bytes_atomically(directory / STUB_RECORD, json.dumps(record, indent=1).encode())
+    return [path for path, _ in to_write], kept
+
+
+def holds_no_work(old: bytes, new: bytes, stubs: set[str | None]) -> bool:
+    """Whether a workspace file holds nothing a learner wrote: it is blank, or a beginning of
+    the text about to be written (what an interrupted write leaves), or byte for byte a stub
+    (`stubs`: the sha256 of this rose's stub and of the one `start` last wrote there)."""
+    return not old.strip() or new.startswith(old) or sha256(old) in stubs
+
+
+def read_stub_record(directory: Path) -> dict[str, str]:
+    """The workspace's record of the stubs written there; none if it is missing or damaged
+    (it is only a hint: without it, a stub of an earlier rose is kept like a learner's file)."""
+    try:
+        record = json.loads((directory / STUB_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def not_a_file(path: Path, directory: Path) -> CourseError:
+    """The one line for a folder (or anything but a file) where a chapter's file belongs."""
+    return CourseError(
+        f"{path} is not a file (a folder of that name?): move it away, then "
+        f"`rose-course start {directory}` writes the chapter's stub there"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -190,13 +252,22 @@ def write_workspace(directory: Path, solutions: bool) -> list[Path]:
 # ---------------------------------------------------------------------------
 
 
+def learner_file(chosen: Lesson, directory: Path) -> Path:
+    """The path of the learner's file for `chosen`, or a CourseError: it is missing or not
+    a file."""
+    path = directory / chosen.file_name
+    if path.is_file():
+        return path
+    if path.exists():
+        raise not_a_file(path, directory)
+    raise CourseError(
+        f"{path} does not exist: run `rose-course start {directory}` first (or pass --dir)"
+    )
+
+
 def load_learner(chosen: Lesson, directory: Path) -> Callable:
     """The learner's function from `directory`, or a CourseError saying what is wrong."""
-    path = directory / chosen.file_name
-    if not path.is_file():
-        raise CourseError(
-            f"{path} does not exist: run `rose-course start {directory}` first (or pass --dir)"
-        )
+    path = learner_file(chosen, directory)
     spec = importlib.util.spec_from_file_location(f"rose_course_{chosen.file_name[:-3]}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -83,6 +83,7 @@ def test_known_wrong_answer_gets_its_diagnosis(exercise, wrong) -> None:
     assert wrong.explanation in result.explanation, str(result)
 
 
+@pytest.mark.slow  # each check is a process of its own
 def test_a_check_that_breaks_on_the_learner_code_is_one_line(tmp_path: Path, capsys) -> None:
     workspace = tmp_path / "ws"
     cli.main(["start", str(workspace), "--solutions"])
@@ -134,22 +135,34 @@ def test_stub_keeps_signature_and_contract_but_not_the_answer() -> None:
     assert stub.rstrip().endswith('raise NotImplementedError("write cached_prefix")')
 
 
-def test_cli_list_start_and_check(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_list_start_and_its_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["list"]) == 0
     listing = capsys.readouterr().out.splitlines()
     assert [line[:2] for line in listing] == [c.chapter for c in LESSONS]
 
     assert cli.main(["start", str(tmp_path / "ws")]) == 0
-    capsys.readouterr()
+    assert f"wrote {len(LESSONS)} stubs" in capsys.readouterr().out
     for chosen in LESSONS:
-        assert cli.main(["check", chosen.chapter, "--dir", str(tmp_path / "ws")]) == 1
-        (line,) = capsys.readouterr().out.splitlines()
-        assert "not written yet" in line, line
+        text = (tmp_path / "ws" / chosen.file_name).read_text(encoding="utf-8")
+        assert text == stub_source(
+            chosen
+        )  # each stub fails its check: test_stub_is_not_written_yet
 
     assert cli.main(["check", "99", "--dir", str(tmp_path)]) == 2
     assert "no exercise for chapter '99'" in capsys.readouterr().err
     assert cli.main(["check", "02", "--dir", str(tmp_path / "nowhere")]) == 2
     assert "no workspace" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # each check is a process of its own
+def test_cli_check_a_stub_and_a_file_that_does_not_parse(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert cli.main(["start", str(tmp_path / "ws")]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "2", "--dir", str(tmp_path / "ws")]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("concat_kv: FAILED") and "not written yet" in line, line
 
     broken = tmp_path / "ws" / lesson("04").file_name
     broken.write_text("def position_ids(past_len, q_len, device=None):\n    return (\n")
