@@ -29,8 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RoseError
-from rosetrainer.files import OS_CAUSES
+from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OS_CAUSES, RoseError
 
 PROG = "rose-course"
 # Seconds one chapter's check may take, from its process's start to its verdict. The

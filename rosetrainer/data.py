@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
-from rosetrainer.files import ensure_writable_dir, os_error_line, write_bytes_atomically
+from rosetrainer.errors import ArgumentParser, RoseError, os_error_line, run_cli
+from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
 
 # `datasets` (and pandas, pyarrow behind it) is imported only when text is tokenised, not
