@@ -84,13 +84,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(command: list[str], log: Path, base_url: str | None = None) -> Iterator[str]:
+def server_process(
+    command: list[str],
+    log: Path,
+    base_url: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     """Start a server, wait until GET /health answers 200, yield its /v1 URL, always stop it.
 
-    base_url None: the command is rose's, which prints its URL when ready."""
+    base_url None: the command is rose's, which prints its URL when ready; otherwise its
+    stdout goes to the log too (vLLM logs there: an unread pipe would fill and stall it).
+    env: the server's environment (default: this process's)."""
     with open(log, "wb") as out:
+        stdout = subprocess.PIPE if base_url is None else out
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=out, start_new_session=True
+            command, stdout=stdout, stderr=out, start_new_session=True, env=env
         )
     try:
         if base_url is None:
@@ -120,7 +128,8 @@ def server_process(command: list[str], log: Path, base_url: str | None = None) -
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        process.stdout.close()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def rose_command(model_dir: Path, *flags: str) -> list[str]:
