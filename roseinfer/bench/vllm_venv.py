@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -113,16 +114,22 @@ def run_offline(
         )
         job_path.write_text(json.dumps(job))
         with open(log_path, "wb") as log:
-            done = subprocess.run(
+            process = subprocess.Popen(
                 [str(python), str(RUNNER), str(job_path), str(result_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=vllm_env(python, kv_cache_gib),
-                timeout=timeout_s,
+                start_new_session=True,
             )
-        if done.returncode != 0:
+        try:
+            returncode = process.wait(timeout_s)
+        finally:
+            if process.poll() is None:  # timed out or interrupted: its engine processes too
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if returncode != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"vLLM's offline run exited with {done.returncode}:\n{tail}")
+            raise RuntimeError(f"vLLM's offline run exited with {returncode}:\n{tail}")
         result = json.loads(result_path.read_text())
     return VllmRun(
         [VllmOutput(**output) for output in result["outputs"]],
