@@ -120,7 +120,9 @@ VLLM_KV_CACHE_GIB = {True: 1, False: 4}  # quick or not: vLLM's pool, allocated 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m roseinfer.bench.engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
-    p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
+    p.add_argument(
+        "--requests", type=int, help="how many requests (default: 64; quick: 8; --vllm: 32)"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
