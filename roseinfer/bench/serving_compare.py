@@ -1,6 +1,8 @@
-"""python -m roseinfer.bench.serving_compare: rose's server next to `transformers serve`, one run.
+"""python -m roseinfer.bench.serving_compare: rose's server next to `transformers serve` and
+`vllm serve`, one run.
 
     flock /tmp/rose-bench.lock python -m roseinfer.bench.serving_compare
+    python -m roseinfer.bench.serving_compare --servers rose,vllm
 
 On one randomly initialised GPT-2 small (124M) saved as a Hugging Face directory (with
 GPT-2's own tokenizer, built from tiktoken's BPE files, so it needs no download), it
@@ -10,6 +12,9 @@ with bench_serving, stops it, and prints one table and the ratios that matter:
 * rose (continuous batching, paged KV, prefix caching) vs
   `transformers serve --continuous-batching` on the same directory, rates light to
   saturating: output tokens/s at saturation, TTFT p99 at every rate;
+* rose vs `vllm serve` (--servers ...,vllm; vLLM's CPU build in its own venv, made by
+  .ci/vllm-venv, float32 as rose serves, its threads bound as roseinfer/bench/vllm_venv.py
+  says): output tokens/s at saturation, TTFT p99 at every rate;
 * rose with one request at a time (--max-num-seqs 1): the floor batching lifts;
 * rose with a long shared prefix (--shared-prefix-len), prefix caching on vs off:
   TTFT p50.
@@ -37,6 +42,7 @@ import httpx
 import torch
 
 from roseinfer.bench import serving as bench_serving
+from roseinfer.bench import vllm_venv
 from roseinfer.bench.serving import RateResult
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 
@@ -45,6 +51,7 @@ PROG = "bench_serving_compare"
 # vocab.json (encoder.json here) and merges.txt (vocab.bpe here).
 GPT2_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
 READY_TIMEOUT_S = 300
+VLLM_KV_CACHE_GIB = 4  # vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE), allocated whole at startup
 
 
 def make_hf_gpt2_dir(directory: Path) -> Path:
@@ -84,13 +91,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(command: list[str], log: Path, base_url: str | None = None) -> Iterator[str]:
+def server_process(
+    command: list[str],
+    log: Path,
+    base_url: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     """Start a server, wait until GET /health answers 200, yield its /v1 URL, always stop it.
 
-    base_url None: the command is rose's, which prints its URL when ready."""
+    base_url None: the command is rose's, which prints its URL when ready; otherwise its
+    stdout goes to the log too (vLLM logs there: an unread pipe would fill and stall it).
+    env: the server's environment (default: this process's)."""
     with open(log, "wb") as out:
+        stdout = subprocess.PIPE if base_url is None else out
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=out, start_new_session=True
+            command, stdout=stdout, stderr=out, start_new_session=True, env=env
         )
     try:
         if base_url is None:
@@ -120,7 +135,8 @@ def server_process(command: list[str], log: Path, base_url: str | None = None) -
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        process.stdout.close()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def rose_command(model_dir: Path, *flags: str) -> list[str]:
@@ -139,20 +155,28 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 and not math.isnan(a) else "n/a"
 
 
+# The servers rose is held against, each with its name in the table and its target
+# (rose's output tokens/s at saturation over the peer's).
+PEERS = {"transformers": ("transformers serve", 2.0), "vllm": ("vllm serve", 1.3)}
+
+
 def report(results: dict[str, list[RateResult]], prefix: dict[str, list[RateResult]]) -> str:
     lines = [bench_serving.table(results), ""]
-    rose, hf, floor = results.get("rose"), results.get("transformers"), results.get("rose-1-seq")
-    if rose and hf:
-        sat_rose, sat_hf = rose[-1].output_throughput, hf[-1].output_throughput
+    rose, floor = results.get("rose"), results.get("rose-1-seq")
+    for peer, (name, target) in PEERS.items():
+        theirs = results.get(peer)
+        if not (rose and theirs):
+            continue
+        sat_rose, sat_peer = rose[-1].output_throughput, theirs[-1].output_throughput
         lines.append(
             f"saturation (rate {rose[-1].request_rate:g}): rose {sat_rose:.1f} out tok/s, "
-            f"transformers serve {sat_hf:.1f}: {ratio(sat_rose, sat_hf)} (target >= 2x)"
+            f"{name} {sat_peer:.1f}: {ratio(sat_rose, sat_peer)} (target >= {target:g}x)"
         )
-        for r, h in zip(rose, hf, strict=True):
-            lower = "lower" if r.ttft_ms["p99"] < h.ttft_ms["p99"] else "NOT lower"
+        for r, p in zip(rose, theirs, strict=True):
+            lower = "lower" if r.ttft_ms["p99"] < p.ttft_ms["p99"] else "NOT lower"
             lines.append(
-                f"rate {r.request_rate:g}: TTFT p99 rose {r.ttft_ms['p99']:.0f} ms vs transformers "
-                f"{h.ttft_ms['p99']:.0f} ms ({ratio(r.ttft_ms['p99'], h.ttft_ms['p99'])}, {lower})"
+                f"rate {r.request_rate:g}: TTFT p99 rose {r.ttft_ms['p99']:.0f} ms vs {peer} "
+                f"{p.ttft_ms['p99']:.0f} ms ({ratio(r.ttft_ms['p99'], p.ttft_ms['p99'])}, {lower})"
             )
     if rose and floor:
         lines.append(
@@ -182,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--servers",
         default="rose,transformers,rose-1-seq,prefix",
-        help="which runs, comma-separated (default: %(default)s)",
+        help="which runs, comma-separated, of rose, transformers, vllm, rose-1-seq, prefix "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--shared-prefix-len",
@@ -206,11 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     bench_serving.check(args)
     runs = args.servers.split(",")
-    unknown = set(runs) - {"rose", "transformers", "rose-1-seq", "prefix"}
+    unknown = set(runs) - {"rose", "transformers", "vllm", "rose-1-seq", "prefix"}
     if unknown:
         raise RoseError(f"--servers: unknown run(s) {', '.join(sorted(unknown))}")
     if "transformers" in runs and shutil.which("transformers") is None:
         raise RoseError("no `transformers` command: pip install -e '.[bench]'")
+    vllm_python = vllm_venv.require_vllm_python() if "vllm" in runs else None
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = make_hf_gpt2_dir(Path(args.model_dir))
@@ -234,6 +260,14 @@ def run(args: argparse.Namespace) -> int:
             results["transformers"] = run_load(
                 url, args, label="transformers", ignore_eos=False, model=str(model_dir)
             )
+    if vllm_python is not None:
+        port = free_port()
+        command = vllm_venv.serve_command(vllm_python, model_dir, port, "--dtype", "float32",
+                                          "--served-model-name", "gpt2-random")  # fmt: skip
+        url = f"http://127.0.0.1:{port}/v1"
+        env = vllm_venv.vllm_env(vllm_python, VLLM_KV_CACHE_GIB)
+        with server_process(command, out / "vllm.log", base_url=url, env=env):
+            results["vllm"] = run_load(url, args, label="vllm", ignore_eos=True)
     if "rose-1-seq" in runs:
         with server_process(rose_command(model_dir, "--max-num-seqs", "1"), out / "1seq.log") as u:
             results["rose-1-seq"] = run_load(u, args, label="rose-1-seq", ignore_eos=True)
