@@ -3,7 +3,9 @@
 Every generation path (the uncached oracle, the cached loop, the serving engine)
 calls `sample_next_token` on the logits of the last position, with the request's own
 `torch.Generator`, so under one seed a request draws the same tokens on every path
-and in any batch; `sample_rows` does that for each row of a batch.
+and in any batch; `sample_rows` does that for each row of a batch, after
+`apply_grammar_masks` has taken from each constrained request's row the tokens its
+grammar forbids (roseinfer/request/structured.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.request.sequence import Sequence
+from roseinfer.request.structured import allowed_tokens
+from rosetrainer.errors import RoseError
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,9 +66,35 @@ def sample_next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Set to -inf, in place, every logit a row's grammar forbids next (rows of requests
+    without structured output, and finished ones, are left alone).
+
+    The masks of the batch's constrained rows are filled in one call to the library;
+    masked logits are what the row then samples from, greedy or not (and what its
+    logprobs report: the distribution it was drawn from).
+    """
+    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
+    if not rows:
+        return
+    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.size(-1))
+    if not allowed.any(axis=1).all():
+        raise RoseError("the grammar allows no token this model's vocabulary has")
+    forbidden = ~torch.from_numpy(allowed).to(logits.device)
+    # (inference mode: the model's logits are inference tensors, written in place only there)
+    with torch.inference_mode():
+        if len(rows) == logits.size(0):
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of (B, vocab) logits, each drawn with its own request's
-    parameters and random stream (so a row samples as its prompt would alone)."""
+    parameters and random stream (so a row samples as its prompt would alone), among
+    the tokens its grammar allows when it has one (the logits are masked in place)."""
+    apply_grammar_masks(logits, seqs)
     if all(seq.params.greedy for seq in seqs):
         return torch.argmax(logits, dim=-1).tolist()
     return [

@@ -1,0 +1,268 @@
+"""Structured output: a request's text held to a JSON schema, a regex, a list of choices
+or a grammar, by a mask over the vocabulary at every step.
+
+Reading order:
+
+* `StructuredOutputs` (roseinfer/request/sampling_params.py, beside the rest of what a
+  request asks for): one of json, json_object, regex, choice, grammar, checked when it
+  is made; it rides in `SamplingParams.structured_outputs`.
+* `compile_grammar`: the constraint -> a `Grammar` for one tokenizer, through llguidance
+  (https://github.com/guidance-ai/llguidance). Compiling walks the grammar's lexer over
+  the whole token trie once, so a step later costs microseconds; a compiled grammar is
+  kept (a bounded LRU, by tokenizer and grammar) and reused by every request that asks
+  for it. A constraint the library refuses, or one that takes longer than
+  COMPILE_TIMEOUT_S to compile, raises `InvalidParam` with the library's reason: the
+  server compiles at admission, in its request handler, so a bad schema is that
+  request's 400 and never reaches the engine.
+* `GrammarMatcher`: one request's position in its grammar. `Sequence.append_token` is
+  the only caller of `advance` (so a speculative verify step, which appends only the
+  accepted tokens, keeps it in step with the output); `allowed_tokens` fills the masks
+  of a batch of them at once (roseinfer/request/sampling.py applies them).
+
+Two traps the settings below close, both reported against other engines:
+
+* whitespace: JSON allows any amount between tokens, and a model that likes whitespace
+  (a random one, a weak one) can spend all of max_tokens on it. Here a JSON constraint
+  allows at most JSON_WHITESPACE_MAX whitespace characters in a row, and the schema's
+  own `x-guidance` settings cannot lift that bound.
+* a pathological schema (huge enums, deeply nested $refs, regexes whose automaton
+  explodes): the library's parser limits bound its work, and the compile's wall time is
+  bounded on top of that, so nothing stalls the thread that asked.
+
+llguidance is imported on first use (it is the `[structured]` extra): a request without
+structured output never needs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from roseinfer.request.sampling_params import STRUCTURED as PARAM
+from roseinfer.request.sampling_params import InvalidParam, StructuredOutputs
+from rosetrainer.errors import RoseError
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from rosetrainer.tokenizer import Tokenizer
+
+# At most this many whitespace characters between two JSON tokens (enough for a
+# newline and a little indentation; never a loop).
+JSON_WHITESPACE_MAX = 4
+# llguidance's JSON settings, applied over the schema's own `x-guidance` ones: separators
+# without whitespace of their own, whitespace bounded as above.
+JSON_OVERRIDES = {
+    "item_separator": ",",
+    "key_separator": ":",
+    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{JSON_WHITESPACE_MAX}}}",
+}
+COMPILE_TIMEOUT_S = 10.0  # a constraint that compiles longer than this is refused
+CACHE_SIZE = 64  # compiled grammars kept after their last request finished
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.tiktoken
+    except ImportError:
+        raise RoseError(
+            "structured outputs need llguidance: pip install 'rose[structured]'"
+        ) from None
+    return llguidance
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The constraint in llguidance's grammar format (what is compiled and cached)."""
+    LLMatcher = _llguidance().LLMatcher
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else '{"type": "object"}'
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
+        except ValueError as err:
+            raise InvalidParam(PARAM, f"invalid JSON schema: {err}") from None
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        # Lark string literals read JSON's escapes, so json.dumps quotes any choice.
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+        )
+    return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+# ---------------------------------------------------------------------------
+# Compiling, with a bound on time and a cache
+# ---------------------------------------------------------------------------
+
+
+class Grammar:
+    """A compiled constraint for one tokenizer: a matcher at the start, copied per request."""
+
+    def __init__(self, text: str, start: llguidance.LLMatcher, n_vocab: int) -> None:
+        self.text = text
+        self.start = start
+        self.n_vocab = n_vocab  # the tokenizer's vocabulary: the mask's width
+
+
+@functools.cache
+def ll_tokenizer(name: str) -> llguidance.LLTokenizer:
+    """llguidance's view of a tiktoken encoding: every token's bytes, in a trie (built
+    once per encoding, about 0.2 s for GPT-2's 50,257 tokens)."""
+    from rosetrainer.tokenizer import get_encoding
+
+    return _llguidance().tiktoken.lltokenizer_from_encoding(get_encoding(name))
+
+
+_lock = threading.Lock()
+_recent: OrderedDict[tuple[str, str], Grammar] = OrderedDict()  # the LRU
+# Every grammar a live request (or a handler about to admit one) holds, however old: the
+# engine finds the one its handler compiled even if the LRU has dropped it since.
+_held: weakref.WeakValueDictionary[tuple[str, str], Grammar] = weakref.WeakValueDictionary()
+_compiler = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+
+def compile_grammar(
+    spec: StructuredOutputs, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S
+) -> Grammar:
+    """`spec` compiled for `tokenizer`'s vocabulary, from the cache when it is there.
+
+    Raises InvalidParam naming the library's reason when the constraint is invalid, or
+    when compiling takes longer than `timeout_s` (the compile runs on a worker thread
+    and finishes there; llguidance's parser limits bound its work).
+    """
+    text = grammar_text(spec)
+    key = (tokenizer.name, text)
+    with _lock:
+        grammar = _held.get(key) or _recent.get(key)
+        if grammar is not None:
+            _recent[key] = grammar
+            _recent.move_to_end(key)
+            return grammar
+    future = _compiler.submit(_compile, tokenizer.name, text)
+    try:
+        grammar = future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise InvalidParam(
+            PARAM,
+            f"the {spec.kind} constraint took longer than {timeout_s:g} s to compile: simplify it",
+        ) from None
+    with _lock:
+        _recent[key] = _held[key] = grammar
+        while len(_recent) > CACHE_SIZE:
+            _recent.popitem(last=False)
+    return grammar
+
+
+def _compile(tokenizer_name: str, text: str) -> Grammar:
+    LLMatcher = _llguidance().LLMatcher
+    tokenizer = ll_tokenizer(tokenizer_name)
+    # log_level 0: the library's warnings would go to stderr; its errors come back here.
+    start = LLMatcher(tokenizer, text, log_level=0)
+    if start.is_error():
+        raise InvalidParam(PARAM, f"invalid constraint: {start.get_error()}")
+    return Grammar(text, start, tokenizer.vocab_size)
+
+
+def grammar_for(params: Any, tokenizer: Tokenizer | None, vocab_size: int) -> Grammar | None:
+    """The compiled grammar a request's SamplingParams asks for (None: unconstrained), for
+    a model whose logits have `vocab_size` entries."""
+    spec = params.structured_outputs
+    if spec is None:
+        return None
+    if tokenizer is None:
+        raise RoseError("structured outputs need the tokenizer: its vocabulary is the mask's")
+    if vocab_size < tokenizer.n_vocab:
+        # The library spells a forced string with the tokenizer's own tokens ("name", not
+        # n-a-m-e): a model without them could not follow the grammar.
+        raise RoseError(
+            f"structured outputs need a model with the whole vocabulary of its tokenizer "
+            f"({tokenizer.n_vocab} tokens); this one has {vocab_size}"
+        )
+    return compile_grammar(spec, tokenizer)
+
+
+def clear_cache() -> None:
+    """Forget every compiled grammar kept for reuse (the benchmark's first compile)."""
+    with _lock:
+        _recent.clear()
+
+
+# ---------------------------------------------------------------------------
+# One request's matcher, and a batch's masks
+# ---------------------------------------------------------------------------
+
+
+class GrammarMatcher:
+    """Where one request stands in its grammar: which tokens may come next, and whether
+    it is complete. Its state is the request's output so far, token for token."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.matcher = grammar.start.deep_copy()
+        self.num_tokens = 0  # tokens consumed (its output, and an end-of-text that ended it)
+
+    def advance(self, token_id: int) -> None:
+        """Consume one token the request took; a token the grammar forbids raises."""
+        if not self.matcher.consume_token(token_id):
+            raise RoseError(f"token {token_id} breaks the grammar: {self.matcher.get_error()}")
+        self.num_tokens += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` tokens (a rejected draft's, say)."""
+        if not 0 <= num_tokens <= self.num_tokens or not self.matcher.rollback(num_tokens):
+            raise RoseError(
+                f"cannot roll back {num_tokens} of {self.num_tokens} tokens: "
+                f"{self.matcher.get_error()}"
+            )
+        self.num_tokens -= num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and takes no further token (end-of-text aside)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is a whole match (it could end here, or go on)."""
+        return self.matcher.is_accepting()
+
+
+_executor: list[llguidance.LLExecutor] = []  # one, made on first use
+
+
+def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
+    """(len(matchers), width) bool: which token ids each matcher allows next.
+
+    `width` is the logits' (a model may pad its vocabulary past the tokenizer's, as
+    GPT-2 checkpoints trained at 50,304 do): ids the tokenizer does not have are never
+    allowed. The library writes one bit per token (32 tokens per int32 word); numpy
+    unpacks them in token order.
+    """
+    n_vocab = matchers[0].grammar.n_vocab
+    words = (n_vocab + 31) // 32
+    bits = np.zeros((len(matchers), words), dtype=np.int32)
+    for m in matchers:
+        if m.matcher.is_error():
+            raise RoseError(f"the grammar matcher failed: {m.matcher.get_error()}")
+        if m.grammar.n_vocab != n_vocab:
+            raise RoseError("the requests of one batch share one tokenizer")
+    if len(matchers) == 1:
+        matchers[0].matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    else:
+        if not _executor:
+            _executor.append(_llguidance().LLExecutor())
+        pairs = [(m.matcher, row) for row, m in enumerate(matchers)]
+        _executor[0].unsafe_compute_mask_ptr(pairs, bits.ctypes.data, words * 4, len(matchers))
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+    allowed = np.zeros((len(matchers), width), dtype=bool)
+    known = min(width, n_vocab)
+    allowed[:, :known] = unpacked[:, :known]
+    return allowed

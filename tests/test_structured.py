@@ -1,0 +1,403 @@
+"""Structured output: the grammar's mask keeps the oracle's promise, and holds a random
+model (which alone never writes JSON) to every schema, regex and choice.
+
+The models here have GPT-2's whole vocabulary (the library spells a forced key with
+the tokenizer's own tokens); the oracle's is padded to 50,304, as GPT-2 checkpoints
+trained at that size are: the 47 ids past the tokenizer must never be chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+
+import jsonschema
+import pytest
+import torch
+from models import assert_clear_margins, assert_logits_close, make_test_model
+from torch import nn
+
+from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.engine.block_manager import check_pool
+from roseinfer.engine.llm import LLM
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request import structured
+from roseinfer.request.sampling_params import InvalidParam, SamplingParams
+from roseinfer.request.structured import (
+    JSON_WHITESPACE_MAX,
+    GrammarMatcher,
+    StructuredOutputs,
+    allowed_tokens,
+    compile_grammar,
+)
+from rosetrainer.errors import RoseError
+from rosetrainer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 50257  # GPT-2's tokens
+PADDED_VOCAB = 50304  # padded to a multiple of 64
+CONTEXT = 128
+
+# Nested objects, arrays with bounds, enums, numbers with ranges, string patterns,
+# optional fields: every value bounded, so a run can complete inside max_tokens.
+SCHEMAS = {
+    "nested object": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                    "name": {"type": "string", "maxLength": 6},
+                },
+                "required": ["id", "name"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    "bounded array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    },
+    "number range": {
+        "type": "object",
+        "properties": {
+            "k": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
+            # multipleOf bounds the fraction's digits: a bare number's are unbounded, and
+            # a random model may write digits until max_tokens (see docs/structured-output.md)
+            "x": {"type": "number", "minimum": -1.5, "maximum": 2, "multipleOf": 0.25},
+        },
+        "required": ["k", "x"],
+        "additionalProperties": False,
+    },
+    "string pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+    "optional fields": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 9},
+            "b": {"type": "string", "maxLength": 4},
+            "c": {"type": "null"},
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_test_model(0, vocab_size=VOCAB, block_size=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def padded_model():
+    return make_test_model(0, vocab_size=PADDED_VOCAB, block_size=CONTEXT)
+
+
+def json_params(schema: dict, **fields: object) -> SamplingParams:
+    fields.setdefault("max_tokens", 64)
+    return SamplingParams(structured_outputs=StructuredOutputs(json=schema), **fields)
+
+
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.encode("Answer in JSON:"), tokenizer.encode("Hello")]
+
+
+# ---------------------------------------------------------------------------
+# The oracle: masked cached == masked uncached
+# ---------------------------------------------------------------------------
+
+
+def assert_masked_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same tokens masked (-inf) and the others within the logit tolerance."""
+    masked = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), masked)
+    assert_logits_close(got[~masked], want[~masked])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", ["nested object", "number range"])
+def test_the_masked_cached_run_equals_the_masked_oracle(padded_model, tokenizer, kind: str) -> None:
+    """Two prompts of different lengths as one left-padded cached batch, against each
+    prompt's uncached run: the same tokens, the same masked logits at every step."""
+    params = json_params(SCHEMAS[kind])
+    options = dict(eot_id=tokenizer.eot_id, tokenizer=tokenizer, keep_logits=True)
+    oracle = generate_batch(padded_model, prompts(tokenizer), params, use_cache=False, **options)
+    cached = generate_batch(padded_model, prompts(tokenizer), params, **options)
+    for want, got in zip(oracle, cached, strict=True):
+        # Margins among the allowed tokens (a step that allows one token is forced).
+        allowed = [step[torch.isfinite(step)] for step in want.step_logits]
+        assert_clear_margins([step for step in allowed if step.numel() > 1])
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason == "stop"
+        for got_step, want_step in zip(got.step_logits, want.step_logits, strict=True):
+            assert_masked_logits_close(got_step, want_step)
+            assert torch.isinf(want_step[tokenizer.n_vocab :]).all()  # the padding: never
+        jsonschema.validate(json.loads(tokenizer.decode(want.token_ids)), SCHEMAS[kind])
+
+
+def test_without_the_mask_the_random_model_writes_no_json(model, tokenizer) -> None:
+    """What the suite below holds the model to is the mask's doing, not the model's."""
+    result = generate(model, prompts(tokenizer)[0], SamplingParams(max_tokens=32))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(tokenizer.decode(result.token_ids))
+
+
+# ---------------------------------------------------------------------------
+# Every output valid: schemas, regexes, choices, through the engine
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(model, tokenizer) -> LLM:
+    return LLM.from_model(model, tokenizer, kv_block_size=8, num_kv_blocks=200)
+
+
+@pytest.mark.parametrize("kind", list(SCHEMAS))
+def test_every_output_is_valid_for_its_schema(llm, tokenizer, kind: str) -> None:
+    """Greedy and seeded sampled runs on a random model: each output parses, validates
+    and ended because the grammar was complete."""
+    schema = SCHEMAS[kind]
+    params = [json_params(schema)] + [
+        json_params(schema, temperature=1.0, seed=seed) for seed in range(3)
+    ]
+    for prompt in prompts(tokenizer):
+        for out in llm.generate([prompt] * len(params), params, use_tqdm=False):
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_and_choice_outputs_match(llm, tokenizer) -> None:
+    regex = r"[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]+)?"
+    choices = ("yes", "no", 'a "quoted" choice\n')
+    for prompt in prompts(tokenizer):
+        for seed in (None, 0, 1):
+            sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+            by_regex, by_choice = llm.generate(
+                [prompt, prompt],
+                [
+                    SamplingParams(structured_outputs=StructuredOutputs(regex=regex), **sampled),
+                    SamplingParams(structured_outputs=StructuredOutputs(choice=choices), **sampled),
+                ],
+                use_tqdm=False,
+            )
+            assert re.fullmatch(regex, by_regex.text), by_regex.text
+            assert by_choice.text in choices and by_choice.finish_reason == "stop"
+
+
+def test_a_grammar_constrains_the_output(llm, tokenizer) -> None:
+    grammar = 'start: "(" pair ")"\npair: WORD "=" NUMBER\nWORD: /[a-z]{1,5}/\nNUMBER: /[0-9]{1,3}/'
+    params = SamplingParams(structured_outputs=StructuredOutputs(grammar=grammar))
+    (out,) = llm.generate([prompts(tokenizer)[0]], params, use_tqdm=False)
+    assert re.fullmatch(r"\([a-z]{1,5}=[0-9]{1,3}\)", out.text) and out.finish_reason == "stop"
+
+
+def test_max_tokens_cutting_a_value_is_length(llm, tokenizer) -> None:
+    params = json_params(SCHEMAS["nested object"], max_tokens=4)
+    (out,) = llm.generate([prompts(tokenizer)[0]], params, use_tqdm=False)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+# ---------------------------------------------------------------------------
+# The engine: constrained and free requests in one batch, preemption
+# ---------------------------------------------------------------------------
+
+
+def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:
+    return generate(
+        model, prompt, params, use_cache=False, eot_id=tokenizer.eot_id, tokenizer=tokenizer
+    ).token_ids
+
+
+def mixed_workload(tokenizer: Tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    """Constrained (greedy and seeded) and free requests over prompts of several lengths."""
+    workload = []
+    for i, text in enumerate(["Answer in JSON:", "Hello", "A longer prompt, in several words"]):
+        prompt = tokenizer.encode(text)
+        workload += [
+            (prompt, json_params(SCHEMAS["nested object"])),
+            (prompt, json_params(SCHEMAS["enum"], temperature=0.9, seed=i)),
+            (prompt, SamplingParams(max_tokens=20)),
+            (prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=i)),
+        ]
+    return workload
+
+
+def run_engine(engine: LLMEngine, workload) -> list[list[int]]:
+    ids = [engine.add_request(prompt, params) for prompt, params in workload]
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        live = list(engine.requests.values())
+        check_pool(
+            engine.block_manager, live, engine.runner.written_slots, engine.runner.writer_tables
+        )
+        for seq in live:  # a matcher's state is its output, token for token
+            if seq.matcher is not None:
+                assert seq.matcher.num_tokens == len(seq.output_ids)
+    return [finished[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("pool", ["roomy", "preempting"])
+def test_a_mixed_batch_equals_each_requests_solo_run(model, tokenizer, pool: str) -> None:
+    """Every request's tokens are its solo uncached run's, whether the pool holds them all
+    or preempts (a preempted request keeps its output and its matcher, and recomputes
+    only its cache)."""
+    blocks = {"roomy": 200, "preempting": 14}[pool]
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(
+            kv_block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=48, shuffle_blocks_seed=0
+        ),
+    )
+    workload = mixed_workload(tokenizer)
+    got = run_engine(engine, workload)
+    assert (engine.stats().num_preemptions > 0) == (pool == "preempting")
+    for (prompt, params), tokens in zip(workload, got, strict=True):
+        assert tokens == solo(model, tokenizer, prompt, params)
+
+
+# ---------------------------------------------------------------------------
+# The whitespace trap
+# ---------------------------------------------------------------------------
+
+
+def whitespace_loving(model, tokenizer: Tokenizer) -> nn.Module:
+    """The model with a strong pull towards whitespace tokens (a bias on them, the one
+    piece swapped): what a weak model does inside JSON, made certain."""
+    whitespace = [t for t in range(tokenizer.n_vocab) if tokenizer.decode([t]).isspace()]
+    head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[whitespace] = 100.0
+    biased = make_test_model(0, vocab_size=VOCAB, block_size=CONTEXT)
+    biased.lm_head = head
+    return biased
+
+
+def test_whitespace_between_json_tokens_is_bounded(model, tokenizer, monkeypatch) -> None:
+    """A model that always prefers whitespace: under the library's default (any
+    whitespace) it spends all of max_tokens on it; under rose's bound it writes at
+    most JSON_WHITESPACE_MAX whitespace characters in a row, and the object completes."""
+    lover = whitespace_loving(model, tokenizer)
+    schema = SCHEMAS["enum"]
+    params = json_params(schema, max_tokens=48)
+    options = dict(eot_id=tokenizer.eot_id, tokenizer=tokenizer)
+    bounded = generate(lover, prompts(tokenizer)[0], params, **options)
+    text = tokenizer.decode(bounded.token_ids)
+    assert bounded.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    assert re.search(r"\s", text)  # the model did take whitespace where it could
+    assert max(map(len, re.findall(r"\s+", text))) <= JSON_WHITESPACE_MAX
+
+    monkeypatch.setattr(structured, "JSON_OVERRIDES", {})  # the library's default
+    unbounded = generate(lover, prompts(tokenizer)[0], params, **options)
+    assert unbounded.finish_reason == "length"
+    # after a token or two of JSON, whitespace to the end
+    assert all(tokenizer.decode([t]).isspace() for t in unbounded.token_ids[-40:])
+
+
+# ---------------------------------------------------------------------------
+# The boundary: what is refused, and why
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ({"choice": []}, "non-empty strings"),
+        ({"json": "{not json"}, "not JSON"),
+        ({"json": [1]}, "a JSON object"),
+        ({"json_object": "yes"}, "true or false"),
+    ],
+)
+def test_a_malformed_constraint_is_refused_when_made(fields: dict, reason: str) -> None:
+    with pytest.raises(InvalidParam, match=reason) as caught:
+        StructuredOutputs(**fields)
+    assert caught.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (StructuredOutputs(json={"type": "frobnicate"}), "frobnicate"),
+        (StructuredOutputs(json={"type": "string", "format": "no-such-format"}), "no-such"),
+        (StructuredOutputs(regex="[0-9"), "unclosed character class"),
+        (StructuredOutputs(grammar="start: undefined_rule"), "undefined_rule"),
+    ],
+)
+def test_what_the_library_refuses_raises_with_its_reason(tokenizer, spec, reason: str) -> None:
+    with pytest.raises(InvalidParam, match=reason):
+        compile_grammar(spec, tokenizer)
+
+
+def test_a_compile_past_its_time_bound_is_refused(tokenizer) -> None:
+    spec = StructuredOutputs(regex="[a-z]{1,7}@time-bound")  # compiled nowhere else
+    with pytest.raises(InvalidParam, match="longer than"):
+        compile_grammar(spec, tokenizer, timeout_s=1e-9)
+
+
+def test_a_model_without_the_tokenizers_vocabulary_is_refused(tokenizer) -> None:
+    small = make_test_model(0, vocab_size=512, block_size=32)
+    params = SamplingParams(structured_outputs=StructuredOutputs(json_object=True))
+    with pytest.raises(RoseError, match="whole vocabulary"):
+        generate(small, [1, 2], params, tokenizer=tokenizer)
+
+
+def test_compiled_grammars_are_cached_and_bounded(tokenizer, monkeypatch) -> None:
+    """A second request with the same constraint reuses its grammar; the cache keeps at
+    most CACHE_SIZE unused ones, and never drops one a request still holds."""
+    monkeypatch.setattr(structured, "CACHE_SIZE", 2)
+    specs = [StructuredOutputs(regex=f"cache-{i}[0-9]") for i in range(4)]
+    held = compile_grammar(specs[0], tokenizer)
+    assert compile_grammar(StructuredOutputs(regex="cache-0[0-9]"), tokenizer) is held
+    unused = weakref.ref(compile_grammar(specs[1], tokenizer))
+    for spec in specs[2:]:
+        compile_grammar(spec, tokenizer)
+    assert unused() is None  # pushed out of the LRU, and no request held it
+    assert compile_grammar(specs[0], tokenizer) is held  # pushed out too, but held
+
+
+def test_the_matcher_rolls_back_to_an_earlier_mask(tokenizer) -> None:
+    matcher = GrammarMatcher(compile_grammar(StructuredOutputs(json=SCHEMAS["enum"]), tokenizer))
+    tokens = tokenizer.encode('{"color":"red","ok":true}')
+    masks = []
+    for token in tokens:
+        masks.append(allowed_tokens([matcher], VOCAB))
+        matcher.advance(token)
+    assert matcher.is_finished and matcher.is_accepting
+    matcher.rollback(3)
+    assert not matcher.is_finished
+    assert (allowed_tokens([matcher], VOCAB) == masks[-3]).all()
+    with pytest.raises(RoseError, match="breaks the grammar"):
+        matcher.advance(tokenizer.encode("[")[0])
