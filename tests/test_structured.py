@@ -30,6 +30,7 @@ from roseinfer.request.structured import (
     StructuredOutputs,
     allowed_tokens,
     compile_grammar,
+    json_closing,
 )
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ PADDED_VOCAB = 50304  # padded to a multiple of 64
 CONTEXT = 128
 
 # Nested objects, arrays with bounds, enums, numbers with ranges, string patterns,
-# optional fields: every value bounded, so a run can complete inside max_tokens.
+# optional fields.
 SCHEMAS = {
     "nested object": {
         "type": "object",
@@ -75,9 +76,9 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "k": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
-            # multipleOf bounds the fraction's digits: a bare number's are unbounded, and
-            # a random model may write digits until max_tokens (see docs/structured-output.md)
-            "x": {"type": "number", "minimum": -1.5, "maximum": 2, "multipleOf": 0.25},
+            # a number's digits are unbounded: a random model writes them until its
+            # object must close (GrammarMatcher.closing_token)
+            "x": {"type": "number", "minimum": -1.5, "maximum": 2},
         },
         "required": ["k", "x"],
         "additionalProperties": False,
@@ -214,7 +215,46 @@ def test_a_grammar_constrains_the_output(llm, tokenizer) -> None:
     assert re.fullmatch(r"\([a-z]{1,5}=[0-9]{1,3}\)", out.text) and out.finish_reason == "stop"
 
 
+def test_a_json_object_closes_before_max_tokens(llm, tokenizer) -> None:
+    """Without a schema a random model's strings never end by themselves; the object is
+    closed in time anyway, so it always parses (finish_reason "stop")."""
+    for max_tokens in (2, 6, 20, 48):  # ("{}" is two tokens)
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if seed is not None else 0.0,
+                seed=seed,
+                structured_outputs=StructuredOutputs(json_object=True),
+            )
+            for seed in (None, 0, 1, 2)
+        ]
+        for prompt in prompts(tokenizer):
+            for out in llm.generate([prompt] * len(params), params, use_tqdm=False):
+                assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens
+                assert isinstance(json.loads(out.text), dict), out.text
+
+
+@pytest.mark.parametrize(
+    ("text", "closing"),
+    [
+        ("", "{}"),
+        ("{", "}"),
+        ('{"a', '":0}'),
+        ('{"a": ', "0}"),
+        ('{"a":1,', '"":0}'),
+        ('{"a":[1,', "0]}"),
+        ('{"a":[{"b":-1.', "0}]}"),
+        ('{"a":"x\\u1', '000"}'),
+        ('{"a{":tr', "ue}"),
+    ],
+)
+def test_json_closing_is_the_shortest_text_that_makes_it_whole(text: str, closing: str) -> None:
+    assert json_closing(text) == closing
+    json.loads(text + closing)
+
+
 def test_max_tokens_cutting_a_value_is_length(llm, tokenizer) -> None:
+    """A schema the closing text does not fit (its values are not numbers) is cut."""
     params = json_params(SCHEMAS["nested object"], max_tokens=4)
     (out,) = llm.generate([prompts(tokenizer)[0]], params, use_tqdm=False)
     assert out.finish_reason == "length" and len(out.token_ids) == 4

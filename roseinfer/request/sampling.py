@@ -72,12 +72,14 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
     The masks of the batch's constrained rows are filled in one call to the library;
     masked logits are what the row then samples from, greedy or not (and what its
-    logprobs report: the distribution it was drawn from).
+    logprobs report: the distribution it was drawn from). A JSON output near max_tokens
+    is closed in time: its mask then allows only the closing tokens.
     """
     rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
     if not rows:
         return
-    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.size(-1))
+    tokens_left = [seqs[i].params.max_tokens - len(seqs[i].output_ids) for i in rows]
+    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.size(-1), tokens_left)
     if not allowed.any(axis=1).all():
         raise RoseError("the grammar allows no token this model's vocabulary has")
     forbidden = ~torch.from_numpy(allowed).to(logits.device)

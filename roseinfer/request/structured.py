@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -64,6 +65,10 @@ JSON_OVERRIDES = {
     "key_separator": ":",
     "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{JSON_WHITESPACE_MAX}}}",
 }
+# A JSON output is closed (`GrammarMatcher.closing_token`) when the tokens that close it
+# come within CLOSING_MARGIN of the tokens left; looked for in the last CLOSING_WITHIN.
+CLOSING_MARGIN = 4
+CLOSING_WITHIN = 64
 COMPILE_TIMEOUT_S = 10.0  # a constraint that compiles longer than this is refused
 CACHE_SIZE = 64  # compiled grammars kept after their last request finished
 
@@ -106,10 +111,18 @@ def grammar_text(spec: StructuredOutputs) -> str:
 class Grammar:
     """A compiled constraint for one tokenizer: a matcher at the start, copied per request."""
 
-    def __init__(self, text: str, start: llguidance.LLMatcher, n_vocab: int) -> None:
+    def __init__(
+        self,
+        text: str,
+        start: llguidance.LLMatcher,
+        tokenizer: llguidance.LLTokenizer,
+        is_json: bool,
+    ) -> None:
         self.text = text
         self.start = start
-        self.n_vocab = n_vocab  # the tokenizer's vocabulary: the mask's width
+        self.tokenizer = tokenizer
+        self.n_vocab = tokenizer.vocab_size  # the mask's width
+        self.is_json = is_json  # a JSON schema or object: closed before max_tokens
 
 
 @functools.cache
@@ -146,7 +159,8 @@ def compile_grammar(
             _recent[key] = grammar
             _recent.move_to_end(key)
             return grammar
-    future = _compiler.submit(_compile, tokenizer.name, text)
+    is_json = spec.json is not None or spec.json_object
+    future = _compiler.submit(_compile, tokenizer.name, text, is_json)
     try:
         grammar = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
@@ -161,14 +175,25 @@ def compile_grammar(
     return grammar
 
 
-def _compile(tokenizer_name: str, text: str) -> Grammar:
+def _compile(tokenizer_name: str, text: str, is_json: bool) -> Grammar:
     LLMatcher = _llguidance().LLMatcher
     tokenizer = ll_tokenizer(tokenizer_name)
     # log_level 0: the library's warnings would go to stderr; its errors come back here.
     start = LLMatcher(tokenizer, text, log_level=0)
     if start.is_error():
-        raise InvalidParam(PARAM, f"invalid constraint: {start.get_error()}")
-    return Grammar(text, start, tokenizer.vocab_size)
+        raise InvalidParam(PARAM, f"invalid constraint: {one_line(start.get_error())}")
+    return Grammar(text, start, tokenizer, is_json)
+
+
+def one_line(reason: str) -> str:
+    """The library's message on one line: its text, without the source excerpt and the
+    carets it draws under it."""
+    kept = []
+    for line in reason.splitlines():
+        line = line.strip()
+        if line and set(line) - {"^", " "} and not re.match(r"\d+ \|", line):
+            kept.append(line)
+    return " ".join(kept)
 
 
 def grammar_for(params: Any, tokenizer: Tokenizer | None, vocab_size: int) -> Grammar | None:
@@ -207,13 +232,20 @@ class GrammarMatcher:
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.matcher = grammar.start.deep_copy()
-        self.num_tokens = 0  # tokens consumed (its output, and an end-of-text that ended it)
+        self.tokens: list[int] = []  # consumed: its output (and an end-of-text that ended it)
+        self.closing: list[int] = []  # the tokens that close its JSON, once they must come
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
     def advance(self, token_id: int) -> None:
         """Consume one token the request took; a token the grammar forbids raises."""
         if not self.matcher.consume_token(token_id):
             raise RoseError(f"token {token_id} breaks the grammar: {self.matcher.get_error()}")
-        self.num_tokens += 1
+        self.tokens.append(token_id)
+        if self.closing:
+            self.closing = self.closing[1:] if self.closing[0] == token_id else []
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` tokens (a rejected draft's, say)."""
@@ -222,7 +254,35 @@ class GrammarMatcher:
                 f"cannot roll back {num_tokens} of {self.num_tokens} tokens: "
                 f"{self.matcher.get_error()}"
             )
-        self.num_tokens -= num_tokens
+        del self.tokens[len(self.tokens) - num_tokens :]
+        self.closing = []  # planned for a longer output: planned again when needed
+
+    def closing_token(self, tokens_left: int) -> int | None:
+        """The token that must come next so that the JSON is closed within `tokens_left`
+        tokens, or None while the model may still choose (or when no closing fits).
+
+        A JSON output cut by max_tokens does not parse. So once the shortest text that
+        closes it (`json_closing`), in tokens, is within CLOSING_MARGIN of the tokens
+        left, those tokens are planned and forced one by one; the margin covers a token
+        that opens several values at once. A schema that does not take the closing text
+        (its values are not numbers, say) is left to run to "length".
+        """
+        if self.closing:
+            return self.closing[0]
+        if tokens_left > CLOSING_WITHIN or not self.grammar.is_json:
+            return None
+        text = self.grammar.tokenizer.decode_bytes(self.tokens).decode("utf-8", "replace")
+        suffix = json_closing(text)
+        if suffix is None:
+            return None
+        plan = self.grammar.tokenizer.tokenize_str(suffix)
+        if len(plan) + CLOSING_MARGIN < tokens_left:
+            return None  # room enough: the model writes on
+        trial = self.matcher.deep_copy()
+        if not (plan and trial.consume_tokens(plan) and trial.is_accepting()):
+            return None
+        self.closing = plan
+        return plan[0]
 
     @property
     def is_finished(self) -> bool:
@@ -238,13 +298,16 @@ class GrammarMatcher:
 _executor: list[llguidance.LLExecutor] = []  # one, made on first use
 
 
-def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
+def allowed_tokens(
+    matchers: list[GrammarMatcher], width: int, tokens_left: list[int] | None = None
+) -> np.ndarray:
     """(len(matchers), width) bool: which token ids each matcher allows next.
 
     `width` is the logits' (a model may pad its vocabulary past the tokenizer's, as
     GPT-2 checkpoints trained at 50,304 do): ids the tokenizer does not have are never
     allowed. The library writes one bit per token (32 tokens per int32 word); numpy
-    unpacks them in token order.
+    unpacks them in token order. tokens_left: each request's tokens until max_tokens; a
+    JSON output that must close now allows only its closing token (`closing_token`).
     """
     n_vocab = matchers[0].grammar.n_vocab
     words = (n_vocab + 31) // 32
@@ -265,4 +328,78 @@ def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
     allowed = np.zeros((len(matchers), width), dtype=bool)
     known = min(width, n_vocab)
     allowed[:, :known] = unpacked[:, :known]
+    for row, left in enumerate(tokens_left or ()):
+        forced = matchers[row].closing_token(left)
+        if forced is not None:
+            allowed[row] = False
+            allowed[row, forced] = True
     return allowed
+
+
+def json_closing(text: str) -> str | None:
+    """The shortest text that makes `text`, the start of a JSON object, whole: it ends
+    an open string (and its escape), number or literal, gives a key its value (0), and
+    closes every open object and array. None when `text` is not read as JSON here.
+    """
+    if not text.strip():
+        return "{}"
+    stack: list[str] = []  # the open objects and arrays, outermost first
+    expect = "value"  # what comes next: value, key, colon, more (a comma or a close)
+    in_string, is_key, escape, word = False, False, "", ""
+    for ch in text:
+        if in_string:
+            if escape:  # "\\" then one letter, or "\\u" then four hex digits
+                escape = "" if escape == "\\" and ch != "u" else escape + ch
+                escape = "" if len(escape) == 6 else escape
+            elif ch == "\\":
+                escape = "\\"
+            elif ch == '"':
+                in_string, expect = False, "colon" if is_key else "more"
+            continue
+        if word:  # a number or true/false/null, until a character that ends it
+            if ch.isalnum() or ch in "+-.":
+                word += ch
+                continue
+            word, expect = "", "more"
+        if ch.isspace():
+            continue
+        if ch == '"':
+            in_string, is_key = True, expect == "key"
+        elif ch in "{[":
+            stack.append(ch)
+            expect = "key" if ch == "{" else "value"
+        elif ch in "}]":
+            if not stack:
+                return None
+            stack.pop()
+            expect = "more"
+        elif ch == ":":
+            expect = "value"
+        elif ch == ",":
+            if not stack:
+                return None
+            expect = "key" if stack[-1] == "{" else "value"
+        else:
+            word = ch
+    # An empty object or array closes as it is; a key or a comma needs its value.
+    just_opened = not in_string and not word and text.rstrip()[-1:] in ("{", "[")
+    suffix = ""
+    if in_string:
+        if escape:
+            suffix += "n" if escape == "\\" else "0" * (6 - len(escape))
+        suffix += '"'
+        expect = "colon" if is_key else "more"
+    elif word:
+        suffix += _finish_word(word)
+        expect = "more"
+    if not just_opened:
+        suffix += {"key": '"":0', "colon": ":0", "value": "0", "more": ""}[expect]
+    return suffix + "".join("}" if c == "{" else "]" for c in reversed(stack))
+
+
+def _finish_word(word: str) -> str:
+    """What ends a number or a literal begun as `word`."""
+    for literal in ("true", "false", "null"):
+        if literal.startswith(word):
+            return literal[len(word) :]
+    return "0" if word[-1] in "+-.eE" else ""
