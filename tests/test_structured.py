@@ -9,7 +9,10 @@ trained at that size are: the 47 ids past the tokenizer must never be chosen.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import weakref
 
@@ -19,6 +22,7 @@ import torch
 from models import assert_clear_margins, assert_logits_close, make_test_model
 from torch import nn
 
+from roseinfer.bench import structured as bench_structured
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.llm import LLM
@@ -447,3 +451,17 @@ def test_the_matcher_rolls_back_to_an_earlier_mask(tokenizer) -> None:
     assert (allowed_tokens([matcher], VOCAB) == masks[-3]).all()
     with pytest.raises(RoseError, match="breaks the grammar"):
         matcher.advance(tokenizer.encode("[")[0])
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_in_its_quick_mode() -> None:
+    """A smoke test: every table filled (no timing is asserted)."""
+    command = [sys.executable, "-m", "roseinfer.bench.structured", "--quick", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    assert [r["constraint"] for r in payload["compile"]] == list(bench_structured.SUITE)
+    assert all(r["first_ms"] > 0 and r["cached_ms"] > 0 for r in payload["compile"])
+    assert [r["batch_size"] for r in payload["mask"]] == [1, 16]
+    assert all(r["free_step_ms"] > 0 and r["constrained_step_ms"] > 0 for r in payload["mask"])

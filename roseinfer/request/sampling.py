@@ -10,6 +10,7 @@ grammar forbids (roseinfer/request/structured.py).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from roseinfer.request.sampling_params import SamplingParams
@@ -82,14 +83,19 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.size(-1), tokens_left)
     if not allowed.any(axis=1).all():
         raise RoseError("the grammar allows no token this model's vocabulary has")
-    forbidden = ~torch.from_numpy(allowed).to(logits.device)
+    forbidden = ~allowed
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # On the CPU, numpy writes the -inf through a view of the logits several times
+        # faster than masked_fill_ does (the mask's cost is mostly this write).
+        values = logits.detach().numpy()
+        for k, row in enumerate(rows):
+            np.copyto(values[row], -np.inf, where=forbidden[k])
+        return
+    forbidden = torch.from_numpy(forbidden).to(logits.device)
     # (inference mode: the model's logits are inference tensors, written in place only there)
     with torch.inference_mode():
-        if len(rows) == logits.size(0):
-            logits.masked_fill_(forbidden, float("-inf"))
-        else:
-            index = torch.tensor(rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
