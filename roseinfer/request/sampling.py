@@ -71,8 +71,8 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Set to -inf, in place, every logit a row's grammar forbids next (rows of requests
     without structured output, and finished ones, are left alone).
 
-    The masks of the batch's constrained rows are filled in one call to the library;
-    masked logits are what the row then samples from, greedy or not (and what its
+    The masks of the batch's constrained rows are filled into one array, then written
+    into the logits; masked logits are what the row then samples from, greedy or not (and what its
     logprobs report: the distribution it was drawn from). A JSON output near max_tokens
     is closed in time: its mask then allows only the closing tokens.
     """
