@@ -406,10 +406,21 @@ def test_what_the_library_refuses_raises_with_its_reason(tokenizer, spec, reason
         compile_grammar(spec, tokenizer)
 
 
-def test_a_compile_past_its_time_bound_is_refused(tokenizer) -> None:
+def test_a_compile_past_its_time_bound_is_refused(tokenizer, monkeypatch) -> None:
+    """A compile that runs long (here: made to) is refused when its bound runs out; it
+    finishes on its worker thread, and nothing waits for it."""
+    compile_now = structured._compile
+
+    def slow(*args: object) -> structured.Grammar:
+        time.sleep(0.5)
+        return compile_now(*args)
+
+    monkeypatch.setattr(structured, "_compile", slow)
     spec = StructuredOutputs(regex="[a-z]{1,7}@time-bound")  # compiled nowhere else
-    with pytest.raises(InvalidParam, match="longer than"):
-        compile_grammar(spec, tokenizer, timeout_s=1e-9)
+    started = time.monotonic()
+    with pytest.raises(InvalidParam, match="longer than 0.05 s"):
+        compile_grammar(spec, tokenizer, timeout_s=0.05)
+    assert time.monotonic() - started < 0.4
 
 
 def test_a_model_without_the_tokenizers_vocabulary_is_refused(tokenizer) -> None:
