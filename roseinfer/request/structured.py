@@ -19,12 +19,17 @@ Reading order:
   accepted tokens, keeps it in step with the output); `allowed_tokens` fills the masks
   of a batch of them at once (roseinfer/request/sampling.py applies them).
 
-Two traps the settings below close, both reported against other engines:
+Three traps closed here, all reported against other engines:
 
 * whitespace: JSON allows any amount between tokens, and a model that likes whitespace
   (a random one, a weak one) can spend all of max_tokens on it. Here a JSON constraint
   allows at most JSON_WHITESPACE_MAX whitespace characters in a row, and the schema's
   own `x-guidance` settings cannot lift that bound.
+* a value without end: inside a string almost every token is allowed and few end it,
+  and a number's digits need never stop, so a weak model's JSON is often cut by
+  max_tokens, and does not parse. Near max_tokens a JSON output is closed instead: the
+  shortest text that makes it whole (`json_closing`) is forced once it is due
+  (`GrammarMatcher.closing_token`).
 * a pathological schema (huge enums, deeply nested $refs, regexes whose automaton
   explodes): the library's parser limits bound its work, and the compile's wall time is
   bounded on top of that, so nothing stalls the thread that asked.
