@@ -292,13 +292,18 @@ def mixed_workload(tokenizer: Tokenizer) -> list[tuple[list[int], SamplingParams
     return workload
 
 
-def run_engine(engine: LLMEngine, workload) -> list[list[int]]:
+def run_engine(engine: LLMEngine, workload) -> tuple[list[list[int]], int]:
+    """Each request's tokens, and how many times a constrained request mid-output was
+    preempted; the pool and every matcher checked after every step."""
     ids = [engine.add_request(prompt, params) for prompt, params in workload]
-    finished = {}
+    finished, preempted = {}, 0
     while engine.has_unfinished():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
+        preempted += sum(
+            1 for seq in engine.last_batch.preempted if seq.matcher is not None and seq.output_ids
+        )
         live = list(engine.requests.values())
         check_pool(
             engine.block_manager, live, engine.runner.written_slots, engine.runner.writer_tables
@@ -306,7 +311,7 @@ def run_engine(engine: LLMEngine, workload) -> list[list[int]]:
         for seq in live:  # a matcher's state is its output, token for token
             if seq.matcher is not None:
                 assert seq.matcher.num_tokens == len(seq.output_ids)
-    return [finished[i].token_ids for i in ids]
+    return [finished[i].token_ids for i in ids], preempted
 
 
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
@@ -323,8 +328,8 @@ def test_a_mixed_batch_equals_each_requests_solo_run(model, tokenizer, pool: str
         ),
     )
     workload = mixed_workload(tokenizer)
-    got = run_engine(engine, workload)
-    assert (engine.stats().num_preemptions > 0) == (pool == "preempting")
+    got, preempted = run_engine(engine, workload)
+    assert (preempted > 0) == (pool == "preempting")
     for (prompt, params), tokens in zip(workload, got, strict=True):
         assert tokens == solo(model, tokenizer, prompt, params)
 
