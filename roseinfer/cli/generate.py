@@ -657,7 +657,7 @@ def run(args: argparse.Namespace) -> int:
         )
         prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
         # An invalid constraint is told now, in one line (the loops reuse the compile).
-        grammar_for(params, tokenizer, model.config.vocab_size)
+        grammar_for(params.structured_outputs, tokenizer, model.config.vocab_size)
         kind = cache_kind(args, model.config)
         check_quant_settings(
             model.config,

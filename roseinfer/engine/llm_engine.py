@@ -117,7 +117,9 @@ class LLMEngine:
             device=self.pool.device,
             # Compiled here only when the caller did not already (the server compiles in
             # its request handler; the cache then hands this the same grammar).
-            grammar=grammar_for(params, self.tokenizer, self.model.config.vocab_size),
+            grammar=grammar_for(
+                params.structured_outputs, self.tokenizer, self.model.config.vocab_size
+            ),
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)

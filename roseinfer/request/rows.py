@@ -50,7 +50,7 @@ def make_sequences(
             eos_id=eot_id,
             decode=decode,
             device=device,
-            grammar=grammar_for(p, tokenizer, model.config.vocab_size),
+            grammar=grammar_for(p.structured_outputs, tokenizer, model.config.vocab_size),
         )
         for prompt, p in zip(prompts, params, strict=True)
     ]

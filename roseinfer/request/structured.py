@@ -201,10 +201,11 @@ def one_line(reason: str) -> str:
     return " ".join(kept)
 
 
-def grammar_for(params: Any, tokenizer: Tokenizer | None, vocab_size: int) -> Grammar | None:
-    """The compiled grammar a request's SamplingParams asks for (None: unconstrained), for
-    a model whose logits have `vocab_size` entries."""
-    spec = params.structured_outputs
+def grammar_for(
+    spec: StructuredOutputs | None, tokenizer: Tokenizer | None, vocab_size: int
+) -> Grammar | None:
+    """A request's constraint compiled (None: unconstrained), for a model whose logits
+    have `vocab_size` entries."""
     if spec is None:
         return None
     if tokenizer is None:

@@ -97,8 +97,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         builder = ResponseBuilder(
             f"cmpl-{uuid.uuid4().hex}", settings.model_name, tokenizer, chat=False, echo=echo
         )
-        jobs = checks.jobs(body, prompts, body.logprobs, checks.structured_outputs(body))
-        grammar = await checks.grammar(body, jobs[0][1])
+        constraint, grammar = await checks.constraint(body)
+        jobs = checks.jobs(body, prompts, body.logprobs, constraint)
         prompt_tokens = sum(map(len, prompts))
         return await answer(request, client, metrics, body, jobs, prompt_tokens, builder, grammar)
 
@@ -121,8 +121,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
             chat=True,
             echo=[""] * body.n,
         )
-        jobs = checks.jobs(body, [prompt], logprobs, checks.structured_outputs(body))
-        grammar = await checks.grammar(body, jobs[0][1])
+        constraint, grammar = await checks.constraint(body)
+        jobs = checks.jobs(body, [prompt], logprobs, constraint)
         return await answer(request, client, metrics, body, jobs, len(prompt), builder, grammar)
 
     @app.get("/v1/models")

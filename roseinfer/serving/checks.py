@@ -77,44 +77,39 @@ class RequestChecks:
             )
         return ids or [self.tokenizer.eot_id]
 
-    def structured_outputs(self, body: SamplingFields) -> StructuredOutputs | None:
-        """The constraint a request asks for: OpenAI's response_format, or vLLM's
-        structured_outputs (not both); None for free text."""
+    async def constraint(
+        self, body: SamplingFields
+    ) -> tuple[StructuredOutputs | None, Grammar | None]:
+        """The constraint a request asks for (OpenAI's response_format or vLLM's
+        structured_outputs, not both), and its grammar, compiled here in the handler (off
+        the event loop, within the compile's time bound): an invalid or pathological one
+        is this request's 400 and never reaches the engine thread. (None, None) for text.
+        """
         fmt, vllm = body.response_format, body.structured_outputs
-        if fmt is not None and fmt.type != "text" and vllm is not None:
-            raise BadRequest(
-                "give response_format or structured_outputs, not both", "structured_outputs"
-            )
         param = "structured_outputs" if vllm is not None else "response_format"
+        if fmt is not None and fmt.type != "text" and vllm is not None:
+            raise BadRequest("give response_format or structured_outputs, not both", param)
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise BadRequest(
+                'response_format of type "json_schema" needs its json_schema: '
+                '{"name": ..., "schema": {...}}',
+                param,
+            )
         try:
             if vllm is not None:
                 fields = vllm.model_dump(exclude_none=True)
-                if "json_" in fields:
-                    fields["json"] = fields.pop("json_")
-                return StructuredOutputs(**fields)
-            if fmt is None or fmt.type == "text":
-                return None
-            if fmt.type == "json_object":
-                return StructuredOutputs(json_object=True)
-            if fmt.json_schema is None:
-                raise BadRequest(
-                    'response_format of type "json_schema" needs its json_schema: '
-                    '{"name": ..., "schema": {...}}',
-                    "response_format",
-                )
-            return StructuredOutputs(json=fmt.json_schema.schema_)
-        except InvalidParam as err:
+                fields["json"] = fields.pop("json_", None)
+                spec = StructuredOutputs(**fields)
+            elif fmt is None or fmt.type == "text":
+                return None, None
+            elif fmt.type == "json_object":
+                spec = StructuredOutputs(json_object=True)
+            else:
+                spec = StructuredOutputs(json=fmt.json_schema.schema_)
+            grammar = await asyncio.to_thread(grammar_for, spec, self.tokenizer, self.vocab_size)
+        except RoseError as err:  # (InvalidParam is one)
             raise BadRequest(str(err), param) from None
-
-    async def grammar(self, body: SamplingFields, params: SamplingParams) -> Grammar | None:
-        """The request's constraint compiled here, in its handler (off the event loop,
-        within the compile's time bound), so an invalid or pathological one is this
-        request's 400 and never reaches the engine thread."""
-        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
-        try:
-            return await asyncio.to_thread(grammar_for, params, self.tokenizer, self.vocab_size)
-        except RoseError as err:
-            raise BadRequest(str(err), param) from None
+        return spec, grammar
 
     def jobs(
         self,
