@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 
 # Why a request finished, in the OpenAI API's words: "stop" (end-of-text, a stop token,
-# a stop string, or its structured output complete; `stop_reason` says which of the first three), "length" (max_tokens or the context
-# window) or "abort" (cancelled, or failed: `error` says why).
+# a stop string, or its structured output complete; `stop_reason` names the token id or
+# the string, None for the last), "length" (max_tokens or the context window) or
+# "abort" (cancelled, or failed: `error` says why).
 FINISH_REASONS = ("stop", "length", "abort")
 
 _request_ids = itertools.count()
@@ -199,7 +200,7 @@ class Sequence:
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # the new tokens (a final <|endoftext|> is not included)
-    finish_reason: str  # "stop" (end-of-text, a stop token or string) or "length"
+    finish_reason: str  # "stop" or "length" (FINISH_REASONS says why each)
     stop_reason: int | str | None  # the token id or stop string that stopped it
     # (vocab,) float32 per step, when asked for: torch tensors, or numpy arrays from the
     # onnxruntime loop
