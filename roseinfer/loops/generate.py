@@ -12,7 +12,9 @@ the bottom row of the full mask, not the top one) and `position_ids` (a new toke
 position continues after the past, it does not restart at 0).
 
 Each prompt is one `Sequence` (roseinfer/request/sequence.py): its `SamplingParams`, its own
-random stream, its tokens and why it stopped. What belongs to the loop rather than to
+random stream, its tokens and why it stopped. A request with structured output has its logits
+masked by its grammar inside `sample_rows`, on both paths alike, so the masked cached
+run is held to the masked oracle like any other. What belongs to the loop rather than to
 a request (how much of the window to keep, the prefill chunk, compiling the decode
 step) is passed to `generate_batch` on its own.
 
