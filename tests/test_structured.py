@@ -220,23 +220,34 @@ def test_a_grammar_constrains_the_output(llm, tokenizer) -> None:
     assert re.fullmatch(r"\([a-z]{1,5}=[0-9]{1,3}\)", out.text) and out.finish_reason == "stop"
 
 
-def test_a_json_object_closes_before_max_tokens(llm, tokenizer) -> None:
-    """Without a schema a random model's strings never end by themselves; the object is
-    closed in time anyway, so it always parses (finish_reason "stop")."""
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputs(json_object=True),
+        StructuredOutputs(json={}),  # any value: a number's digits need never stop
+        StructuredOutputs(json={"type": "string"}),
+        StructuredOutputs(json={"type": "array"}),
+    ],
+    ids=["json_object", "empty schema", "string", "array"],
+)
+def test_json_closes_before_max_tokens(llm, tokenizer, spec: StructuredOutputs) -> None:
+    """A random model's strings and numbers never end by themselves; the JSON is closed
+    in time anyway, so it always parses (finish_reason "stop")."""
     for max_tokens in (2, 6, 20, 48):  # ("{}" is two tokens)
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if seed is not None else 0.0,
                 seed=seed,
-                structured_outputs=StructuredOutputs(json_object=True),
+                structured_outputs=spec,
             )
             for seed in (None, 0, 1, 2)
         ]
         for prompt in prompts(tokenizer):
             for out in llm.generate([prompt] * len(params), params, use_tqdm=False):
                 assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens
-                assert isinstance(json.loads(out.text), dict), out.text
+                value = json.loads(out.text)
+                assert not spec.json_object or isinstance(value, dict), out.text
 
 
 @pytest.mark.parametrize(

@@ -283,11 +283,13 @@ class GrammarMatcher:
         if suffix is None:
             return None
         plan = self.grammar.tokenizer.tokenize_str(suffix)
+        trial = self.matcher.deep_copy()
+        if not (trial.consume_tokens(plan) and trial.is_accepting()):
+            return None
+        if not trial.is_stopped():  # a value that could go on (a number): end-of-text ends it
+            plan.append(self.grammar.tokenizer.eos_token)
         if len(plan) + CLOSING_MARGIN < tokens_left:
             return None  # room enough: the model writes on
-        trial = self.matcher.deep_copy()
-        if not (plan and trial.consume_tokens(plan) and trial.is_accepting()):
-            return None
         self.closing = plan
         return plan[0]
 
