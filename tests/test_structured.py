@@ -232,13 +232,15 @@ def test_a_grammar_constrains_the_output(llm, tokenizer) -> None:
 )
 def test_json_closes_before_max_tokens(llm, tokenizer, spec: StructuredOutputs) -> None:
     """A random model's strings and numbers never end by themselves; the JSON is closed
-    in time anyway, so it always parses (finish_reason "stop")."""
+    in time anyway, so it always parses (finish_reason "stop"). End-of-text, which ends a
+    number, ends it even under ignore_eos (the grammar allows it only there)."""
     for max_tokens in (2, 6, 20, 48):  # ("{}" is two tokens)
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if seed is not None else 0.0,
                 seed=seed,
+                ignore_eos=seed == 2,
                 structured_outputs=spec,
             )
             for seed in (None, 0, 1, 2)

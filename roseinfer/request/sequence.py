@@ -148,7 +148,9 @@ class Sequence:
         if self.matcher is not None:
             self.matcher.advance(token_id)
         self.token_times.append(time.perf_counter() if now is None else now)
-        if token_id == self.eos_id and not self.params.ignore_eos:
+        # (A grammar allows end-of-text only where its output is whole: there it ends the
+        # request whatever ignore_eos says.)
+        if token_id == self.eos_id and (not self.params.ignore_eos or self.matcher is not None):
             self.finish("stop", stop_reason=token_id)
             return False
         self.output_ids.append(token_id)
