@@ -1,24 +1,51 @@
 """rose-course: write each chapter's piece in a workspace, and let the oracle grade it.
 
-    rose-course list                   one line per exercise: chapter, name, what to write
-    rose-course start DIR              a workspace of stubs, one file per chapter
-    rose-course start DIR --solutions  the reference solutions instead (CI; a stuck learner)
-    rose-course check NN [--dir DIR]   grade chapter NN's file (exit 0 passed, 1 failed)
-    rose-course check all [--dir DIR]  grade every chapter's file
+    rose-course list                    one line per exercise, then one per build
+    rose-course start DIR               a workspace of stubs, one file per chapter and build
+    rose-course start DIR --solutions   the reference solutions instead (CI; a stuck learner)
+    rose-course check NN [--dir DIR]    grade chapter NN's file (exit 0 passed, 1 failed)
+    rose-course check BUILD [--dir DIR] grade a build's file, one line per part (model, ...)
+    rose-course check all [--dir DIR]   grade every chapter's and build's file, then a table
 
 A check swaps the learner's function in for the real piece, runs the real system on a
 small seeded model and compares it with the oracle (rosecourse/exercises.py). Its
 verdict is one line: the first step that differs and, for a known mistake, which one.
+A build (rosecourse/builds/) is one of rose's main pieces written whole; its check runs
+each part of it beside rose's own and prints a line per part.
+Each check runs in a fresh process with a time limit (rosecourse/runner.py): code that
+exits, loops, floods the output or changes torch's defaults fails in one line, and no
+chapter's code reaches another's check.
+
+Mistakes (a chapter that is not one, a workspace that cannot be written, a full disk)
+are one `rose-course: error: ...` line and exit code 2; Ctrl-C stops the checks and
+exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
+from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OS_CAUSES, RoseError
+
 PROG = "rose-course"
+# Seconds one chapter's check may take, from its process's start to its verdict. The
+# slowest reference solution's takes about 4 s on one busy CPU core; this is far above.
+DEFAULT_TIMEOUT = 60.0
+
+
+def seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,57 +54,98 @@ def build_parser() -> argparse.ArgumentParser:
         description="rose's course: write each chapter's piece, and check it against the oracle.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="one line per exercise")
+    commands.add_parser("list", help="one line per exercise and per build")
     start = commands.add_parser("start", help="write a workspace of stub files")
     start.add_argument("dir", type=Path, help="the workspace folder (created if missing)")
     start.add_argument(
         "--solutions", action="store_true", help="write the reference solutions instead"
     )
-    check = commands.add_parser("check", help="grade one chapter's file, or all")
-    check.add_argument("chapter", help="a chapter number (00 .. 17), or all")
+    check = commands.add_parser("check", help="grade one chapter's or build's file, or all")
+    check.add_argument(
+        "chapter", help="a chapter number or a build's name (as `rose-course list` shows), or all"
+    )
     check.add_argument("--dir", type=Path, default=Path("."), help="the workspace (default: .)")
+    check.add_argument(
+        "--timeout",
+        type=seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long one chapter's check may take (default: {DEFAULT_TIMEOUT:g})",
+    )
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: `rose-course --help` and bad arguments answer without loading torch.
-    import torch
-
-    from rosecourse.course import LESSONS, CourseError, grade, lesson, write_workspace
+    from rosecourse.course import BUILDS, LESSONS, CourseError, find, key, write_workspace
+    from rosecourse.runner import grade_in_child
 
     if args.command == "list":
         for chosen in LESSONS:
             print(f"{chosen.chapter}  {chosen.file_name:<30} {chosen.task}")
+        print(f"\nbuilds: rose's main pieces, written whole ({PROG} check NAME)")
+        for build in BUILDS:
+            where = f"chapter{'s' * ('-' in build.chapters)} {build.chapters}"
+            print(f"{build.name:<15} {build.file_name:<26} {where:<15} {build.task}")
         return 0
     if args.command == "start":
-        written = write_workspace(args.dir, args.solutions)
+        written, kept = write_workspace(args.dir, args.solutions)
         kind = "reference solutions" if args.solutions else "stubs"
-        kept = len(LESSONS) - len(written)
-        print(f"wrote {len(written)} {kind} in {args.dir}" + (f" (kept {kept})" if kept else ""))
-        if not args.solutions:
-            print(f"next: write one, then `rose-course check NN --dir {args.dir}`")
-        return 0
-    try:
-        chosen = LESSONS if args.chapter == "all" else [lesson(args.chapter)]
-    except CourseError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
-    if not args.dir.is_dir():
-        print(f"{PROG}: error: no workspace at {args.dir}: run `{PROG} start DIR`", file=sys.stderr)
-        return 2
-    torch.set_num_threads(int(os.environ.get("ROSE_COURSE_THREADS", "1")))  # tiny models
-    failed = [c.chapter for c in chosen if not grade(c, args.dir).passed]
-    if len(chosen) > 1:
-        passed = len(chosen) - len(failed)
+        there = len(LESSONS) + len(BUILDS) - len(written) - len(kept)
         print(
-            f"{passed}/{len(chosen)} passed" + (f"; failing: {' '.join(failed)}" if failed else "")
+            f"wrote {len(written)} {kind} in {args.dir}"
+            + (f", {there} there already" if there else "")
         )
-    return 1 if failed else 0
+        if kept:
+            print(f"kept your work: {' '.join(path.name for path in kept)}")
+        if not args.solutions:
+            print(f"next: write one, then `{PROG} check NN (or a build) --dir {args.dir}`")
+        return 0
+    chosen = [*LESSONS, *BUILDS] if args.chapter == "all" else [find(args.chapter)]
+    if not args.dir.is_dir():
+        raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
+    # One after the other, each in a process of its own: one chapter's code cannot stop,
+    # stall or change the grading of the next.
+    passed = {key(c): grade_in_child(c, args.dir, args.timeout) for c in chosen}
+    if len(chosen) > 1:
+        width = max(len(c.file_name) for c in chosen)
+        print(f"\n{'check':<13}  {'file':<{width}}  verdict")
+        for c in chosen:
+            verdict = "passed" if passed[key(c)] else "FAILED"
+            print(f"{key(c):<13}  {c.file_name:<{width}}  {verdict}")
+        failed = [name for name, ok in passed.items() if not ok]
+        print(
+            f"{len(chosen) - len(failed)}/{len(chosen)} passed"
+            + (f"; failing: {' '.join(failed)}" if failed else "")
+        )
+    return 0 if all(passed.values()) else 1
+
+
+def os_error_line(error: OSError) -> str:
+    """One line for a failed file operation nothing nearer explained (a full disk under
+    the output, say)."""
+    cause = OS_CAUSES.get(error.errno or 0, error.strerror or type(error).__name__)
+    return f"{error.filename}: {cause}" if error.filename else cause
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run(args)
+    try:
+        code = run(args)
+        sys.stdout.flush()  # an output that cannot be written fails here, in one line
+        return code
+    except RoseError as error:
+        message = str(error)
+    except BrokenPipeError:  # stdout was closed early (piped into `head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as error:
+        message = os_error_line(error)
+    except KeyboardInterrupt:  # the checks' processes are killed already (runner.stop)
+        print(f"{PROG}: interrupted: stopped by Ctrl-C", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

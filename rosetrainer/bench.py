@@ -156,7 +156,7 @@ def saved_percent(off: dict[str, Any], on: dict[str, Any], key: str) -> float:
     return 100.0 * (off[key] - on[key]) / off[key] if off[key] else math.nan
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m rosetrainer.bench",
         description="Tokens/s and peak memory of training steps, activation checkpointing off/on.",
@@ -177,7 +177,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny only, 2 small steps")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one measurement, in a child process
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
-from rosetrainer.files import ensure_writable_dir, os_error_line, write_bytes_atomically
+from rosetrainer.errors import ArgumentParser, RoseError, os_error_line, run_cli
+from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
 
 # `datasets` (and pandas, pyarrow behind it) is imported only when text is tokenised, not
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(lambda: _main(argv), "rosetrainer.data")
 
 
-def _main(argv: list[str] | None) -> int:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="rosetrainer.data",
         description="Tokenise text into train.bin / val.bin (uint16 token ids) for rosetrainer.train.",
@@ -381,7 +381,11 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument(
         "--num-proc", type=int, default=None, help="tokeniser processes (default: auto)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     prepared = prepare_data(
         text_file=args.text_file,
         dataset=args.dataset,

@@ -1,4 +1,4 @@
-"""Files that survive crashes: the one atomic writer, writable folders, OS errors in one line.
+"""Files that survive crashes: the one atomic writer, writable folders.
 
 Every file rose writes for keeps (checkpoints, the token cache's meta.json, metrics
 rewritten on resume, a downloaded text) goes through `write_atomically`: the bytes go
@@ -15,7 +15,6 @@ save (its process is gone) from one being written right now, and remove it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import tempfile
@@ -23,25 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from rosetrainer.errors import RoseError
-
-# What a failed file operation means to the user, by errno; anything else: the OS's words.
-OS_CAUSES = {
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.ENOSPC: "no space left on the device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.ENOTDIR: "a part of the path is a file, not a directory",
-    errno.EEXIST: "it exists and is not a directory",
-    errno.ENOENT: "a part of the path does not exist",
-}
-
-
-def os_error_line(err: OSError, path: str | Path, doing: str) -> str:
-    """One line for a failed file operation: what, where, why, and what to do."""
-    cause = OS_CAUSES.get(err.errno or 0, err.strerror or type(err).__name__)
-    return f"cannot {doing} {path}: {cause}; free space, fix the permissions or choose another path"
+from rosetrainer.errors import RoseError, os_error_line
 
 
 def ensure_writable_dir(path: str | Path, what: str) -> Path:
@@ -131,16 +112,21 @@ def _sync_directory(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def new_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def new_directory(
+    path: str | Path, overwrite: bool = False, source: str | Path | None = None
+) -> Iterator[Path]:
     """A folder to fill that appears at `path` only once complete: write_atomically for folders.
 
     Yields an empty temporary folder beside `path`; when the block ends without an error
     it is renamed to `path`, otherwise removed. An existing non-empty `path` is refused
     unless `overwrite`, and then replaced only after the new folder is complete. A
-    mistake about `path` (a file, not writable) is reported before the block runs, so
-    no work is done for a folder that cannot be written.
+    mistake about `path` (a file, not writable, the `source` the folder is made from,
+    or a folder holding it or inside it) is reported before the block runs, so no work
+    is done for a folder that cannot be written and nothing is deleted.
     """
     path = Path(path)
+    if source is not None:
+        refuse_overlap(path, Path(source))
     if path.exists() and not path.is_dir():
         raise RoseError(f"{path} is a file, not a directory; pass a directory path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -168,6 +154,20 @@ def new_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+
+
+def refuse_overlap(path: Path, source: Path) -> None:
+    """`path` is to be replaced as a whole: it must not be `source`, hold it, or lie
+    inside it (symbolic links followed: another name for the same place is the place)."""
+    out, keep = path.resolve(), source.resolve()
+    if out == keep or out in keep.parents:
+        what = "is" if out == keep else "holds"
+        raise RoseError(
+            f"{path} {what} {source}, which it is made from: replacing it would delete "
+            "that; write to another folder"
+        )
+    if keep in out.parents:
+        raise RoseError(f"{path} is inside {source}, which it is made from; write elsewhere")
 
 
 def _replace_directory(new: Path, path: Path) -> None:

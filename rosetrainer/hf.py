@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tiktoken
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rosetrainer.checkpoint import check_declared_shape, check_finite, check_weights_fit
@@ -202,8 +205,21 @@ def save_hf_gpt2(model: GPT, encoding: tiktoken.Encoding, directory: str | Path)
     state = hf_names(model.state_dict())
     del state["lm_head.weight"]
     weights = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
-    save_file(weights, directory / WEIGHT_FILES[0], metadata={"format": "pt"})
+    try:
+        save_file(weights, directory / WEIGHT_FILES[0], metadata={"format": "pt"})
+    except SafetensorError as err:  # not an OSError, also when the OS refused the write
+        raise os_error_of(err) from None
     return sorted([*files, WEIGHT_FILES[0]])
+
+
+def os_error_of(err: SafetensorError) -> OSError | SafetensorError:
+    """The OS error a SafetensorError reports in its text (safetensors writes through
+    Rust, whose I/O errors end in "(os error N)"), so that a full disk reads like any
+    other; an error of its own stays as it is."""
+    code = re.search(r"\(os error (\d+)\)", str(err))
+    if code is None:
+        return err
+    return OSError(int(code[1]), os.strerror(int(code[1])))
 
 
 def hf_gpt2_config(config: GPTConfig, eot_id: int, dtype: torch.dtype) -> dict[str, Any]:

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rosetrainer.errors import RoseError
-from rosetrainer.files import os_error_line, write_atomically, write_bytes_atomically
+from rosetrainer.errors import RoseError, os_error_line
+from rosetrainer.files import write_atomically, write_bytes_atomically
 
 
 class MetricsLog:

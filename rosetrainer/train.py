@@ -137,8 +137,8 @@ def resumed_model(ckpt: dict[str, Any], model_values: dict[str, Any]) -> GPTConf
     return saved_model
 
 
-def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
-    """Only the flags actually given (argparse.SUPPRESS), so that they can override a file."""
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag defaults to absent (argparse.SUPPRESS), so that a given one overrides a file."""
     parser = ArgumentParser(
         prog="python -m rosetrainer.train",
         usage="%(prog)s [options]  (--help lists them)",
@@ -176,7 +176,12 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     add("--dtype", help="float32 (default), bfloat16 or float16 (CUDA only)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model")
     add("--num-threads", type=int, help="CPU threads for PyTorch (default: one per core)")
-    return vars(parser.parse_args(argv))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+    """Only the flags actually given, so that they can override a file."""
+    return vars(build_parser().parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

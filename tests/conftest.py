@@ -91,6 +91,7 @@ def hf_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # (ATEN_CPU_CAPABILITY, see .ci/run), where the rounding falls differently.
 ORACLE_TEST_FILES = {
     "test_batching.py",
+    "test_builds.py",
     "test_engine.py",
     "test_engine_api.py",
     "test_engine_quant.py",

@@ -7,6 +7,8 @@ test) sends SIGTERM, then SIGKILL if it has not exited.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import selectors
@@ -117,7 +119,10 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> int:
 
 def metrics(server: Server) -> dict[str, float]:
     """GET /metrics as {'name{labels}': value}."""
-    text = httpx.get(server.url + "/metrics").text
+    return parse_metrics(httpx.get(server.url + "/metrics").text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -137,6 +142,22 @@ def wait_idle(server: Server, timeout: float = 20) -> dict[str, float]:
         time.sleep(0.05)
 
 
+async def admitted(
+    http: httpx.AsyncClient, server: Server, count: int, timeout: float = 30
+) -> dict[str, float]:
+    """Poll /metrics until the engine holds `count` requests (running or waiting): what a
+    test waits on before it acts on requests in flight, instead of sleeping and hoping
+    they have arrived. Returns the reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = parse_metrics((await http.get(server.url + "/metrics")).text)
+        held = values["rose_num_requests_running"] + values["rose_num_requests_waiting"]
+        if held == count:
+            return values
+        assert time.monotonic() < deadline, f"the engine holds {held} requests, not {count}"
+        await asyncio.sleep(0.02)
+
+
 def solo_text(
     model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[str, list[int], str]:
@@ -153,19 +174,24 @@ def solo_text(
 
 
 def leave_a_non_streamed_request(server: Server, headers: dict[str, str]) -> int:
-    """Send a long non-streamed request, leave (close the connection) while it runs, and
-    return how many tokens the server generated for it before it was aborted."""
+    """Send a long non-streamed request, leave (close the connection) once the engine
+    runs it, and return how many tokens the server generated for it before it was
+    aborted."""
     before = wait_idle(server)
     long = WINDOW - 24  # seconds of work: still running when the client leaves
     body = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": long, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
-    with httpx.Client(base_url=server.base_url, headers=headers) as http:
-        try:
-            http.post("/completions", json=body, timeout=1.0)
-        except httpx.ReadTimeout:
-            pass  # the client gave up: httpx closes the connection
-        else:
-            raise AssertionError("the request finished before its client left")
+
+    async def send_and_leave() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=headers) as http:
+            request = asyncio.create_task(http.post("/completions", json=body, timeout=60))
+            await admitted(http, server, 1)
+            assert not request.done(), "the request finished before its client left"
+            request.cancel()  # the client gives up: httpx closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(send_and_leave())
     after = wait_idle(server)
     assert after["rose_kv_blocks_used"] == 0
     aborted = 'rose_requests_finished_total{finish_reason="abort"}'

@@ -504,6 +504,32 @@ def test_a_windowed_model_gives_the_oracle_ids_on_every_path_far_past_its_contex
     assert len(ids["oracle"][0]) == 160 and len(set(ids["oracle"][0])) > 40
 
 
+def test_a_window_far_larger_than_any_run_generates_on_the_slots_the_run_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Training accepts a window of 10^12 tokens (a legitimate model: its window never
+    binds); generating with it allocates slots for the tokens a run holds, not for the
+    window (which would be 256 TB), on the default path and with --cache rolling, and
+    the tokens are the oracle's past the context."""
+    config = GPTConfig(
+        vocab_size=50257, block_size=32, n_layer=2, n_head=2, n_embd=32,
+        position_embedding="rotary", sliding_window=10**12, attention_sinks=4,
+    )  # fmt: skip
+    path = tmp_path / "best.pt"
+    state = {"model": wide_random_init(GPT(config), seed=0).state_dict()}
+    save_checkpoint(path, {**state, "model_config": config.to_dict(), "tokenizer_name": "gpt2"})
+    base = ["--checkpoint-path", path, "--prompt", "ROMEO:", "--temperature", "0", "--json",
+            "--max-new-tokens", "80", "--no-stop-at-eot"]  # fmt: skip
+    ids = {}
+    for name, extra in {"default": [], "rolling": ["--cache", "rolling"],
+                        "oracle": ["--no-kv-cache"]}.items():  # fmt: skip
+        code, out, err = main(capsys, *base, *extra)
+        assert code == 0, err
+        ids[name] = json_lines(out)[0]["token_ids"]
+    assert ids["default"] == ids["rolling"] == ids["oracle"]
+    assert len(ids["oracle"]) == 80
+
+
 @pytest.mark.parametrize(
     "which, extra, complaint",
     [

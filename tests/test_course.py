@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rosecourse import cli, exercises_engine, exercises_model
-from rosecourse.course import LESSONS, lesson, stub_source
+from rosecourse.course import BUILDS, LESSONS, lesson, stub_source
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +83,7 @@ def test_known_wrong_answer_gets_its_diagnosis(exercise, wrong) -> None:
     assert wrong.explanation in result.explanation, str(result)
 
 
+@pytest.mark.slow  # each check is a process of its own
 def test_a_check_that_breaks_on_the_learner_code_is_one_line(tmp_path: Path, capsys) -> None:
     workspace = tmp_path / "ws"
     cli.main(["start", str(workspace), "--solutions"])
@@ -134,22 +135,33 @@ def test_stub_keeps_signature_and_contract_but_not_the_answer() -> None:
     assert stub.rstrip().endswith('raise NotImplementedError("write cached_prefix")')
 
 
-def test_cli_list_start_and_check(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_list_start_and_its_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["list"]) == 0
-    listing = capsys.readouterr().out.splitlines()
+    listing = capsys.readouterr().out.split("\n\n")[0].splitlines()  # (then the builds)
     assert [line[:2] for line in listing] == [c.chapter for c in LESSONS]
 
     assert cli.main(["start", str(tmp_path / "ws")]) == 0
-    capsys.readouterr()
-    for chosen in LESSONS:
-        assert cli.main(["check", chosen.chapter, "--dir", str(tmp_path / "ws")]) == 1
-        (line,) = capsys.readouterr().out.splitlines()
-        assert "not written yet" in line, line
+    assert f"wrote {len(LESSONS) + len(BUILDS)} stubs" in capsys.readouterr().out
+    for chosen in [*LESSONS, *BUILDS]:
+        # each stub fails its check: test_stub_is_not_written_yet, tests/test_builds.py
+        text = (tmp_path / "ws" / chosen.file_name).read_text(encoding="utf-8")
+        assert text == stub_source(chosen)
 
     assert cli.main(["check", "99", "--dir", str(tmp_path)]) == 2
     assert "no exercise for chapter '99'" in capsys.readouterr().err
     assert cli.main(["check", "02", "--dir", str(tmp_path / "nowhere")]) == 2
     assert "no workspace" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # each check is a process of its own
+def test_cli_check_a_stub_and_a_file_that_does_not_parse(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert cli.main(["start", str(tmp_path / "ws")]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "2", "--dir", str(tmp_path / "ws")]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("concat_kv: FAILED") and "not written yet" in line, line
 
     broken = tmp_path / "ws" / lesson("04").file_name
     broken.write_text("def position_ids(past_len, q_len, device=None):\n    return (\n")
@@ -190,5 +202,6 @@ def test_console_script_solutions_pass_check_all(tmp_path: Path) -> None:
         cwd=REPO_ROOT,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert f"{len(LESSONS)}/{len(LESSONS)} passed" in checked.stdout
+    every = len(LESSONS) + len(BUILDS)  # the chapters' exercises and the builds
+    assert f"{every}/{every} passed" in checked.stdout
     assert "Traceback" not in checked.stdout + checked.stderr

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,3 +239,64 @@ def test_any_non_default_config_field_is_refused() -> None:
     check_gpt2_config(Extended(position_embedding="learned"))
     with pytest.raises(RoseError, match="position_embedding='rotary'"):
         check_gpt2_config(Extended(position_embedding="rotary"))
+
+
+# -- issue 33: the export never deletes what it reads; Ctrl-C and a full disk in one line --
+
+
+@pytest.mark.parametrize("where", ["the run", "a link to the run", "above the run", "in the run"])
+def test_an_out_that_is_holds_or_is_inside_the_source_is_refused(
+    run_dir: Path, tmp_path: Path, capsys, where: str
+) -> None:
+    run = tmp_path / "parent" / "run"
+    run.mkdir(parents=True)
+    (run / "last.pt").write_bytes((run_dir / "last.pt").read_bytes())
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "link").symlink_to(run)
+    out = {"the run": run, "a link to the run": tmp_path / "link",
+           "above the run": run.parent, "in the run": run / "hf"}[where]  # fmt: skip
+    before = {p: p.read_bytes() for p in run.rglob("*")}
+    says = "inside" if where == "in the run" else "which it is made from"
+    check_refused(["--checkpoint-path", str(run), "--out", str(out), "--overwrite"], capsys, says)
+    assert {p: p.read_bytes() for p in run.rglob("*")} == before  # nothing deleted or added
+    # A checkpoint file as the source: the folder holding it is refused too.
+    check_refused(
+        ["--checkpoint-path", str(run / "last.pt"), "--out", str(run), "--overwrite"],
+        capsys,
+        "holds",
+    )
+    assert {p: p.read_bytes() for p in run.rglob("*")} == before
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(
+    run_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("roseinfer.cli.export_hf.save_hf_gpt2", interrupted)
+    assert main(["--checkpoint-path", str(run_dir), "--out", str(tmp_path / "hf")]) == 130
+    err = capsys.readouterr().err
+    assert err == "[roseinfer.cli.export_hf] interrupted: stopped by Ctrl-C\n"
+    assert list(tmp_path.iterdir()) == []  # no folder, no temporary one
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_safetensors_writes_is_one_line(run_dir: Path, tmp_path: Path) -> None:
+    """safetensors writes the weights itself and fails with its own SafetensorError (not
+    an OSError): the process may write files of 8 MB at most, room for the tokenizer's
+    files but not for the weights, so the failure is the one the real library raises."""
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 20, 8 << 20))
+
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "roseinfer.cli.export_hf", "--checkpoint-path",
+               str(run_dir), "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, preexec_fn=small_files)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"[roseinfer.cli.export_hf] error: cannot write {out}: the file is larger than this "
+        "process may write (ulimit -f); free space, fix the permissions or choose another path"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import json
 import re
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import start_browser
 from fastapi.testclient import TestClient
 from selenium import webdriver
-from selenium.common.exceptions import TimeoutException, WebDriverException
-from selenium.webdriver.chrome.service import Service
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -39,8 +38,6 @@ from roseinfer.serving.app import ServerSettings, build_app
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 NUM_KV_BLOCKS = 96
 KV_BLOCK_SIZE = 16  # the server's default
@@ -57,31 +54,6 @@ return {
   outlined: cells.filter((c) => c.classList.contains("outlined")).map((c) => +c.dataset.block),
 };
 """
-
-
-def start_browser(javascript: bool = True) -> webdriver.Chrome:
-    install = "install them: apt-get update && apt-get install -y chromium chromium-driver"
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not Path(path).is_file()]
-    if missing:  # (and selenium must not go looking for a driver on the network)
-        pytest.fail(f"no headless Chromium here: {', '.join(missing)} missing; {install}")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tempfile.mkdtemp(prefix='rose-chromium-')}", "--window-size=1400,1000",
-    ):  # fmt: skip
-        options.add_argument(flag)
-    # Every request the browser makes, from the DevTools network events.
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    if not javascript:
-        options.add_experimental_option(
-            "prefs", {"profile.managed_default_content_settings.javascript": 2}
-        )
-    try:
-        return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    except (WebDriverException, OSError) as err:
-        pytest.fail(f"cannot start headless Chromium ({CHROMIUM} with {CHROMEDRIVER}): {err}")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ context; then, through the exporter's command line, a Hugging Face GPT-2 directo
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import re
@@ -386,3 +387,28 @@ def test_export_mistakes_are_one_line(
     assert code == 2
     [line] = err.splitlines()
     assert line.startswith("[rose-export-onnx] error: ") and re.search(message, line), line
+
+
+@pytest.mark.parametrize("failure", ["full disk", "Ctrl-C"])
+def test_a_write_that_fails_midway_leaves_no_graph(
+    failure: str, rose_export: tuple[Path, Path], tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Half of model.onnx written, then the disk is full (or Ctrl-C): one line, and no
+    half graph left behind for a runtime to load (issue 33)."""
+
+    def half_then_fail(model: GPT, path: Path, opset: int) -> None:
+        path.write_bytes(b"\x08\x09half a graph")
+        if failure == "Ctrl-C":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_command, "export", half_then_fail)
+    out = tmp_path / "onnx"
+    code = export_command.main(["--checkpoint-path", str(rose_export[0]), "--out", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    if failure == "Ctrl-C":
+        assert (code, err) == (130, ["[rose-export-onnx] interrupted: stopped by Ctrl-C"])
+    else:
+        assert code == 2 and len(err) == 1, err
+        assert f"cannot write {out / 'model.onnx'}: no space left on the device" in err[0]
+    assert list(out.iterdir()) == []

@@ -8,6 +8,7 @@ here, in temporary folders; none is committed.
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import shutil
@@ -640,3 +641,30 @@ def test_prompt_file_dash_reads_standard_input(
     assert "prompt file: standard input (1 blank lines skipped)" in err
     assert "seed: none (temperature 0: greedy, no random draws)" in err
     assert "pass --seed to repeat" not in err
+
+
+# ---------------------------------------------------------------------------
+# Issue 33: Ctrl-C is one line and exit 130 in every command line
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "prog", "argv"),
+    [
+        ("roseinfer.cli.serve", "rose-serve", ["--port", "0"]),
+        ("roseinfer.cli.export_onnx", "rose-export-onnx", ["--out", "OUT"]),
+        ("roseinfer.cli.export_hf", "roseinfer.cli.export_hf", ["--checkpoint-path", "x.pt",
+                                                               "--out", "OUT"]),
+    ],
+)  # fmt: skip
+def test_ctrl_c_while_loading_is_one_line_and_exit_130(
+    module: str, prog: str, argv: list[str], tmp_path: Path, monkeypatch, capsys
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    cli = importlib.import_module(module)
+    monkeypatch.setattr(cli, "load_model_and_tokenizer", interrupted)
+    argv = [str(tmp_path / "out") if arg == "OUT" else arg for arg in argv]
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err == f"[{prog}] interrupted: stopped by Ctrl-C\n"

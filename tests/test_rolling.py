@@ -129,3 +129,20 @@ def test_paths_that_keep_every_key_refuse_a_window(tmp_path) -> None:
     save_checkpoint(path, {"model": model.state_dict(), "model_config": model.config.to_dict()})
     with pytest.raises(RoseError, match="rolling cache"):
         load_stage(path, 0, 2)
+
+
+def test_a_rolling_cache_for_a_known_length_holds_no_more_slots_than_it() -> None:
+    """max_len below S + W: that many slots, the oracle's tokens, and one line (not an
+    index error) if it is fed more than it was built for."""
+    model = windowed_model(sinks=2)
+    prompt = [5, 17, 3]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cache = RollingKVCache(model, max_len=len(prompt) + 6)
+    assert cache.nbytes == 2 * 2 * (len(prompt) + 6) * 32 * 4  # < (2 + WINDOW) slots
+    cached = generate(model, prompt, params, cache=cache, keep_logits=True)
+    assert_matches_oracle(
+        cached, generate(model, prompt, params, use_cache=False, keep_logits=True)
+    )
+    longer = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RoseError, match="built for 9 tokens per row"):
+        generate(model, prompt, longer, cache=RollingKVCache(model, max_len=len(prompt) + 6))

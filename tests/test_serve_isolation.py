@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from serving import (
     WINDOW,
     Server,
+    admitted,
     leave_a_non_streamed_request,
     running_server,
     solo_text,
@@ -33,6 +35,7 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.background import BackgroundServer
+from roseinfer.serving.chat_template import RENDER_TIMEOUT_S, ChatTemplate
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -114,24 +117,44 @@ def chat(server: Server, second: str, timeout: float = 30) -> httpx.Response:
     return httpx.post(server.base_url + "/chat/completions", json=body, timeout=timeout)
 
 
-def test_a_template_that_loops_fails_its_request_in_time_and_stalls_no_one(server: Server):
-    async def both() -> tuple[httpx.Response, float, float]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+def test_a_template_that_loops_fails_its_request_in_time_and_stalls_no_one(
+    checkpoint: tuple[Path, GPT],
+) -> None:
+    """/health answers while the looping template renders (it runs off the event loop),
+    and the looping request ends with a 500 once the render's time is up. In-process, so
+    that the test knows when the render has started instead of guessing it by a sleep."""
+    model, tokenizer = checkpoint[1], Tokenizer("gpt2")
+    template, rendering, rendered = ChatTemplate(CHAT_TEMPLATE), threading.Event(), []
+    render = template.render
+
+    def watched_render(messages: list[dict[str, str]], timeout: float = RENDER_TIMEOUT_S) -> str:
+        rendering.set()
+        try:
+            return render(messages, timeout)
+        finally:
+            rendered.append(True)
+
+    template.render = watched_render
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    app = build_app(engine, tokenizer, ServerSettings(model_name="tiny", chat_template=template))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "loop"}]
+
+    async def both(url: str) -> tuple[httpx.Response, bool, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             start = time.monotonic()
             looping = asyncio.create_task(
-                http.post("/v1/chat/completions", json={"messages": [
-                    {"role": "user", "content": "Hi"}, {"role": "user", "content": "loop"}]})
-            )  # fmt: skip
-            await asyncio.sleep(0.3)  # the template is rendering now
-            health_start = time.monotonic()
+                http.post("/v1/chat/completions", json={"messages": messages})
+            )
+            assert await asyncio.to_thread(rendering.wait, 30), "the template never rendered"
             assert (await http.get("/health")).status_code == 200
-            health_s = time.monotonic() - health_start
-            return await looping, health_s, time.monotonic() - start
+            answered_during_render = not rendered
+            return await looping, answered_during_render, time.monotonic() - start
 
-    response, health_s, total_s = asyncio.run(both())
+    with BackgroundServer(app) as server:
+        response, answered_during_render, total_s = asyncio.run(both(server.url))
     assert is_openai_error(response, 500)["type"] == "server_error"
     assert "longer than" in response.json()["error"]["message"]
-    assert health_s < 1.0  # the event loop was free while the template ran
+    assert answered_during_render  # the event loop was free while the template ran
     assert total_s < 10
 
 
@@ -215,7 +238,7 @@ def test_sigterm_past_the_timeout_aborts_and_every_client_gets_a_whole_answer(
             posts = [asyncio.create_task(http.post("/completions", json=body)) for _ in range(2)]
             for event in started:
                 await event.wait()
-            await asyncio.sleep(0.2)  # the non-streamed ones are admitted too
+            await admitted(http, server, 4)  # the non-streamed ones too
             server.process.send_signal(signal.SIGTERM)
             return await asyncio.gather(*streams), await asyncio.gather(*posts)
 
@@ -376,13 +399,24 @@ def test_a_request_the_engine_fails_gets_a_whole_error_and_the_others_their_toke
     stream); the others' tokens equal their solo runs; the server goes on."""
     model, tokenizer = checkpoint[1], Tokenizer("gpt2")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256))
-    step, failed = engine.step, []
+    add, step, held, failed = engine.add_request, engine.step, [], []
+
+    def add_poisoned_together(prompt_ids: list[int], params: SamplingParams, rid: str) -> str:
+        # The two poisoned requests enter the engine together, however far apart their
+        # HTTP requests arrive (on a busy machine, the second can come after the first
+        # has finished): the step that breaks for everyone then holds both of them.
+        if prompt_ids == POISON and not held:
+            held.append((prompt_ids, params, rid))
+            return rid
+        if prompt_ids == POISON:
+            add(*held[0])
+        return add(prompt_ids, params, rid)
 
     def step_that_fails() -> list:
         outputs = step()
         # A poisoned request fails at its third token: a stream has sent text by then.
         poisoned = [o for o in outputs if o.prompt_token_ids == POISON and len(o.token_ids) == 3]
-        if everyone and poisoned and not failed:
+        if everyone and len(poisoned) == 2 and not failed:
             failed.append(True)
             raise RuntimeError("injected: the step broke")
         for out in poisoned:
@@ -392,7 +426,7 @@ def test_a_request_the_engine_fails_gets_a_whole_error_and_the_others_their_toke
                 out.error = "sampling failed: injected"
         return outputs
 
-    engine.step = step_that_fails
+    engine.add_request, engine.step = add_poisoned_together, step_that_fails
     app = build_app(engine, tokenizer, ServerSettings(model_name="tiny"))
     goods = [[15496, 11], [40, 716, 257]]
 
@@ -417,6 +451,7 @@ def test_a_request_the_engine_fails_gets_a_whole_error_and_the_others_their_toke
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
     assert after.status_code == 200
     assert engine.stats().num_kv_blocks_used == 0
+    assert failed == ([True] if everyone else [])
     if everyone:
         return  # the step that broke failed every request in it
     for prompt, response in zip([g for g in goods for _ in (0, 1)], answers, strict=True):

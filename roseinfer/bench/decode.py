@@ -70,7 +70,7 @@ class BatchResult:
     tokens_agree: bool  # every batched row equals its prompt run alone
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="roseinfer.bench.decode", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
@@ -95,7 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list of batch sizes for the batched table; '' to skip "
         "(default: 1,4,16; with --quick: 1,4)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.preset, args.prompt_len, args.new_tokens, args.rounds = "tiny", 8, 24, 1
         args.early_step = 4

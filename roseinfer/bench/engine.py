@@ -89,7 +89,7 @@ QUICK = Workload(8, (4, 24), (2, 12), 4, 32, (4, 12))
 QUICK_CONFIG = GPTConfig(vocab_size=50257, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m roseinfer.bench.engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
     p.add_argument("--requests", type=int, help="how many requests (default: 64; quick: 8)")
@@ -114,7 +114,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prompt tokens of each decode-floor sequence (default: 200; quick: 24)",
     )
     p.add_argument("--floor-only", action="store_true", help="only the decode-floor table")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     args.device = pick_device(args.device)
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")

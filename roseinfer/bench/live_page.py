@@ -162,7 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-path", help="no server: time the live page's hook in an in-process engine"
     )
     p.add_argument("--rounds", type=int, default=3, help="closed/open pairs (default: 3)")
-    p.add_argument("--watchers", type=int, default=1, help="pages open in a round (default: 1)")
+    p.add_argument(
+        "--watchers",
+        type=int,
+        default=1,
+        help="pages open in a round (default: 1); past 4 start the server with a larger "
+        "--max-live-watchers-per-client",
+    )
     bench_serving.add_load_arguments(p)
     return p
 

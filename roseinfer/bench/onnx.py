@@ -40,7 +40,7 @@ PROG = "roseinfer.bench.onnx"
 EAGER = "rose eager (static cache)"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="random-init shape (default: gpt2, 124M)")
     p.add_argument("--batch-sizes", default="1,16", help="comma list (default: 1,16)")
@@ -60,7 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "on a shared machine 1 is the steadiest comparison)",
     )
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.threads is not None and args.threads < 1:
         raise RoseError(f"--threads must be >= 1, got {args.threads}")
     args.batch_sizes = parse_batch_sizes(args.batch_sizes)

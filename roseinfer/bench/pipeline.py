@@ -41,7 +41,7 @@ from rosetrainer.errors import ArgumentParser, run_cli
 from rosetrainer.model import GPT
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="roseinfer.bench.pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     p.add_argument("--stages", type=int, default=2)
@@ -56,7 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=None, help="default: --stages")
     p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     p.add_argument("--quick", action="store_true", help="tiny model, few tokens: a smoke test")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def model_file(args: argparse.Namespace, directory: Path) -> tuple[Path, GPT]:

@@ -47,15 +47,24 @@ class RollingKVCache:
     windowed = True  # it honours the model's sliding window (the generate loop asks)
     compilable = False  # a static shape, but not yet a compiled decode path
 
-    def __init__(self, model: GPT, batch_size: int = 1) -> None:
+    def __init__(self, model: GPT, batch_size: int = 1, max_len: int | None = None) -> None:
+        """max_len: the most tokens a row will be fed (padding included), when known. A
+        run that never fills S + W slots needs only max_len of them (a model trained
+        with a window of a trillion tokens generates 100 on 100 slots); the cache then
+        refuses to be fed more. None: S + W slots, enough for a sequence of any length."""
         cfg = model.config
         if cfg.sliding_window is None:
             raise RoseError(
                 "a rolling cache needs a model with a sliding window (GPTConfig.sliding_window)"
             )
         self.window, self.sinks = cfg.sliding_window, cfg.attention_sinks
+        if max_len is not None and max_len < 1:
+            raise RoseError(f"max_len must be >= 1, got {max_len}")
+        slots = self.sinks + self.window
+        # Below S + W slots nothing ever rolls: position p stays in slot p.
+        self.max_len = max_len if max_len is not None and max_len < slots else None
         weight = model.transformer.h[0].attn.c_attn.weight
-        shape = (batch_size, cfg.n_head, self.sinks + self.window, cfg.head_dim)
+        shape = (batch_size, cfg.n_head, self.max_len or slots, cfg.head_dim)
         self.k = [weight.new_zeros(shape) for _ in range(cfg.n_layer)]
         self.v = [weight.new_zeros(shape) for _ in range(cfg.n_layer)]
         self.reset()
@@ -106,6 +115,11 @@ class RollingKVCache:
             raise RoseError(
                 f"the rolling cache holds {self.batch_size} row(s), but {batch} row(s) of ids "
                 f"were given: build it with RollingKVCache(model, batch_size={batch})"
+            )
+        if self.max_len is not None and self.fed + q_len > self.max_len:
+            raise RoseError(
+                f"the rolling cache was built for {self.max_len} tokens per row and would "
+                f"be fed {self.fed + q_len}: build it with a larger max_len (or None)"
             )
         pos = self.next_pos[:, None] + torch.arange(q_len, device=device)  # (B, q_len)
         # The new queries attend over the held slots, then the new keys themselves.

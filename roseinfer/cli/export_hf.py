@@ -13,7 +13,8 @@ past the tokenizer's loses its padding rows and config.json's vocab_size is the
 tokenizer's. The folder is written under a temporary name and renamed only once every
 file is written and rose's own Hugging Face loader has read it back to the same
 logits: a mistake or a crash leaves nothing behind, and an existing non-empty folder
-is replaced only with --overwrite.
+is replaced only with --overwrite, never when it is, holds or lies inside the checkpoint
+or run directory it is made from.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.loading import load_model_and_tokenizer, newest_checkpoint
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.files import new_directory
 from rosetrainer.hf import load_hf_gpt2, save_hf_gpt2
@@ -64,8 +65,9 @@ def check_read_back(model: GPT, folder: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    with new_directory(out, args.overwrite) as folder:
-        model, tokenizer, source = load_model_and_tokenizer(args.checkpoint_path)
+    given = Path(args.checkpoint_path) if args.checkpoint_path else newest_checkpoint()
+    with new_directory(out, args.overwrite, source=given) as folder:
+        model, tokenizer, source = load_model_and_tokenizer(str(given))
         names = save_hf_gpt2(model, tokenizer.encoding, folder)
         check_read_back(model, folder)
     params = model.num_params(non_embedding=False)

@@ -5,8 +5,9 @@
 
 Loads the model, exports it with its past key/values (roseinfer/loops/export_onnx.py),
 writes the JSON the onnxruntime loop reads beside it, and checks the graph in
-onnxruntime against PyTorch: a graph that fails the check is removed, so no runtime
-picks it up. Bad input is one line and exit code 2.
+onnxruntime against PyTorch: a graph that fails the check, or whose writing failed (a
+full disk, Ctrl-C), is removed, so no runtime picks it up. Bad input is one line and
+exit code 2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from roseinfer.loops.export_onnx import (
     write_meta,
 )
 from roseinfer.loops.onnx_generate import META_FILE, MODEL_FILE, OnnxModel
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, os_error_line, run_cli
 from rosetrainer.files import ensure_writable_dir
 
 PROG = "rose-export-onnx"
@@ -79,8 +80,15 @@ def run(args: argparse.Namespace) -> int:
     )
     status("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
     started = time.perf_counter()
-    export(model, out / MODEL_FILE, opset)
-    write_meta(model, out, tokenizer.eot_id, tokenizer.name, opset, source)
+    try:
+        export(model, out / MODEL_FILE, opset)
+        write_meta(model, out, tokenizer.eot_id, tokenizer.name, opset, source)
+    except OSError as err:  # a full disk mid-write: no half graph is left for a runtime
+        discard(out)
+        raise RoseError(os_error_line(err, out / MODEL_FILE, "write")) from None
+    except BaseException:  # Ctrl-C mid-write, likewise
+        discard(out)
+        raise
     status("exported", f"{out / MODEL_FILE} (opset {opset}, {time.perf_counter() - started:.1f} s)")
     try:
         onnx_model = OnnxModel(out)
@@ -111,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def discard(out: Path) -> None:
-    """Remove a graph that failed its check, so no runtime picks it up."""
+    """Remove a graph that failed its check or its writing, so no runtime picks it up."""
     for path in out.glob(f"{MODEL_FILE}*"):  # model.onnx and any external-data file
         path.unlink()
     (out / META_FILE).unlink(missing_ok=True)

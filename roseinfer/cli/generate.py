@@ -72,7 +72,6 @@ from rosetrainer.tokenizer import Tokenizer
 PROG = "roseinfer"
 STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
 DEFAULT_BATCH_SIZE = 32
-EXIT_INTERRUPTED = 130  # the shell's code for a program stopped by Ctrl-C (128 + SIGINT)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,12 +425,13 @@ def make_cache(
     kind = cache_kind(args, model.config)
     if kind == "concat":
         return ConcatKVCache()
-    if kind == "rolling":
-        return RollingKVCache(model, batch_size=len(batch))
-    # No row ever needs more slots than the longest prompt plus its new tokens, nor more
-    # than the context (longer runs restart from a shorter window): allocate no more.
-    # A compiled step is built for one buffer shape: then always allocate the whole context.
+    # No row ever needs more slots than the longest prompt plus its new tokens: allocate
+    # no more (a window may be far larger than any run).
     longest = max(map(len, batch))
+    if kind == "rolling":
+        return RollingKVCache(model, len(batch), max_len=longest + args.max_new_tokens)
+    # Nor more than the context (longer runs restart from a shorter window). A compiled
+    # step is built for one buffer shape: then always allocate the whole context.
     max_len = min(model.config.block_size, longest + args.max_new_tokens)
     if args.compile:
         max_len = model.config.block_size
@@ -806,12 +806,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     try:
         return run(build_parser().parse_args(argv))
-    except Terminated as signal:  # a split model's launcher stopped its stages first
+    except Terminated as signal:  # SIGTERM or SIGHUP, a split model's stages stopped first
+        # (Ctrl-C is run_cli's)
         status("interrupted", f"stopped by {signal}")
         return 128 + signal.signum
-    except KeyboardInterrupt:
-        status("interrupted", "stopped by Ctrl-C")
-        return EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout was closed early (e.g. piped into `head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -30,8 +30,14 @@ from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
-from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES
-from roseinfer.serving.live import end_streams
+from roseinfer.serving.connections import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    QuietResourceErrors,
+    bounded_protocol,
+)
+from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from roseinfer.serving.live import MAX_WATCHERS, MAX_WATCHERS_PER_CLIENT, end_streams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
@@ -39,6 +45,7 @@ PROG = "rose-serve"
 # After --shutdown-timeout the requests left are aborted; this long more for their last
 # answers to leave before uvicorn cancels what still runs.
 ABORT_GRACE_S = 10.0
+QUIET_RESOURCE_ERRORS = QuietResourceErrors()  # one for the process's loggers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not serve the live page at / (nor its /live/snapshot and /live/events)",
     )
     p.add_argument(
+        "--max-live-watchers",
+        type=int,
+        default=MAX_WATCHERS,
+        help="live-page event streams (/live/events) at once; more get 429 (default: "
+        f"{MAX_WATCHERS})",
+    )
+    p.add_argument(
+        "--max-live-watchers-per-client",
+        type=int,
+        default=MAX_WATCHERS_PER_CLIENT,
+        help="of them from one client address (default: %(default)s)",
+    )
+    p.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves this server under, e.g. /rose (it "
+        "strips the prefix; the API docs and OpenAPI schema name it)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at once; a new one past it gets 503 and is closed "
+        "(default: %(default)s; keep it below the open-file limit, ulimit -n)",
+    )
+    p.add_argument(
+        "--request-head-timeout",
+        type=float,
+        default=DEFAULT_HEAD_TIMEOUT_S,
+        help="seconds a connection may take to send a request's line and headers, after "
+        "it opens or its last response ended; then it is closed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take to arrive once its head has; then 408 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a Jinja2 chat template (sees `messages` and `add_generation_prompt`); default: "
@@ -112,6 +159,16 @@ def run(args: argparse.Namespace) -> int:
         raise RoseError(f"--port must be in [0, 65535] (0 picks a free one), got {args.port}")
     if not 0 <= args.shutdown_timeout < math.inf:
         raise RoseError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    for flag in ("request_head_timeout", "request_body_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise RoseError(
+                f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}"
+            )
+    for flag in ("max_connections", "max_live_watchers", "max_live_watchers_per_client"):
+        if getattr(args, flag) < 1:
+            raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise RoseError(f"--root-path must start with / and not end with one, got {args.root_path}")
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     chat_template = ChatTemplate.from_file(args.chat_template)
@@ -130,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         live_page=not args.no_live_page,
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.request_body_timeout,
         torch_threads=torch_threads,
+        max_live_watchers=args.max_live_watchers,
+        max_live_watchers_per_client=args.max_live_watchers_per_client,
     )
     app = build_app(engine, tokenizer, settings)
 
@@ -150,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
             # uvicorn cancels what is still running after this: a last resort, since the
             # requests are aborted through the engine first (ReadyServer.shutdown).
             timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
+            root_path=args.root_path,
+            # uvicorn's h11 with what its settings lack: a time bound on a request's head
+            # and a bound on connections (roseinfer/serving/connections.py).
+            http=bounded_protocol(args.request_head_timeout, args.max_connections),
         ),
         ready_line=f"[{PROG}] serving {settings.model_name} at {url}/v1 (device {device}, "
         f"{args.dtype})",
@@ -199,6 +263,8 @@ class ReadyServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format=f"[{PROG}] %(levelname)s %(message)s")
+    for name in ("asyncio", "uvicorn.error"):  # out of file descriptors: not a flood
+        logging.getLogger(name).addFilter(QUIET_RESOURCE_ERRORS)
     return run_cli(lambda: run(build_parser().parse_args(argv)), PROG)
 
 

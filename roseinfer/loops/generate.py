@@ -191,7 +191,9 @@ def generate_batch(
             callback = None if on_token is None else functools.partial(_on_row, on_token, row)
             results += _run(uncached_steps(model, seq, keep), [seq], callback, keep_logits)
         return results
-    cache = default_cache(model, len(prompts)) if cache is None else cache
+    if cache is None:
+        longest = max(len(seq.prompt_ids) for seq in seqs)
+        cache = default_cache(model, len(prompts), longest + max(s.params.max_tokens for s in seqs))
     cache.check_rows(len(prompts))
     if model.config.sliding_window is not None and not cache.windowed:
         raise RoseError(
@@ -278,8 +280,9 @@ def compiled_step(mode: str = "default") -> StepFn:
     return frozen_step
 
 
-def default_cache(model: GPT, rows: int) -> DenseKVCache:
-    """The cache a loop starts with: a rolling one for a sliding window, else concatenation."""
+def default_cache(model: GPT, rows: int, max_len: int) -> DenseKVCache:
+    """The cache a loop starts with: a rolling one for a sliding window (of no more slots
+    than max_len, the most tokens a row is fed), else concatenation."""
     if model.config.sliding_window is not None:
-        return RollingKVCache(model, batch_size=rows)
+        return RollingKVCache(model, batch_size=rows, max_len=max_len)
     return ConcatKVCache()

@@ -18,7 +18,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from roseinfer.engine.llm_engine import LLMEngine
@@ -34,7 +35,7 @@ from roseinfer.serving.errors import (
     server_error,
 )
 from roseinfer.serving.handling import answer
-from roseinfer.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from roseinfer.serving.metrics import ServerMetrics
 from roseinfer.serving.protocol import (
     ChatCompletionRequest,
@@ -54,7 +55,10 @@ class ServerSettings:
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a request body may take to arrive
     live_page: bool = True  # the page at / and its /live/* state endpoints
+    max_live_watchers: int = live.MAX_WATCHERS  # /live/events streams at once
+    max_live_watchers_per_client: int = live.MAX_WATCHERS_PER_CLIENT  # from one address
     torch_threads: int | None = None  # the engine thread's torch threads (see engine_thread.py)
 
 
@@ -77,12 +81,23 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
 
     # The live page's files hold no data (it asks for the key, then sends it): open too.
     key_check = api_key_check(settings.api_key, (*OPEN_PATHS, *live.OPEN_PATHS))
-    app = FastAPI(title="rose", lifespan=lifespan, dependencies=[Depends(key_check)])
+    # FastAPI's own /docs, /redoc and /openapi.json would skip the app's dependencies, so
+    # anyone could read them past --api-key: they are declared below as routes like the rest.
+    app = FastAPI(
+        title="rose",
+        lifespan=lifespan,
+        dependencies=[Depends(key_check)],
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.engine_thread = engine_thread  # the server's shutdown aborts what is left
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     install_error_handlers(app)
     if settings.live_page:
-        app.state.live = live.LiveState(engine)
+        app.state.live = live.LiveState(
+            engine, settings.max_live_watchers, settings.max_live_watchers_per_client
+        )
         engine_thread.on_step = app.state.live.after_step
         app.include_router(live.live_router(app.state.live))
 
@@ -146,6 +161,18 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=openapi_url(request), title="rose API")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=openapi_url(request), title="rose API")
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         checks.model(body.model)
@@ -159,3 +186,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
+
+
+def openapi_url(request: Request) -> str:
+    """Where the API's description is, as the browser must ask for it (behind a proxy's
+    path prefix: --root-path)."""
+    return request.scope.get("root_path", "") + "/openapi.json"

@@ -24,7 +24,9 @@ def api_key_check(
     expected = f"Bearer {api_key}".encode()
 
     def check(request: Request) -> None:
-        if api_key is None or request.url.path in open_paths:
+        # The path as routed: behind a proxy's prefix (--root-path), without it.
+        path = request.scope["path"].removeprefix(request.scope.get("root_path", ""))
+        if api_key is None or path in open_paths:
             return
         given = request.headers.get("authorization", "").encode()
         if not secrets.compare_digest(given, expected):

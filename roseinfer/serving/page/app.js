@@ -1,6 +1,7 @@
 // The live page's script: a playground that streams through /v1/completions, and the
 // engine drawn from /live/events (snapshots its thread takes between steps; see
 // roseinfer/serving/live.py). It talks to its own server only, and needs no build step.
+// Every URL is relative to the page, so the page works behind a proxy's path prefix.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -66,7 +67,7 @@ async function connect() {
   stream = controller;
   setConnection("connecting…");
   try {
-    const response = await fetch("/live/events", { headers: headers(), signal: controller.signal });
+    const response = await fetch("live/events", { headers: headers(), signal: controller.signal });
     if (!response.ok) {
       showError(await errorMessage(response));
       if (response.status === 401) {
@@ -327,7 +328,7 @@ async function complete(body, number) {
   const started = performance.now();
   let first = null, tokens = null, finish = null;
   try {
-    const response = await fetch("/v1/completions", {
+    const response = await fetch("v1/completions", {
       method: "POST",
       headers: headers({ "Content-Type": "application/json" }),
       body: JSON.stringify(body),

@@ -1,0 +1,123 @@
+"""MkDocs hooks for rose's site (mkdocs.yml names this file).
+
+The course's pages come from the project itself, so that the site cannot fall behind
+it: one page per chapter notebook in notebooks/ (rendered by mkdocs-jupyter with the
+outputs stored in it), and the exercise list from the lessons `rose-course` grades.
+
+A page may link to a file of the repository outside docs/ (`../chapters/04-...md`,
+`../roseinfer/cache/paged.py`), as it would read on GitHub: a chapter or notebook
+becomes a link to the chapter's page on the site, any other file that exists its path
+in the text. A link to a file that does not exist is left alone, for the strict build
+to fail on.
+
+A notebook page is also kept offline: nbconvert's template loads MathJax, Mermaid and
+the widgets' renderer from CDNs (none of which a chapter needs: no maths, no diagrams,
+and the only widgets are progress bars), so those scripts are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+ROOT = Path(__file__).resolve().parent.parent
+COURSE_SECTION = "The course"
+EXERCISES_MARKER = "<!-- exercises -->"
+SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.DOTALL)
+REPOSITORY_LINK = re.compile(r"\[([^\]\n]+)\]\((\.\./[^)\s#]+)(#[^)\s]*)?\)")  # leaves docs/
+
+
+def offline(script: str) -> str:
+    """A script that fetches from elsewhere (a URL, or MathJax's empty src) becomes nothing."""
+    return "" if "://" in script or 'src=""' in script else script
+
+
+def chapter_notebooks() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def notebook_title(path: Path) -> str:
+    """The notebook's first heading, as its nav entry: "04 · Position offsets: ..."."""
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        for line in "".join(cell["source"]).splitlines():
+            if cell["cell_type"] == "markdown" and line.startswith("# "):
+                return line[2:].strip()
+    return path.stem.replace("_", " ")
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    for entry in config.nav or []:
+        if isinstance(entry, dict) and COURSE_SECTION in entry:
+            entry[COURSE_SECTION] += [
+                {notebook_title(path): f"notebooks/{path.name}"} for path in chapter_notebooks()
+            ]
+    return config
+
+
+@event_priority(100)  # before mkdocs-jupyter looks for .ipynb files to render
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    for path in chapter_notebooks():
+        # A page of the site at notebooks/NN_*.html, read from the repository's notebooks/.
+        files.append(
+            File(
+                f"notebooks/{path.name}",
+                src_dir=str(ROOT),
+                dest_dir=config.site_dir,
+                use_directory_urls=config.use_directory_urls,
+            )
+        )
+    return files
+
+
+def exercise_table() -> str:
+    from rosecourse.course import LESSONS  # imported at build time only
+
+    rows = [f"| {lesson.chapter} | `{lesson.file_name}` | {lesson.task} |" for lesson in LESSONS]
+    return "\n".join(["| chapter | your file | what you write |", "|---|---|---|", *rows])
+
+
+def chapter_page(path: Path) -> str | None:
+    """The site's page of a chapter (chapters/04-*.md or notebooks/04_*.ipynb)."""
+    if path.parent.name in ("chapters", "notebooks") and path.name[:2].isdigit():
+        for notebook in chapter_notebooks():
+            if notebook.name[:2] == path.name[:2]:
+                return f"notebooks/{notebook.name}"
+    return None
+
+
+def repository_links(markdown: str, src_uri: str) -> str:
+    """Links out of docs/ to the repository's files, made right for the site."""
+    page_dir = posixpath.dirname(src_uri)
+
+    def relink(link: re.Match[str]) -> str:
+        text, target, anchor = link.group(1), link.group(2), link.group(3) or ""
+        path = (ROOT / "docs" / page_dir / target).resolve()
+        if not path.is_relative_to(ROOT) or not path.exists():
+            return link.group(0)  # the strict build says what is wrong with it
+        chapter = chapter_page(path)
+        if chapter:
+            return f"[{text}]({posixpath.relpath(chapter, page_dir or '.')}{anchor})"
+        where = path.relative_to(ROOT).as_posix()
+        return text if where in text else f"{text} (`{where}`)"
+
+    return REPOSITORY_LINK.sub(relink, markdown)
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, **_: Any) -> str:
+    if EXERCISES_MARKER in markdown:
+        markdown = markdown.replace(EXERCISES_MARKER, exercise_table())
+    return repository_links(markdown, page.file.src_uri)
+
+
+def on_page_content(html: str, page: Page, config: MkDocsConfig, **_: Any) -> str:
+    if page.file.src_uri.endswith(".ipynb"):
+        html = SCRIPT.sub(lambda match: offline(match.group(0)), html)
+    return html

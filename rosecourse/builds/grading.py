@@ -1,0 +1,192 @@
+"""How a build is graded: each part run against rose, one line per part, mistakes named.
+
+A build's learner file is a whole module (classes and functions). Its grader is a list of
+`Part`s: each builds the learner's piece, runs it beside rose's own piece on tiny seeded
+inputs and raises `Mismatch` with what differs, in values a learner can read. A part that
+the learner's code breaks in any other way (it raises, returns the wrong kind of thing)
+fails with what was raised; a stub's NotImplementedError is "not written yet".
+
+A known wrong answer is the reference solution with a line or two changed (`Edit`), so
+the mistakes graded are exactly the ones a learner writes into this file. When a part
+fails, the build's probe (a few small outcomes of the learner's module) is compared with
+each known wrong answer's probe; the mistake is named only when they are the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rosecourse.exercises import same
+
+
+class Mismatch(Exception):
+    """What a part found to differ from rose, in one line."""
+
+
+Edit = tuple[str, str]  # (a line of the reference solution, what the mistake writes instead)
+
+
+@dataclass(frozen=True)
+class KnownWrong:
+    """A mistake learners make, as edits of the reference, and what it does."""
+
+    name: str
+    edits: tuple[Edit, ...]
+    explanation: str
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a build, graded on its own: `run(module)` raises Mismatch when the
+    learner's module differs from rose there."""
+
+    name: str
+    run: Callable[[types.ModuleType], None]
+
+
+@dataclass(frozen=True)
+class PartResult:
+    build: str
+    part: str
+    passed: bool
+    explanation: str
+
+    def __str__(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return f"{self.build}/{self.part}: {verdict}: {self.explanation}"
+
+
+@dataclass(frozen=True)
+class Build:
+    """A piece of rose the learner writes whole, and how it is graded."""
+
+    name: str  # "model": the workspace file is build_model.py
+    chapters: str  # where the learner meets it: "00", "02-06"
+    task: str  # one line: what to write
+    parts: tuple[Part, ...]
+    probe: Callable[[types.ModuleType], list[object]]  # module -> outcomes on small inputs
+    known_wrong: tuple[KnownWrong, ...]
+    passed: str  # what a passing part's line adds (what it was compared with)
+
+    @property
+    def file_name(self) -> str:
+        return f"build_{self.name}.py"
+
+    def solution_module(self) -> types.ModuleType:
+        return importlib.import_module(f"rosecourse.solutions.build_{self.name}")
+
+
+def module_from_source(source: str, name: str) -> types.ModuleType:
+    """Execute `source` as a module called `name` (registered while it runs, as dataclasses
+    and pickling expect)."""
+    module = types.ModuleType(name)
+    module.__file__ = f"<{name}>"
+    sys.modules[name] = module
+    try:
+        exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def edited(build: Build, edits: tuple[Edit, ...], name: str = "edited") -> types.ModuleType:
+    """The reference solution with `edits` made: a wrong answer to grade."""
+    source = inspect.getsource(build.solution_module())
+    for old, new in edits:
+        count = source.count(old)
+        assert count == 1, f"{build.file_name}: {old!r} occurs {count} times, not once"
+        source = source.replace(old, new)
+    return module_from_source(source, f"rose_build_{build.name}_{name}")
+
+
+@functools.cache
+def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object] | None], ...]:
+    """Each known wrong answer of `build` with its probe's outcomes (computed once)."""
+    return tuple(
+        (wrong, probed(build, edited(build, wrong.edits, wrong.name)))
+        for wrong in build.known_wrong
+    )
+
+
+def probed(build: Build, module: types.ModuleType) -> list[object] | None:
+    """The probe's outcomes, or None when the module cannot even be probed."""
+    torch.manual_seed(0)
+    try:
+        return build.probe(module)
+    except Exception:  # a module that breaks the probe matches no known mistake
+        return None
+
+
+def diagnosis(build: Build, module: types.ModuleType) -> str | None:
+    """The explanation of the known mistake whose probe `module` matches, if any."""
+    seen = probed(build, module)
+    if seen is None:
+        return None
+    for wrong, outcomes in known_probes(build):
+        if outcomes is not None and same(outcomes, seen):
+            return wrong.explanation
+    return None
+
+
+def check_build(build: Build, module: types.ModuleType) -> list[PartResult]:
+    """Grade every part of `module`; print and return one result per part."""
+    results, named = [], None
+    for part in build.parts:
+        torch.manual_seed(0)
+        try:
+            part.run(module)
+        except NotImplementedError as error:
+            why = f"not written yet: replace the stub's body ({error})"
+            result = PartResult(build.name, part.name, False, why)
+        except Mismatch as error:
+            if named is None:
+                named = diagnosis(build, module) or ""
+            why = f"{error}" + (f": {named}" if named else "")
+            result = PartResult(build.name, part.name, False, why)
+        except Exception as error:  # whatever the learner's code raises is a finding
+            message = str(error).splitlines()[0] if str(error) else ""
+            result = PartResult(
+                build.name, part.name, False, f"raised {type(error).__name__}: {message}"
+            )
+        else:
+            result = PartResult(build.name, part.name, True, build.passed)
+        print(result)
+        results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Comparisons the parts share: values a learner can read
+# ---------------------------------------------------------------------------
+
+
+def first_gap(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | None:
+    """Where `got` leaves `want` by more than `tolerance`, in words; None when it does not."""
+    if not isinstance(got, torch.Tensor):
+        return f"a {type(got).__name__} where a tensor of shape {tuple(want.shape)} is right"
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} where {tuple(want.shape)} is right"
+    gap = (got.detach().float() - want.detach().float()).abs()
+    gap = torch.where(gap.isnan(), torch.inf, gap)
+    if float(gap.max()) <= tolerance:
+        return None
+    index = tuple(int(i) for i in torch.nonzero(gap > tolerance)[0])
+    return (
+        f"at index {list(index)} it is {float(got[index]):.6g} where {float(want[index]):.6g} "
+        f"is right ({int((gap > tolerance).sum())} of {gap.numel()} entries off by more than "
+        f"{tolerance:.2g})"
+    )
+
+
+def expect_close(what: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    gap = first_gap(got, want, tolerance)
+    if gap is not None:
+        raise Mismatch(f"{what}: {gap}")

@@ -1,0 +1,226 @@
+"""Build (chapter 00): the model. The learner writes GPT-2 whole; rose's GPT grades it.
+
+Contract: rosecourse/solutions/build_model.py (its docstrings are the stub). Each part
+loads rose's weights into the learner's module (strict: the names and shapes must be
+rose's) and compares what it computes with rose's own module on the same input:
+attention, MLP and block on hidden states of lengths 1, 7 and block_size, the whole
+model's logits on batches of those lengths (with and without biases), and every
+parameter's gradient after a cross-entropy loss. Logits and hidden states are held to
+rose's one tolerance rule (rosetrainer/numerics.py); gradients to GRAD_RTOL.
+
+The weights are the chapters' wide ones (`wide_random_init`: embeddings of std 1,
+matrices of std 1/sqrt(fan_in)), so every mistake below moves the outputs far past the
+tolerance; the head stays tied, as in rose.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.demo import wide_random_init
+from rosetrainer import model as rose
+from rosetrainer.config import GPTConfig
+from rosetrainer.numerics import logit_tolerance
+
+# Not a power of two anywhere: a hard-coded size cannot pass by luck.
+CONFIG = GPTConfig(vocab_size=97, block_size=12, n_layer=2, n_head=3, n_embd=24)
+NO_BIAS = GPTConfig(vocab_size=97, block_size=12, n_layer=2, n_head=3, n_embd=24, bias=False)
+SHAPES = ((1, 1), (3, 7), (2, CONFIG.block_size))  # (batch, time) of every input
+# A gradient is a longer chain of sums than a logit (the backward pass runs through every
+# layer twice): each entry within this share of its parameter's largest gradient.
+GRAD_RTOL = 1e-4
+
+
+def rose_model(config: GPTConfig = CONFIG, seed: int = 0) -> rose.GPT:
+    """rose's GPT with the chapters' wide weights (rosecourse.demo), its head tied again."""
+    model = wide_random_init(rose.GPT(config), seed)
+    model.lm_head.weight = model.transformer.wte.weight
+    return model
+
+
+def loaded(cls: type, reference: nn.Module, config: GPTConfig = CONFIG) -> nn.Module:
+    """The learner's `cls(config)` holding `reference`'s weights, loaded strictly."""
+    module = cls(config)
+    if not isinstance(module, nn.Module):
+        raise Mismatch(f"{cls.__name__}(config) is a {type(module).__name__}, not an nn.Module")
+    try:
+        module.load_state_dict(reference.state_dict(), strict=True)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+        raise Mismatch(
+            f"rose's {type(reference).__name__} weights do not load into yours: {lines[0]}"
+        ) from None
+    return module.eval()
+
+
+def hidden(batch: int, time: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, time, CONFIG.n_embd, generator=generator)
+
+
+def token_ids(batch: int, time: int, seed: int, config: GPTConfig = CONFIG) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(config.vocab_size, (batch, time), generator=generator)
+
+
+def compare_layer(
+    cls_name: str, pick: Callable[[rose.GPT], nn.Module], call: Callable
+) -> Callable[[types.ModuleType], None]:
+    """A part: the learner's module `cls_name` beside rose's (`pick` of rose's GPT, called
+    as `call(module, x)`) on SHAPES' hidden states."""
+
+    def run(module: types.ModuleType) -> None:
+        reference = pick(rose_model())
+        mine = loaded(getattr(module, cls_name), reference)
+        with torch.no_grad():
+            for seed, (batch, time) in enumerate(SHAPES):
+                x = hidden(batch, time, seed)
+                want = call(reference, x)
+                what = f"{cls_name} on a ({batch}, {time}) input"
+                expect_close(what, mine(x), want, logit_tolerance(want))
+
+    return run
+
+
+def _weights(module: types.ModuleType) -> None:
+    for config in (CONFIG, NO_BIAS):
+        loaded(module.GPT, rose_model(config), config)
+
+
+def _logits(module: types.ModuleType) -> None:
+    for config in (CONFIG, NO_BIAS):
+        reference = rose_model(config)
+        mine = loaded(module.GPT, reference, config)
+        with torch.no_grad():
+            for seed, (batch, time) in enumerate(SHAPES):
+                idx = token_ids(batch, time, seed, config)
+                want = reference(idx).logits
+                bias = "" if config.bias else " without biases"
+                what = f"logits of a ({batch}, {time}) batch{bias}"
+                expect_close(what, mine(idx), want, logit_tolerance(want))
+
+
+def _gradients(module: types.ModuleType) -> None:
+    reference = rose_model()
+    mine = loaded(module.GPT, reference)
+    idx, targets = token_ids(2, CONFIG.block_size, 7), token_ids(2, CONFIG.block_size, 8)
+    reference(idx, targets).loss.backward()
+    logits = mine(idx)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+    grads = dict(mine.named_parameters())
+    for name, param in reference.named_parameters():
+        got = grads[name].grad
+        if got is None:
+            raise Mismatch(f"{name} got no gradient: is it used in forward?")
+        tolerance = GRAD_RTOL * float(param.grad.abs().max())
+        expect_close(f"the gradient of {name}", got, param.grad, tolerance)
+
+
+def _probe(module: types.ModuleType) -> list[object]:
+    """Attention, MLP, block and logits on one small input each, and wte's gradient."""
+    reference = rose_model()
+    block = reference.transformer.h[0]
+    x = hidden(2, 5, 11)
+    with torch.no_grad():
+        outcomes = [
+            loaded(module.CausalSelfAttention, block.attn)(x),
+            loaded(module.MLP, block.mlp)(x),
+            loaded(module.Block, block)(x),
+        ]
+    mine = loaded(module.GPT, reference)
+    logits = mine(token_ids(2, 5, 12))
+    logits.square().mean().backward()
+    return [*outcomes, logits.detach(), mine.transformer.wte.weight.grad]
+
+
+def _first_attention(gpt: rose.GPT) -> nn.Module:
+    return gpt.transformer.h[0].attn
+
+
+def _attention(reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return reference(x, None)  # no mask and no cache: rose's plain causal attention
+
+
+def _call(reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return reference(x)
+
+
+MODEL = Build(
+    name="model",
+    chapters="00",
+    task="GPT-2 whole: attention, MLP, pre-LN block, embeddings, the tied head",
+    parts=(
+        Part("weights", _weights),
+        Part("attention", compare_layer("CausalSelfAttention", _first_attention, _attention)),
+        Part("mlp", compare_layer("MLP", lambda gpt: gpt.transformer.h[0].mlp, _call)),
+        Part("block", compare_layer("Block", lambda gpt: gpt.transformer.h[1], _attention)),
+        Part("logits", _logits),
+        Part("gradients", _gradients),
+    ),
+    probe=_probe,
+    known_wrong=(
+        KnownWrong(
+            "scaled_by_d",
+            (("/ math.sqrt(head_dim)", "/ head_dim"),),
+            "the scores are divided by head_dim; the paper divides by its square root",
+        ),
+        KnownWrong(
+            "future_visible",
+            (("device=x.device).tril()", "device=x.device).triu()"),),
+            "the mask keeps the upper triangle: each query sees itself and the future, "
+            "not the past",
+        ),
+        KnownWrong(
+            "heads_without_transpose",
+            tuple(
+                (
+                    f"{t} = {t}.view(B, T, self.n_head, head_dim).transpose(1, 2)",
+                    f"{t} = {t}.reshape(B, self.n_head, T, head_dim)",
+                )
+                for t in "qkv"
+            ),
+            "the heads are cut by reshaping to (B, n_head, T, head_dim) straight away: each "
+            "'head' then mixes positions and features; split the features into heads "
+            "(B, T, n_head, head_dim), then swap the time and head axes",
+        ),
+        KnownWrong(
+            "post_ln",
+            (
+                ("x = x + self.attn(self.ln_1(x))", "x = self.ln_1(x + self.attn(x))"),
+                ("return x + self.mlp(self.ln_2(x))", "return self.ln_2(x + self.mlp(x))"),
+            ),
+            "the layer norms come after each residual sum (the original transformer's "
+            "post-LN); GPT-2 normalises what each half reads, and adds to x unnormalised",
+        ),
+        KnownWrong(
+            "untied_head",
+            (("        self.lm_head.weight = self.transformer.wte.weight\n", ""),),
+            "lm_head has a weight of its own: rose's loads into it, but training moves the "
+            "two apart (see wte's gradient); tie it to the token embedding",
+        ),
+        KnownWrong(
+            "positions_missing",
+            (
+                (
+                    "self.transformer.wte(idx) + self.transformer.wpe(positions)",
+                    "self.transformer.wte(idx)",
+                ),
+            ),
+            "the position embeddings are never added: every token looks the same wherever "
+            "it stands",
+        ),
+        KnownWrong(
+            "exact_gelu",
+            (('F.gelu(self.c_fc(x), approximate="tanh")', "F.gelu(self.c_fc(x))"),),
+            "the GELU is the exact (erf) one; GPT-2 uses the tanh approximation "
+            '(approximate="tanh")',
+        ),
+    ),
+    passed="equal to rose's GPT (rosetrainer/model.py) within the tolerance",
+)

@@ -1,0 +1,302 @@
+"""Build (chapter 00): the training step, run beside rose's trainer.
+
+Contract: rosecourse/solutions/build_training_step.py. The parts:
+
+* AdamW: a few updates of parameters in two groups, learning rate changed between steps,
+  one parameter without a gradient, against torch.optim.AdamW's;
+* the parameter groups: each of rose's GPT's parameters in one group, with the weight
+  decay rose's `configure_optimizer` gives it;
+* the schedule: every step's learning rate equal to `learning_rate_at`'s, for a run with
+  a warmup, one without, and one whose decay ends before max_steps;
+* clipping: gradients and the returned norm equal to `clip_grad_norm_`'s, above and
+  below the threshold and without one;
+* training: a tiny GPT trained for STEPS steps from one seed by the learner's optimizer
+  and step, beside the same GPT trained by rose's own pieces (`configure_optimizer`,
+  `learning_rate_at`, `rosetrainer.step.train_step`) on the same batches: once with one
+  micro-batch a step, once with three and a clipping threshold that some steps cross.
+  Every step's loss and every final parameter agree within LOSS_RTOL and PARAM_RTOL of
+  their scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosetrainer.config import GPTConfig, TrainConfig
+from rosetrainer.data import get_batch
+from rosetrainer.model import GPT
+from rosetrainer.runtime import Runtime
+from rosetrainer.schedule import learning_rate_at
+from rosetrainer.step import train_step
+
+MODEL = GPTConfig(vocab_size=97, block_size=12, n_layer=2, n_head=3, n_embd=24)
+STEPS = 20
+BATCH = 4
+# Twenty float32 Adam steps taken with sums in another order (a loss added up as a float, a
+# clipping factor computed in double) part by a few float32 epsilons in each step's loss:
+# LOSS_RTOL of the loss. The weights part more: a key's bias gets no gradient but rounding
+# noise (softmax ignores what a query adds to every score), and Adam divides that noise by
+# its own size, so such an entry wanders by up to about 2e-4 (measured): PARAM_RTOL of each
+# parameter's largest entry (at least 1). The mistakes graded here move a loss by 3e-3
+# and the weights by 2e-2 or more.
+LOSS_RTOL = 1e-5
+PARAM_RTOL = 1e-3
+# The run: a warmup, a cosine that ends three steps early (the floor is reached), a weight
+# decay large enough to show, and a learning rate high enough that every step counts.
+RUN = dict(learning_rate=1e-2, min_lr=1e-3, warmup_steps=4, max_steps=STEPS,
+           lr_decay_steps=STEPS - 3, weight_decay=0.5, beta1=0.9, beta2=0.95)  # fmt: skip
+ONE_MICRO_BATCH = TrainConfig(**RUN, grad_accum_steps=1, grad_clip=0.0, batch_size=BATCH)
+# Clipped at a norm that about half of the steps' gradients cross.
+ACCUMULATED = TrainConfig(**RUN, grad_accum_steps=3, grad_clip=1.2, batch_size=BATCH)
+RUNS = {"one micro-batch": ONE_MICRO_BATCH, "accumulated": ACCUMULATED}
+
+
+@functools.cache
+def tokens() -> np.ndarray:
+    """A token stream with something to learn: a few phrases repeated in a random order."""
+    generator = np.random.default_rng(0)
+    phrases = [generator.integers(0, MODEL.vocab_size, size) for size in (5, 7, 9, 11)]
+    order = generator.integers(0, len(phrases), 400)
+    return np.concatenate([phrases[i] for i in order]).astype(np.uint16)
+
+
+def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    while True:
+        yield get_batch(tokens(), BATCH, MODEL.block_size, generator)
+
+
+def fresh_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(MODEL)
+
+
+@functools.cache
+def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """rose's trainer's pieces, STEPS steps of RUNS[run]: each step's loss and the final
+    parameters."""
+    cfg = RUNS[run]
+    model, stream = fresh_model(), batches()
+    optimizer = model.configure_optimizer(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu"
+    )
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    runtime = Runtime(torch.device("cpu"), torch.float32)
+    losses = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, cfg)
+        loss, _ = train_step(model, optimizer, scaler, stream, cfg, runtime)
+        losses.append(float(loss))
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def learners_run(module: types.ModuleType, cfg: TrainConfig, steps: int = STEPS) -> tuple:
+    model, stream = fresh_model(), batches()
+    optimizer = module.make_optimizer(model, cfg)
+    losses = []
+    for step in range(steps):
+        loss, _ = module.train_step(model, optimizer, stream, step, cfg)
+        losses.append(float(loss))
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def training(run: str):
+    """A part: STEPS steps of the learner's training beside rose's, RUNS[run]."""
+
+    def run_part(module: types.ModuleType) -> None:
+        want_losses, want_params = roses_run(run)
+        losses, params = learners_run(module, RUNS[run])
+        for step, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
+            if not abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
+                raise Mismatch(
+                    f"step {step}'s loss is {got:.7g} where rose's trainer has {want:.7g}"
+                )
+        for name, want in want_params.items():
+            tolerance = PARAM_RTOL * max(1.0, float(want.abs().max()))
+            expect_close(f"after {STEPS} steps, {name}", params[name], want, tolerance)
+
+    return run_part
+
+
+def _groups(module: types.ModuleType) -> None:
+    model = fresh_model()
+    names = {id(p): name for name, p in model.named_parameters()}
+    want = {}
+    for group in model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups:
+        want.update({names[id(p)]: group["weight_decay"] for p in group["params"]})
+    got: dict[str, float] = {}
+    for group in module.parameter_groups(model, 0.1):
+        for p in group["params"]:
+            name = names.get(id(p), "a tensor that is no parameter of the model")
+            if name in got:
+                raise Mismatch(f"{name} is in two groups (or twice in one)")
+            got[name] = group.get("weight_decay")
+    for name, decay in want.items():
+        if name not in got:
+            raise Mismatch(f"{name} is in no group")
+        if got[name] != decay:
+            raise Mismatch(f"{name} has weight_decay {got[name]} where rose gives it {decay}")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise Mismatch(f"{extra[0]} is in a group but is no parameter of the model")
+
+
+SCHEDULES = (
+    ONE_MICRO_BATCH,
+    TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_steps=0, max_steps=9),
+    TrainConfig(learning_rate=1e-3, min_lr=0.0, warmup_steps=7, max_steps=30),
+)
+
+
+def _schedule(module: types.ModuleType) -> None:
+    for cfg in SCHEDULES:
+        for step in range(cfg.max_steps + 3):
+            got, want = module.learning_rate(step, cfg), learning_rate_at(step, cfg)
+            if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
+                raise Mismatch(
+                    f"with learning_rate {cfg.learning_rate}, min_lr {cfg.min_lr}, "
+                    f"warmup_steps {cfg.warmup_steps}, decay over {cfg.lr_decay_steps or cfg.max_steps} "
+                    f"steps: step {step}'s rate is {got:.6g} where {want:.6g} is right"
+                )
+
+
+def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
+    """`steps` updates of three parameters in two groups (decay 0.3 and 0) by
+    `optimizer_cls`, with fresh gradients and a new learning rate each step; the last
+    parameter gets no gradient at steps 1 and 3. Returns the parameters after each step."""
+    generator = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((3, 4), (4,), (2,))]  # fmt: skip
+    groups = [{"params": params[:1], "weight_decay": 0.3}, {"params": params[1:], "weight_decay": 0.0}]  # fmt: skip
+    optimizer = optimizer_cls(groups, lr=0.1, betas=(0.9, 0.95))
+    seen = []
+    for step in range(steps):
+        for i, p in enumerate(params):
+            skipped = i == 2 and step in (1, 3)
+            p.grad = None if skipped else torch.randn(p.shape, generator=generator) * 10**-step
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (step + 1)
+        optimizer.step()
+        seen.append([p.detach().clone() for p in params])
+    return seen
+
+
+def _adamw(module: types.ModuleType) -> None:
+    want = adam_run(torch.optim.AdamW)
+    for step, (got, right) in enumerate(zip(adam_run(module.AdamW), want, strict=True)):
+        for i, (a, b) in enumerate(zip(got, right, strict=True)):
+            what = f"after update {step + 1}, parameter {i}"
+            expect_close(what, a, b, 1e-6 * max(1.0, float(b.abs().max())))
+
+
+def gradients(seed: int, scale: float) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((3, 4), (5,), (2, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator) * scale
+    params.append(torch.nn.Parameter(torch.zeros(2)))  # one without a gradient
+    return params
+
+
+def _clipping(module: types.ModuleType) -> None:
+    for seed, scale, max_norm in ((0, 1.0, 0.5), (1, 0.1, 5.0), (2, 3.0, math.inf)):
+        mine, want = gradients(seed, scale), gradients(seed, scale)
+        norm = module.clip_gradients(mine, max_norm)
+        want_norm = float(torch.nn.utils.clip_grad_norm_(want, max_norm))
+        case = f"gradients of norm {want_norm:.4g} clipped at {max_norm}"
+        if not math.isclose(float(norm), want_norm, rel_tol=1e-6):
+            raise Mismatch(f"{case}: it returns {float(norm):.6g} where {want_norm:.6g} is right")
+        for i, (got, right) in enumerate(zip(mine[:3], want[:3], strict=True)):
+            expect_close(f"{case}: gradient {i}", got.grad, right.grad, 1e-6)
+
+
+def _probe(module: types.ModuleType) -> list[object]:
+    model = fresh_model()
+    decays = [
+        (tuple(p.shape), group["weight_decay"])
+        for group in module.parameter_groups(model, 0.1)
+        for p in group["params"]
+    ]
+    rates = [module.learning_rate(step, ONE_MICRO_BATCH) for step in range(STEPS + 1)]
+    losses, params = learners_run(module, ACCUMULATED, steps=6)
+    adam = adam_run(module.AdamW, steps=2)
+    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam]
+
+
+TRAINING_STEP = Build(
+    name="training_step",
+    chapters="00",
+    task="AdamW, its groups, warmup + cosine, clipping, accumulation: one optimizer step",
+    parts=(
+        Part("AdamW", _adamw),
+        Part("parameter groups", _groups),
+        Part("learning rate", _schedule),
+        Part("clipping", _clipping),
+        Part(f"{STEPS} steps, one micro-batch each", training("one micro-batch")),
+        Part(
+            f"{STEPS} steps, {ACCUMULATED.grad_accum_steps} micro-batches each, clipped",
+            training("accumulated"),
+        ),
+    ),
+    probe=_probe,
+    known_wrong=(
+        KnownWrong(
+            "decay_on_layernorm",
+            (
+                (
+                    "    decay = [p for p in params if p.dim() >= 2]\n"
+                    "    no_decay = [p for p in params if p.dim() < 2]\n",
+                    "    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]\n"
+                    '    decay = [p for n, p in named if not n.endswith("bias")]\n'
+                    '    no_decay = [p for n, p in named if n.endswith("bias")]\n',
+                ),
+            ),
+            "the LayerNorm weights decay: weight decay pulls a LayerNorm's gain toward 0; "
+            "decay only the matrices (two dimensions or more)",
+        ),
+        KnownWrong(
+            "unscaled_accumulation",
+            (
+                ("loss = model(x, y).loss / cfg.grad_accum_steps", "loss = model(x, y).loss"),
+                (
+                    "        total += loss.item()\n",
+                    "        total += loss.item() / cfg.grad_accum_steps\n",
+                ),
+            ),  # fmt: skip
+            "each micro-batch's loss is backpropagated unscaled: the gradients add up to the "
+            "sum of the micro-batches' losses, not their mean (clipping then sees them "
+            "grad_accum_steps times too large)",
+        ),
+        KnownWrong(
+            "clipped_after_the_step",
+            (
+                (
+                    "    norm = clip_gradients(model.parameters(), max_norm)\n"
+                    "    optimizer.step()\n",
+                    "    optimizer.step()\n"
+                    "    norm = clip_gradients(model.parameters(), max_norm)\n",
+                ),
+            ),
+            "the gradients are clipped after the optimizer's step has used them: clip first",
+        ),
+        KnownWrong(
+            "schedule_one_step_off",
+            (
+                (
+                    "cfg.learning_rate * (step + 1) / cfg.warmup_steps",
+                    "cfg.learning_rate * step / cfg.warmup_steps",
+                ),
+            ),  # fmt: skip
+            "the warmup starts at 0: the first step (step 0) must already take "
+            "learning_rate / warmup_steps, and step warmup_steps - 1 the full rate",
+        ),
+    ),
+    passed="equal to rose's trainer within the tolerance",
+)

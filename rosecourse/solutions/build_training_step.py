@@ -1,0 +1,160 @@
+"""Build (chapter 00): the training step, as rose's trainer takes it.
+
+The pieces of one optimizer step (rose's are `GPT.configure_optimizer` in
+rosetrainer/model.py, `learning_rate_at` in rosetrainer/schedule.py and `train_step` in
+rosetrainer/step.py, with PyTorch's AdamW): the AdamW update itself, its two parameter
+groups, the learning-rate schedule, gradient clipping by the global norm, and the step
+over several micro-batches. Float32 on the CPU: no autocast, no gradient scaler, one
+process.
+
+`cfg` is a `rosetrainer.config.TrainConfig`; the fields read here are learning_rate,
+min_lr, warmup_steps, max_steps, lr_decay_steps, weight_decay, beta1, beta2,
+grad_accum_steps and grad_clip.
+
+`rose-course check training_step` compares your AdamW and clipping with PyTorch's,
+your groups and schedule with rose's, and then trains rose's GPT (a tiny one) for 20
+steps from one seed with your pieces beside rose's trainer doing the same: every step's
+loss and the final parameters must agree within the check's tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from rosetrainer.config import TrainConfig
+
+
+class AdamW(torch.optim.Optimizer):
+    """Adam with decoupled weight decay (Loshchilov and Hutter, "Decoupled Weight Decay
+    Regularization"), computing what torch.optim.AdamW computes with its default
+    options (its documentation writes the algorithm out)."""
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        """params: parameters, or groups (dicts with "params" and any of lr, betas, eps,
+        weight_decay, which override these defaults for the group), as for any
+        torch.optim.Optimizer: hand them to its constructor with the defaults."""
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update every parameter that has a gradient, with its group's settings as they
+        are now (a schedule changes group["lr"] between steps). First the decoupled decay:
+        the parameter shrinks by lr * weight_decay of itself. Then Adam: the moving
+        averages of the gradient (beta1) and of its square (beta2), both starting at 0,
+        each corrected for that start by its count of updates t (1 at the parameter's first
+        update), give the step: lr times the corrected first moment over (the square root
+        of the corrected second moment + eps). A parameter without a gradient is left
+        alone, its averages and count too."""
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+                p.mul_(1 - lr * group["weight_decay"])
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                m_hat = m / (1 - beta1**t)
+                v_hat = v / (1 - beta2**t)
+                p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: every parameter of `model` that requires a gradient in
+    exactly one group (a tied weight, one Parameter under two names, once). The matrices
+    (weights of at least two dimensions: Linear and Embedding weights) decay with
+    `weight_decay`; biases and LayerNorm weights (one dimension) do not (weight_decay 0).
+    Each group is a dict with "params" (a list) and "weight_decay"."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> AdamW:
+    """Your AdamW over `parameter_groups(model, cfg.weight_decay)`, learning rate
+    cfg.learning_rate, betas (cfg.beta1, cfg.beta2), eps left at its default."""
+    groups = parameter_groups(model, cfg.weight_decay)
+    return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0 for the first step of a run).
+
+    A linear warmup over the first warmup_steps steps that climbs in equal steps from
+    learning_rate / warmup_steps at step 0 (no step runs at rate 0) to learning_rate at
+    step warmup_steps - 1. Then half a period of a cosine, from learning_rate at step
+    warmup_steps down to min_lr at step D (lr_decay_steps, or max_steps when that is
+    None). From step D on, min_lr for good.
+    """
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if step >= decay_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+
+
+def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients of `parameters` (those that have one) down so that their
+    global norm, the L2 norm of all their entries together, is at most max_norm; return
+    the norm before clipping. As torch.nn.utils.clip_grad_norm_ does it: every gradient is
+    multiplied by max_norm / (norm + 1e-6) when that is below 1, and left alone otherwise
+    (max_norm may be math.inf: nothing is clipped)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.stack([g.norm() for g in grads]).norm().item()  # the norm of the norms
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    """Optimizer step number `step` (0 for the first): every group's learning rate set to
+    `learning_rate(step, cfg)`; then cfg.grad_accum_steps micro-batches, each the next (x,
+    y) of `batches`, whose loss `model(x, y).loss` is backpropagated so that the
+    gradients add up to those of the mean loss over the micro-batches; then the
+    gradients clipped to cfg.grad_clip (0: not clipped, the norm still measured); then
+    the optimizer's step, and the gradients cleared. Returns (the mean loss over the
+    micro-batches, the gradients' norm before clipping), as floats.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm

@@ -1,0 +1,637 @@
+"""The builds: rose's main pieces written whole, each graded part by part against rose.
+
+For every build: the reference solution passes every part; each known wrong answer fails
+with its own diagnosis (and its probe tells it apart from the reference and from every
+other known mistake); every mutant below (a plausible wrong answer beyond the known
+ones, written against the contract) fails at least one part, and is not told it is one
+of the known mistakes; an answer written another
+way that meets the contract passes; the stub fails every part in one "not written yet"
+line; and `rose-course` lists the builds apart and grades one by name, a line per part.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from rosecourse import cli
+from rosecourse.builds.grading import Build, check_build, edited, known_probes, module_from_source
+from rosecourse.course import BUILDS, stub_source
+from rosecourse.exercises import same
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BUILD = {build.name: build for build in BUILDS}
+
+# Plausible wrong answers beyond each build's known ones: (name, edits of the reference).
+MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
+    "model": [
+        ("scaled_by_sqrt_n_embd", (("/ math.sqrt(head_dim)", "/ math.sqrt(C)"),)),
+        (
+            "softmax_over_queries",
+            (("torch.softmax(scores, dim=-1)", "torch.softmax(scores, dim=-2)"),),
+        ),
+        (
+            "keys_first",
+            (
+                (
+                    "q, k, v = self.c_attn(x).split(C, dim=2)",
+                    "k, q, v = self.c_attn(x).split(C, dim=2)",
+                ),
+            ),
+        ),
+        (
+            "heads_joined_without_transpose",
+            (("y.transpose(1, 2).contiguous().view(B, T, C)", "y.reshape(B, T, C)"),),
+        ),
+        (
+            "attention_without_residual",
+            (("x = x + self.attn(self.ln_1(x))", "x = self.attn(self.ln_1(x))"),),
+        ),
+        (
+            "ln_2_for_attention",
+            (("x = x + self.attn(self.ln_1(x))", "x = x + self.attn(self.ln_2(x))"),),
+        ),
+        (
+            "no_final_layer_norm",
+            (("return self.lm_head(self.transformer.ln_f(x))", "return self.lm_head(x)"),),
+        ),
+        ("query_blind_to_itself", (("device=x.device).tril()", "device=x.device).tril(-1)"),)),
+        ("relu", (('F.gelu(self.c_fc(x), approximate="tanh")', "F.relu(self.c_fc(x))"),)),
+    ],
+    "cached_loop": [
+        (
+            "written_out_of_place",
+            (
+                ("self.k[:, :, input_pos] = k", "self.k = self.k.index_copy(2, input_pos, k)"),
+                ("self.v[:, :, input_pos] = v", "self.v = self.v.index_copy(2, input_pos, v)"),
+            ),
+        ),
+        (
+            "query_blind_to_itself",
+            (
+                (
+                    "slots[None, :] <= self.input_pos[:, None]",
+                    "slots[None, :] < self.input_pos[:, None]",
+                ),
+            ),
+        ),
+        ("filled_never_advances", (("        self.filled += q_len\n", ""),)),
+        (
+            "padding_taken_from_the_right",
+            (
+                (
+                    "slots[None, :] >= self.pads[:, None]",
+                    "slots[None, :] < max_len - self.pads[:, None]",
+                ),
+            ),
+        ),
+        (
+            "one_real_slot_masked",
+            (("slots[None, :] >= self.pads[:, None]", "slots[None, :] > self.pads[:, None]"),),
+        ),
+        (
+            "keeps_every_mask",
+            (
+                (
+                    "        return pos, mask\n",
+                    "        self.masks = [*getattr(self, 'masks', []), mask]\n        return pos, mask\n",
+                ),
+            ),
+        ),
+        (
+            "argmax_over_rows",
+            (("next_ids = logits.argmax(dim=-1)", "next_ids = logits.argmax(dim=0)"),),
+        ),
+        ("last_chunk_skipped", (("range(0, longest, chunk)", "range(0, longest - chunk, chunk)"),)),
+        (
+            "prefill_logits_of_the_first_token",
+            (
+                (
+                    "cache=cache).logits[:, -1]\n    new_tokens",
+                    "cache=cache).logits[:, 0]\n    new_tokens",
+                ),
+            ),
+        ),
+    ],
+    "block_manager": [
+        (
+            "key_without_separator",
+            (('",".join(map(str, token_ids))', '"".join(map(str, token_ids))'),),
+        ),  # fmt: skip
+        (
+            "released_first_block_first",
+            (("for block_id in reversed(seq.block_table):", "for block_id in seq.block_table:"),),
+        ),  # fmt: skip
+        (
+            "blocks_rounded_down",
+            (
+                (
+                    "needed = -(-num_tokens // self.kv_block_size) - len(cached_ids)",
+                    "needed = num_tokens // self.kv_block_size - len(cached_ids)",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "grows_a_block_too_many",
+            (
+                (
+                    "while len(seq.block_table) * self.kv_block_size < num_tokens:",
+                    "while len(seq.block_table) * self.kv_block_size <= num_tokens:",
+                ),
+            ),
+        ),  # fmt: skip
+        ("hits_not_counted", (("        self.prefix_cache_hits += len(cached_ids)\n", ""),)),
+        (
+            "served_count_reset_on_restart",
+            (
+                (
+                    "        if not seq.output_ids:\n            seq.num_cached_tokens",
+                    "        if True:\n            seq.num_cached_tokens",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "cached_key_moved_to_the_copy",
+            (("if block.hash is None and key not in self.cached:", "if block.hash is None:"),),
+        ),  # fmt: skip
+    ],
+    "training_step": [
+        (
+            "adam_with_l2",
+            (
+                ('state["v"], p.grad\n', 'state["v"], p.grad + group["weight_decay"] * p\n'),
+                ('                p.mul_(1 - lr * group["weight_decay"])\n', ""),
+            ),
+        ),  # fmt: skip
+        (
+            "no_bias_correction",
+            (
+                ("m_hat = m / (1 - beta1**t)", "m_hat = m"),
+                ("v_hat = v / (1 - beta2**t)", "v_hat = v"),
+            ),
+        ),  # fmt: skip
+        (
+            "eps_inside_the_root",
+            (('(v_hat.sqrt() + group["eps"])', '(v_hat + group["eps"]).sqrt()'),),
+        ),  # fmt: skip
+        (
+            "decay_before_the_rate_is_known",
+            (('p.mul_(1 - lr * group["weight_decay"])', 'p.mul_(1 - group["weight_decay"])'),),
+        ),  # fmt: skip
+        (
+            "everything_decays",
+            (
+                ("no_decay = [p for p in params if p.dim() < 2]", "no_decay = []"),
+                ("decay = [p for p in params if p.dim() >= 2]", "decay = params"),
+            ),
+        ),  # fmt: skip
+        ("gradients_never_cleared", (("    optimizer.zero_grad(set_to_none=True)\n", ""),)),
+        (
+            "rate_never_set",
+            (('        group["lr"] = learning_rate(step, cfg)\n', "        pass\n"),),
+        ),  # fmt: skip
+        (
+            "cosine_to_zero",
+            (
+                (
+                    "return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)",
+                    "return cosine * cfg.learning_rate",
+                ),
+            ),
+        ),  # fmt: skip
+        ("no_floor", (("    if step >= decay_steps:\n        return cfg.min_lr\n", ""),)),
+        (
+            "progress_from_step_0",
+            (
+                (
+                    "progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)",
+                    "progress = step / decay_steps",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "a_micro_batch_short",
+            (
+                (
+                    "for _ in range(cfg.grad_accum_steps):",
+                    "for _ in range(cfg.grad_accum_steps - 1):",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "always_scaled",
+            (
+                (
+                    "    if scale < 1.0:\n        for g in grads:\n            g.mul_(scale)\n",
+                    "    for g in grads:\n        g.mul_(scale)\n",
+                ),
+            ),
+        ),  # fmt: skip
+        ("betas_swapped", (("betas=(cfg.beta1, cfg.beta2)", "betas=(cfg.beta2, cfg.beta1)"),)),
+        ("last_micro_batch_loss", (("total += loss.item()", "total = loss.item()"),)),
+    ],
+}
+
+# Answers that meet the contract written another way than the reference: they must pass.
+ALTERNATIVES: dict[str, str] = {
+    "model": """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        mask = torch.ones(config.block_size, config.block_size).tril().bool()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (
+            t.reshape(B, T, self.n_head, -1).permute(0, 2, 1, 3)
+            for t in self.c_attn(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T])
+        return self.c_proj(y.permute(0, 2, 1, 3).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)[None]
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x) @ self.transformer.wte.weight.T
+""",
+    "cached_loop": """
+import torch
+
+
+class StaticLayer:
+    def __init__(self, k, v):
+        self.buffers = (k, v)
+
+    def update(self, input_pos, k, v):
+        for buffer, new in zip(self.buffers, (k, v)):
+            buffer.index_copy_(2, input_pos, new)
+        return self.buffers
+
+
+class StaticCache:
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        c = model.config
+        w = model.lm_head.weight
+        shape = (batch_size, c.n_head, max_len, c.n_embd // c.n_head)
+        self.layers = [
+            StaticLayer(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layer)
+        ]
+        self.full = torch.ones(max_len, max_len, dtype=torch.bool, device=w.device).tril()
+        self.pads = pad_lengths or [0] * batch_size
+        self.filled = 0
+
+    @property
+    def seq_len(self):
+        return self.filled
+
+    def prepare(self, batch, q_len, device):
+        self.at = torch.arange(self.filled, self.filled + q_len, device=device)
+        self.filled += q_len
+        n = self.filled
+        rows = self.full[self.at, :n]  # only the filled slots
+        real = torch.stack([torch.arange(n, device=device) >= p for p in self.pads])
+        mask = rows[None, None] & real[:, None, None]
+        mask[~mask.any(-1)] = True
+        pads = torch.tensor(self.pads, device=device)[:, None]
+        return torch.relu(self.at[None] - pads), mask
+
+    def update(self, layer, k, v):
+        keys, values = self.layers[layer].update(self.at, k, v)
+        return keys[:, :, : self.filled], values[:, :, : self.filled]
+
+
+def generate_cached(model, prompts, max_new_tokens, prefill_chunk=None):
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    cache = StaticCache(model, len(prompts), width + max_new_tokens - 1, pads)
+    with torch.inference_mode():
+        done = 0
+        while done < width:
+            step = prefill_chunk or width
+            out = model(ids[:, done : done + step], cache=cache).logits
+            done += step
+        tokens = out[:, -1].argmax(-1, keepdim=True)
+        made = [tokens]
+        while len(made) < max_new_tokens:
+            tokens = model(tokens, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            made.append(tokens)
+    return torch.cat(made, dim=1).tolist()
+""",
+    "block_manager": """
+import collections
+import hashlib
+
+from roseinfer.engine.block_manager import Block
+
+
+def chain_hash(parent, token_ids):
+    return hashlib.blake2b(repr((parent, tuple(token_ids))).encode()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks, kv_block_size, enable_prefix_caching):
+        self.kv_block_size = kv_block_size
+        self.caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids = collections.deque(range(num_blocks))
+        self.cached = {}
+        self.evictable = collections.OrderedDict()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
+    num_blocks = property(lambda self: len(self.blocks))
+    num_free = property(lambda self: len(self.free_ids))
+    num_used = property(lambda self: sum(b.ref_count > 0 for b in self.blocks))
+
+    def _full(self, n):
+        return (n - 1) // self.kv_block_size if self.caching else 0
+
+    def _blocks(self, n):
+        return (n + self.kv_block_size - 1) // self.kv_block_size
+
+    def cached_prefix(self, token_ids):
+        out, key = [], b""
+        for i in range(self._full(len(token_ids))):
+            piece = tuple(token_ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
+            key = chain_hash(key, piece)
+            hit = self.cached.get(key)
+            if hit is None or self.blocks[hit].token_ids != piece:
+                return out
+            out.append(hit)
+        return out
+
+    def can_start(self, cached_ids, num_tokens):
+        room = len(self.free_ids) + len(self.evictable)
+        room -= len([b for b in cached_ids if b in self.evictable])
+        return self._blocks(num_tokens) - len(cached_ids) <= room
+
+    def start(self, seq, cached_ids, num_tokens):
+        self.prefix_cache_queries += self._full(len(seq.all_ids))
+        self.prefix_cache_hits += len(cached_ids)
+        for b in cached_ids:
+            self.evictable.pop(b, None)
+            self.blocks[b].ref_count += 1
+        seq.block_table = list(cached_ids)
+        seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
+        seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
+        if len(seq.output_ids) == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.grow(seq, num_tokens)
+
+    def can_grow(self, seq, num_tokens):
+        missing = self._blocks(num_tokens) - len(seq.block_table)
+        return missing <= len(self.free_ids) + len(self.evictable)
+
+    def grow(self, seq, num_tokens):
+        for _ in range(self._blocks(num_tokens) - len(seq.block_table)):
+            if self.free_ids:
+                b = self.free_ids.popleft()
+            else:
+                b = next(iter(self.evictable))
+                del self.evictable[b]
+                old = self.blocks[b]
+                self.cached.pop(old.hash)
+                old.hash, old.token_ids = None, ()
+            self.blocks[b].ref_count = 1
+            seq.block_table.append(b)
+
+    def release(self, seq):
+        for b in seq.block_table[::-1]:
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            if block.hash is None:
+                self.free_ids.append(b)
+            else:
+                self.evictable[b] = None
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+    def advance(self, seq, num_new):
+        seq.num_computed_tokens += num_new
+        size = self.kv_block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            if not self.caching:
+                return
+            piece = tuple(seq.all_ids[i * size : (i + 1) * size])
+            key = chain_hash(seq.block_hashes[i - 1] if i else b"", piece)
+            seq.block_hashes.append(key)
+            block = self.blocks[seq.block_table[i]]
+            if key in self.cached or block.hash is not None:
+                continue
+            block.hash, block.token_ids = key, piece
+            self.cached[key] = block.block_id
+""",
+    "training_step": """
+import math
+
+import torch
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas, eps=1e-8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in (q for q in group["params"] if q.grad is not None):
+                s = self.state[p]
+                s.setdefault("exp_avg", torch.zeros_like(p))
+                s.setdefault("exp_avg_sq", torch.zeros_like(p))
+                s["n"] = s.get("n", 0) + 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                s["exp_avg"].lerp_(p.grad, 1 - b1)
+                s["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (s["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** s["n"])).add_(group["eps"])
+                p.addcdiv_(s["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** s["n"]))
+
+
+def parameter_groups(model, weight_decay):
+    seen, decay, keep = set(), [], []
+    for _, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim > 1 else keep).append(p)
+    return [dict(params=keep, weight_decay=0.0), dict(params=decay, weight_decay=weight_decay)]
+
+
+def make_optimizer(model, cfg):
+    return AdamW(
+        parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2)
+    )
+
+
+def learning_rate(step, cfg):
+    end = cfg.max_steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+    if step < cfg.warmup_steps:
+        return (step + 1) * cfg.learning_rate / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / (end - cfg.warmup_steps))
+    return cfg.min_lr + (cfg.learning_rate - cfg.min_lr) * (1 + math.cos(math.pi * t)) / 2
+
+
+def clip_gradients(parameters, max_norm):
+    return float(torch.nn.utils.clip_grad_norm_(list(parameters), max_norm))
+
+
+def train_step(model, optimizer, batches, step, cfg):
+    rate = learning_rate(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    losses = [model(*next(batches)).loss for _ in range(cfg.grad_accum_steps)]
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    norm = clip_gradients(model.parameters(), cfg.grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad()
+    return mean.item(), norm
+""",
+}
+
+KNOWN = [(build, wrong) for build in BUILDS for wrong in build.known_wrong]
+MUTATED = [(BUILD[name], mutant) for name, mutants in MUTANTS.items() for mutant in mutants]
+
+
+def code_lines(source: str) -> int:
+    """Lines of code in the bodies of a module's functions and methods: no docstring,
+    comment or blank line."""
+    lines = source.splitlines()
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef):
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body
+            for line in lines[body[0].lineno - 1 : body[-1].end_lineno]:
+                count += bool(line.split("#")[0].strip())
+    return count
+
+
+def test_every_build_has_mutants_and_an_alternative() -> None:
+    assert sorted(MUTANTS) == sorted(BUILD) == sorted(ALTERNATIVES)
+    for name, mutants in MUTANTS.items():
+        known = {edits for edits in (w.edits for w in BUILD[name].known_wrong)}
+        assert len(mutants) >= 5 and not known & {edits for _, edits in mutants}
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_reference_passes_every_part_and_is_a_real_build(build: Build) -> None:
+    results = check_build(build, build.solution_module())
+    assert [r.part for r in results] == [p.name for p in build.parts]
+    assert all(r.passed for r in results), "\n".join(map(str, results))
+    assert code_lines(inspect.getsource(build.solution_module())) >= 40
+
+
+@pytest.mark.parametrize(("build", "wrong"), KNOWN, ids=[f"{b.name}-{w.name}" for b, w in KNOWN])
+def test_known_wrong_answer_fails_with_its_diagnosis(build: Build, wrong) -> None:
+    results = check_build(build, edited(build, wrong.edits, wrong.name))
+    failed = [r for r in results if not r.passed]
+    assert failed, f"{wrong.name} passes every part"
+    assert all(wrong.explanation in r.explanation for r in failed), "\n".join(map(str, failed))
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_each_known_wrong_probe_tells_it_apart(build: Build) -> None:
+    reference = build.probe(build.solution_module())
+    probes = known_probes(build)
+    for i, (wrong, outcomes) in enumerate(probes):
+        assert outcomes is not None, f"{wrong.name} breaks the probe"
+        assert not same(outcomes, reference), f"{wrong.name} probes like the reference"
+        for other, other_outcomes in probes[:i]:
+            assert not same(outcomes, other_outcomes), f"{wrong.name} probes like {other.name}"
+
+
+@pytest.mark.parametrize(("build", "mutant"), MUTATED, ids=[f"{b.name}-{m[0]}" for b, m in MUTATED])
+def test_mutant_fails(build: Build, mutant) -> None:
+    name, edits = mutant
+    results = check_build(build, edited(build, edits, name))
+    assert not all(r.passed for r in results), f"the mutant {name} passes every part"
+    # None of the known mistakes, so none of their diagnoses.
+    named = [w.name for w in build.known_wrong for r in results if w.explanation in r.explanation]
+    assert not named, f"the mutant {name} is told it is {named[0]}"
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_another_answer_that_meets_the_contract_passes(build: Build) -> None:
+    module = module_from_source(ALTERNATIVES[build.name], f"alternative_{build.name}")
+    results = check_build(build, module)
+    assert all(r.passed for r in results), "\n".join(map(str, results))
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_stub_fails_every_part_in_one_line(build: Build, tmp_path: Path, capsys) -> None:
+    stub = stub_source(build)
+    assert "NotImplementedError" in stub and code_lines(stub) == stub.count("NotImplementedError")
+    (tmp_path / build.file_name).write_text(stub, encoding="utf-8")
+    assert cli.main(["check", build.name, "--dir", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(build.parts)
+    for line, part in zip(lines, build.parts, strict=True):
+        assert line.startswith(f"{build.name}/{part.name}: FAILED: not written yet"), line
+
+
+def test_list_shows_builds_apart_and_check_grades_one_by_name(tmp_path: Path, capsys) -> None:
+    assert cli.main(["list"]) == 0
+    listing = capsys.readouterr().out
+    exercises, builds = listing.split("\n\n")
+    assert "build_" not in exercises
+    assert [line.split()[0] for line in builds.splitlines()[1:]] == list(BUILD)
+    assert cli.main(["start", str(tmp_path), "--solutions"]) == 0
+    capsys.readouterr()
+    assert cli.main(["check", "model", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        f"model/{p.name}: passed: {BUILD['model'].passed}" for p in BUILD["model"].parts
+    ]

@@ -1,0 +1,341 @@
+"""rose-course against a hostile learner and a careless operator (issue 33).
+
+Each check runs in a process of its own (rosecourse/runner.py): a learner's code that
+exits, loops, floods the output or leaves torch's global defaults changed is one FAILED
+line, never a pass and never a traceback, and no chapter's code reaches another's
+check; `check all` always ends with its table. `start` writes stubs atomically and
+never overwrites a learner's work. Every mistake is one `rose-course: error:` line and
+exit code 2; Ctrl-C is one line and exit code 130.
+
+The hostile cases run the real command line in a subprocess on a workspace of reference
+solutions, each on chapter 10 (its check is the quickest) with its solution wrapped so
+that its function does the hostile thing before answering, or its module on import.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rosecourse import cli, course
+from rosecourse.course import BUILDS, LESSONS, key, lesson, stub_source
+from rosecourse.runner import OUTPUT_LIMIT
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ERROR = "rose-course: error: "
+
+
+def rose_course(*args: str) -> subprocess.CompletedProcess:
+    """The command line as a learner runs it, in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "rosecourse.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+
+
+def solution_file(
+    workspace: Path, chapter: str, in_function: str = "", at_import: str = ""
+) -> Path:
+    """Chapter `chapter`'s reference solution in `workspace`, its function wrapped to run
+    `in_function` before answering, and `at_import` at the end of its module."""
+    chosen = lesson(chapter)
+    wrapper = [
+        "",
+        "import os, sys",
+        "",
+        "import torch",
+        "",
+        f"_answer = {chosen.name}",
+        "",
+        "",
+        f"def {chosen.name}(*args, **kwargs):",
+        textwrap.indent(in_function or "pass", "    "),
+        "    return _answer(*args, **kwargs)",
+        "",
+        "",
+        at_import,
+    ]
+    workspace.mkdir(parents=True, exist_ok=True)
+    path = workspace / chosen.file_name
+    path.write_text(inspect.getsource(chosen.solution_module()) + "\n".join(wrapper) + "\n")
+    return path
+
+
+EVIL = """
+class Evil:
+    def __eq__(self, other):
+        raise SystemExit(0)
+
+    def __bool__(self):
+        raise SystemExit(0)
+"""
+
+# name: (in the function, at import, what the FAILED line says, --timeout)
+HOSTILE = {
+    "sys.exit in the function": ("sys.exit(0)", "", "raised SystemExit(0)", None),
+    "sys.exit on import": ("", "sys.exit(0)", "raised SystemExit(0)", None),
+    "os._exit": ("os._exit(0)", "", "exited with code 0 before its verdict", None),
+    "an answer whose == exits": ("return Evil()", EVIL, "raised SystemExit(0)", None),
+    "a loop in the function": ("while True:\n    pass", "", "did not finish in 3 s", "3"),
+    "a loop on import": ("", "while True:\n    pass", "did not finish in 3 s", "3"),
+    "the default dtype": (
+        "torch.set_default_dtype(torch.float64)",
+        "",
+        "changed torch's default dtype from torch.float32 to torch.float64",
+        None,
+    ),
+    "the number of threads": (
+        "",
+        "torch.set_num_threads(7)",
+        "changed torch's number of threads from",
+        None,
+    ),
+    "megabytes of output": (
+        "print('x' * 4_000_000)",
+        "",
+        f"printed too much (output cut at {OUTPUT_LIMIT} bytes)",
+        None,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_hostile_code_is_one_failed_line(case: str, tmp_path: Path) -> None:
+    in_function, at_import, said, timeout = HOSTILE[case]
+    course.write_workspace(tmp_path, solutions=True)
+    solution_file(tmp_path, "10", in_function, at_import)
+    flags = ["--timeout", timeout] if timeout else []
+    checked = rose_course("check", "10", "--dir", str(tmp_path), *flags)
+    assert checked.returncode == 1, checked
+    assert "Traceback" not in checked.stdout + checked.stderr, checked
+    lines = checked.stdout.splitlines()
+    verdicts = [line for line in lines if line.startswith("decode_read_bytes:")]
+    assert verdicts == [lines[-1]], lines[-3:]  # one verdict, the last line
+    assert verdicts[0].startswith("decode_read_bytes: FAILED: ") and said in verdicts[0], lines[-1]
+    assert len(checked.stdout.encode()) < OUTPUT_LIMIT + 1000  # the flood was cut
+
+
+@pytest.mark.slow
+def test_check_all_grades_every_chapter_in_a_fresh_process_and_ends_with_its_table(
+    tmp_path: Path,
+) -> None:
+    # Chapter 00 leaves float64 the default (before: chapter 15 then failed), 01 exits on
+    # import (before: the run ended there, rc 0); 15 is right; the others are missing.
+    solution_file(tmp_path, "00", at_import="torch.set_default_dtype(torch.float64)")
+    solution_file(tmp_path, "01", at_import="sys.exit(0)")
+    solution_file(tmp_path, "15")
+    checked = rose_course("check", "all", "--dir", str(tmp_path))
+    assert checked.returncode == 1, checked
+    assert "Traceback" not in checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert any(
+        line.startswith("causal_attention: FAILED") and "default dtype" in line for line in lines
+    )
+    assert any(
+        line.startswith("greedy_decode: FAILED") and "SystemExit(0)" in line for line in lines
+    )
+    assert any(line.startswith("export_prepare: passed") for line in lines), lines
+    graded = [*LESSONS, *BUILDS]  # the builds' files are missing too
+    table = lines[-len(graded) - 2 :]
+    assert table[0].split() == ["check", "file", "verdict"]
+    rows = [row.split() for row in table[1:-1]]
+    expected = [[key(c), c.file_name, "passed" if key(c) == "15" else "FAILED"] for c in graded]
+    assert rows == expected
+    failing = " ".join(key(c) for c in graded if key(c) != "15")
+    assert table[-1] == f"1/{len(graded)} passed; failing: {failing}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_check_and_its_process(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    loop = f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    pass"
+    solution_file(tmp_path / "ws", "10", at_import=loop)
+    command = [sys.executable, "-m", "rosecourse.cli", "check", "10", "--dir", str(tmp_path / "ws")]
+    grader = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()):  # the learner's loop runs
+            assert grader.poll() is None and time.monotonic() < deadline, grader.poll()
+            time.sleep(0.05)
+        grader.send_signal(signal.SIGINT)
+        out, err = grader.communicate(timeout=60)
+    finally:
+        grader.kill()
+    assert grader.returncode == 130
+    assert err.decode() == "rose-course: interrupted: stopped by Ctrl-C\n"
+    with pytest.raises(ProcessLookupError):  # the check's process was killed and reaped
+        os.kill(int(pid_file.read_text()), 0)
+
+
+# ---------------------------------------------------------------------------
+# Mistakes: one line, exit code 2
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chapter", ["", "x"])
+def test_a_chapter_that_is_not_one_is_one_line(
+    chapter: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert cli.main(["check", chapter, "--dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    builds = ", ".join(b.name for b in BUILDS)
+    assert captured.err == (
+        f"{ERROR}no build or chapter called {chapter!r}: choose a build ({builds}), a "
+        "chapter's number (as `rose-course list` shows), or all\n"
+    )
+
+
+def one_error_line(capsys: pytest.CaptureFixture) -> str:
+    captured = capsys.readouterr()
+    assert captured.err.startswith(ERROR) and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        ("a file", "is a file, not a directory"),
+        ("under a file", "a part of the path is a file"),
+        ("/proc", "cannot write to /proc"),  # a folder that takes no files, even from root
+        ("/sys/rose-course", "cannot write to /sys/rose-course"),
+    ],
+)
+def test_start_where_no_workspace_can_be_is_one_line(
+    where: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "a file").write_text("notes\n")
+    path = {"a file": tmp_path / "a file", "under a file": tmp_path / "a file" / "ws"}.get(
+        where, Path(where)
+    )
+    assert cli.main(["start", str(path)]) == 2
+    assert said in one_error_line(capsys)
+    assert (tmp_path / "a file").read_text() == "notes\n"
+
+
+@pytest.mark.parametrize(
+    ("failing", "code", "said"),
+    [
+        ("fsync", errno.ENOSPC, "no space left on the device"),  # the disk filled mid-write
+        ("mkstemp", errno.EROFS, "the file system is read-only"),
+    ],
+)
+def test_start_on_a_full_or_read_only_disk_leaves_no_half_stub(
+    failing: str,
+    code: int,
+    said: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workspace = tmp_path / "ws"
+    mine = workspace / lesson("03").file_name
+    mine.parent.mkdir()
+    mine.write_text("my work\n")
+    refused = OSError(code, os.strerror(code))
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise refused
+
+    target = {"fsync": (os, "fsync"), "mkstemp": (tempfile, "mkstemp")}[failing]
+    with monkeypatch.context() as patch:
+        patch.setattr(*target, fail)
+        assert cli.main(["start", str(workspace)]) == 2
+    line = one_error_line(capsys)
+    assert f"cannot write {workspace / lesson('00').file_name}: {said}" in line
+    assert sorted(p.name for p in workspace.iterdir()) == [mine.name]  # no stub, no temp file
+    # Space again: every stub written whole, the learner's file kept.
+    assert cli.main(["start", str(workspace)]) == 0
+    assert f"kept your work: {mine.name}\n" in capsys.readouterr().out
+    assert mine.read_text() == "my work\n"
+    for chosen in LESSONS:
+        if chosen.chapter != "03":
+            assert (workspace / chosen.file_name).read_text() == stub_source(chosen)
+    # Full again: a workspace with every file there needs no space.
+    with monkeypatch.context() as patch:
+        patch.setattr(*target, fail)
+        assert cli.main(["start", str(workspace)]) == 0
+    assert (
+        f"wrote 0 stubs in {workspace}, {len(LESSONS) + len(BUILDS) - 1} there already\n"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_later_start_replaces_only_files_that_hold_no_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace = tmp_path / "ws"
+    with monkeypatch.context() as patch:  # the stubs of an earlier rose: other text
+        patch.setattr(course, "stub_source", lambda chosen: f"# {chosen.name}, an old stub\n")
+        assert cli.main(["start", str(workspace)]) == 0
+    files = {chosen.chapter: workspace / chosen.file_name for chosen in LESSONS}
+    files["02"].write_text("def concat_kv(layer_past, k, v):\n    return 'my work'\n")
+    files["03"].write_bytes(b"")  # what a non-atomic write on a full disk left
+    files["04"].write_text(stub_source(lesson("04"))[:40])  # and a half of one
+    capsys.readouterr()
+
+    assert cli.main(["start", str(workspace)]) == 0
+    assert f"wrote {len(LESSONS) + len(BUILDS) - 1} stubs" in capsys.readouterr().out
+    assert files["02"].read_text().endswith("return 'my work'\n")
+    for chosen in LESSONS:
+        if chosen.chapter != "02":
+            assert files[chosen.chapter].read_text() == stub_source(chosen)
+
+    # The solutions replace the untouched stubs, and only them.
+    assert cli.main(["start", str(workspace), "--solutions"]) == 0
+    assert f"kept your work: {files['02'].name}\n" in capsys.readouterr().out
+    assert files["02"].read_text().endswith("return 'my work'\n")
+    for chosen in LESSONS:
+        if chosen.chapter != "02":
+            solution = inspect.getsource(chosen.solution_module())
+            assert files[chosen.chapter].read_text() == solution
+
+
+def test_a_folder_named_like_a_chapter_file_is_one_line_each_way(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder = tmp_path / "ws" / lesson("02").file_name
+    folder.mkdir(parents=True)
+    assert cli.main(["start", str(tmp_path / "ws")]) == 2
+    said = f"{folder} is not a file (a folder of that name?): move it away"
+    assert said in one_error_line(capsys)
+    assert [p.name for p in (tmp_path / "ws").iterdir()] == [folder.name]  # nothing written
+    assert cli.main(["check", "02", "--dir", str(tmp_path / "ws")]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("concat_kv: FAILED: ") and said in line
+
+
+class FullDisk:
+    """A standard output on a full disk."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_an_output_on_a_full_disk_is_one_line(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", FullDisk())
+        code = cli.main(["list"])
+    assert code == 2
+    assert capsys.readouterr().err == f"{ERROR}no space left on the device\n"
