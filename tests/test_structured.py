@@ -28,7 +28,9 @@ from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.llm import LLM
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request import structured
+from roseinfer.request.sampling import apply_grammar_masks
 from roseinfer.request.sampling_params import InvalidParam, SamplingParams
+from roseinfer.request.sequence import Sequence
 from roseinfer.request.structured import (
     JSON_WHITESPACE_MAX,
     GrammarMatcher,
@@ -494,3 +496,23 @@ def test_the_benchmark_runs_in_its_quick_mode() -> None:
     assert all(r["first_ms"] > 0 and r["cached_ms"] > 0 for r in payload["compile"])
     assert [r["batch_size"] for r in payload["mask"]] == [1, 16]
     assert all(r["free_step_ms"] > 0 and r["constrained_step_ms"] > 0 for r in payload["mask"])
+
+
+def test_the_mask_is_the_same_written_through_numpy_or_torch(tokenizer) -> None:
+    """float32 CPU logits take numpy's in-place write, others (bf16 here, a GPU's) torch's
+    masked_fill: the same tokens masked, in the constrained rows only."""
+    spec = StructuredOutputs(choice=("yes", "no"))
+    grammar = compile_grammar(spec, tokenizer)
+    seqs = [
+        Sequence([1], SamplingParams(structured_outputs=spec), grammar=grammar),
+        Sequence([1], SamplingParams()),
+    ]
+    logits = torch.randn(2, PADDED_VOCAB)
+    masked = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        masked[dtype] = logits.to(dtype)
+        apply_grammar_masks(masked[dtype], seqs)
+    allowed = torch.isfinite(masked[torch.float32][0]).nonzero().flatten().tolist()
+    assert {tokenizer.decode([t]) for t in allowed} == {"y", "ye", "yes", "n", "no"}
+    assert torch.equal(torch.isinf(masked[torch.bfloat16]), torch.isinf(masked[torch.float32]))
+    assert torch.equal(masked[torch.float32][1], logits[1])  # the free row untouched
