@@ -264,6 +264,20 @@ class GrammarMatcher:
         del self.tokens[len(self.tokens) - num_tokens :]
         self.closing = []  # planned for a longer output: planned again when needed
 
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        """Write which tokens may come next into `out`: int32, one bit per token id
+        (32 ids a word, the lowest bit first), as wide as the tokenizer's vocabulary."""
+        if self.matcher.is_error():
+            raise RoseError(f"the grammar matcher failed: {self.error}")
+        # (the library writes through a raw pointer: the buffer must be what it expects)
+        if (
+            out.dtype != np.int32
+            or not out.flags.c_contiguous
+            or out.size * 32 < self.grammar.n_vocab
+        ):
+            raise RoseError(f"the mask is {self.grammar.n_vocab} bits in contiguous int32 words")
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
     def closing_token(self, tokens_left: int) -> int | None:
         """The token that must come next so that the JSON is closed within `tokens_left`
         tokens, or None while the model may still choose (or when no closing fits).
@@ -324,13 +338,11 @@ def allowed_tokens(
     words = (n_vocab + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)
     for row, m in enumerate(matchers):
-        if m.matcher.is_error():
-            raise RoseError(f"the grammar matcher failed: {m.error}")
         if m.grammar.n_vocab != n_vocab:
             raise RoseError("the requests of one batch share one tokenizer")
         # One row after another: a mask takes microseconds, less than handing the rows
         # to the library's thread pool costs (measured: ~1 ms for 4 rows on 2 cores).
-        m.matcher.unsafe_compute_mask_ptr(bits[row].ctypes.data, bits[row].nbytes)
+        m.fill_bitmask(bits[row])
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     allowed = np.zeros((len(matchers), width), dtype=bool)
     known = min(width, n_vocab)
