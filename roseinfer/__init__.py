@@ -1,12 +1,13 @@
 """roseinfer: generation with a KV cache, grown step by step and checked against the oracle.
 
-`roseinfer.LLM` and `roseinfer.SamplingParams` are the offline engine's front door
-(imported on first use, so the other modules start without the engine).
+`roseinfer.LLM`, `roseinfer.SamplingParams` and `roseinfer.StructuredOutputs` are the
+offline engine's front door (imported on first use, so the other modules start without
+the engine).
 """
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> object:
@@ -18,4 +19,8 @@ def __getattr__(name: str) -> object:
         from roseinfer.request.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from roseinfer.request.sampling_params import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(f"module 'roseinfer' has no attribute {name!r}")

@@ -61,6 +61,8 @@ from roseinfer.pipeline.launch import (
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sampling_params import StructuredOutputs
+from roseinfer.request.structured import grammar_for
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_flags(p)
     add_prompt_flags(p)
     add_sampling_flags(p)
+    add_structured_flags(p)
     add_path_flags(p)
     add_engine_flags(p)
     add_output_flags(p)
@@ -161,6 +164,27 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="stop once the generated text contains this string (kept in the output); repeatable",
+    )
+
+
+def add_structured_flags(p: argparse.ArgumentParser) -> None:
+    """Hold the output to a constraint (SamplingParams.structured_outputs): one of these."""
+    group = p.add_argument_group(
+        "structured output",
+        "hold every output to one constraint: the text then ends when the constraint is "
+        "complete (finish reason stop), or is cut by --max-new-tokens (length)",
+    )
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", help="a JSON schema (a .json file)")
+    one.add_argument("--json-object", action="store_true", help="any JSON object")
+    one.add_argument("--regex", help="a regular expression the whole output matches")
+    one.add_argument(
+        "--choice",
+        action="append",
+        help="the output is exactly one of these strings; repeat the flag for each",
+    )
+    one.add_argument(
+        "--grammar", metavar="FILE", help="a Lark grammar (llguidance's dialect; rule start)"
     )
 
 
@@ -283,6 +307,12 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         raise RoseError("a split model keeps unquantized per-stage caches: drop --kv-cache-dtype")
     if args.onnx and (args.device == "cuda" or args.dtype != "float32"):
         raise RoseError("--onnx runs the float32 graph on the CPU: drop --device and --dtype")
+    structured = structured_outputs(args)
+    if structured is not None and (args.onnx or args.pipeline_parallel_size != 1):
+        raise RoseError(
+            "structured output runs on the engine and the PyTorch loops: drop --onnx and "
+            "--pipeline-parallel-size"
+        )
     # torch's default generator starts from the same seed in every process, so an unseeded
     # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
     seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
@@ -294,7 +324,30 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         seed=seed,
         ignore_eos=args.no_stop_at_eot,
         stop=tuple(args.stop),
+        structured_outputs=structured,
     )
+
+
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
+    """The constraint the flags ask for (its files read; None: free text)."""
+    if args.json_schema is not None:
+        return StructuredOutputs(json=read_text(args.json_schema, "--json-schema"))
+    if args.grammar is not None:
+        return StructuredOutputs(grammar=read_text(args.grammar, "--grammar"))
+    if args.json_object:
+        return StructuredOutputs(json_object=True)
+    if args.regex is not None:
+        return StructuredOutputs(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputs(choice=args.choice)
+    return None
+
+
+def read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RoseError(f"{flag}: cannot read {path}: {err.strerror or err}") from None
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
@@ -465,6 +518,7 @@ def run_batch(
             cache=cache,
             eot_id=tokenizer.eot_id,
             decode=tokenizer.decode,
+            tokenizer=tokenizer,
             compile=args.compile,
         )
     print_batch(prompts, args, tokenizer, generate_now)
@@ -602,6 +656,8 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
         )
         prompt_ids = encode_prompts(prompts, tokenizer, model.config.block_size)
+        # An invalid constraint is told now, in one line (the loops reuse the compile).
+        grammar_for(params.structured_outputs, tokenizer, model.config.vocab_size)
         kind = cache_kind(args, model.config)
         check_quant_settings(
             model.config,

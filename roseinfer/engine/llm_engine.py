@@ -33,6 +33,7 @@ from roseinfer.engine.outputs import EngineStats, RequestOutput, TokenLogprob, t
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
+from roseinfer.request.structured import grammar_for
 from roseinfer.request.token_step import ErrorCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -114,6 +115,11 @@ class LLMEngine:
             eos_id=self.tokenizer.eot_id,
             decode=self.tokenizer.decode,
             device=self.pool.device,
+            # Compiled here only when the caller did not already (the server compiles in
+            # its request handler; the cache then hands this the same grammar).
+            grammar=grammar_for(
+                params.structured_outputs, self.tokenizer, self.model.config.vocab_size
+            ),
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -12,7 +12,9 @@ the bottom row of the full mask, not the top one) and `position_ids` (a new toke
 position continues after the past, it does not restart at 0).
 
 Each prompt is one `Sequence` (roseinfer/request/sequence.py): its `SamplingParams`, its own
-random stream, its tokens and why it stopped. What belongs to the loop rather than to
+random stream, its tokens and why it stopped. A request with structured output has its logits
+masked by its grammar inside `sample_rows`, on both paths alike, so the masked cached
+run is held to the masked oracle like any other. What belongs to the loop rather than to
 a request (how much of the window to keep, the prefill chunk, compiling the decode
 step) is passed to `generate_batch` on its own.
 
@@ -43,6 +45,7 @@ from roseinfer.request.sequence import GenerationResult, Sequence
 from roseinfer.request.token_step import TokenCallback, take_tokens
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
 
 StepFn = Callable[[GPT, torch.Tensor, DenseKVCache], torch.Tensor]
 
@@ -152,6 +155,7 @@ def generate_batch(
     cache: DenseKVCache | None = None,
     eot_id: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    tokenizer: Tokenizer | None = None,
     on_token: TokenCallback | None = None,
     keep_logits: bool = False,
     window_keep: int | None = None,
@@ -170,12 +174,14 @@ def generate_batch(
     A cache that already holds the prompt's first tokens (a shared prefix, the earlier
     turns of a conversation) is fed only the rest.
     eot_id: end-of-text stops a row (unless its params ignore_eos); decode (ids -> text)
-    enables stop strings; on_token(row, token) sees each kept token as it is made.
+    enables stop strings; tokenizer: compiles the grammar of a request with
+    structured_outputs (its token mask applies in `sample_rows`, on both paths alike);
+    on_token(row, token) sees each kept token as it is made.
     window_keep: tokens kept when the context window is full (default block_size // 2);
     prefill_chunk: prefill long prompts this many tokens at a time; compile: compile the
     static cache's one-token decode step ("default" or "max-autotune").
     """
-    seqs = make_sequences(model, prompts, params, eot_id, decode)
+    seqs = make_sequences(model, prompts, params, eot_id, decode, tokenizer)
     keep = checked_keep(model, window_keep)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise RoseError(f"prefill_chunk must be >= 1, got {prefill_chunk}")

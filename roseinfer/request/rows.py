@@ -22,10 +22,13 @@ from typing import TYPE_CHECKING
 
 from roseinfer.request.sampling_params import SamplingParams, params_per_prompt
 from roseinfer.request.sequence import Sequence
+from roseinfer.request.structured import grammar_for
 from rosetrainer.errors import RoseError
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from rosetrainer.tokenizer import Tokenizer
 
 
 def make_sequences(
@@ -34,12 +37,21 @@ def make_sequences(
     params: SamplingParams | list[SamplingParams],
     eot_id: int | None,
     decode: Callable[[list[int]], str] | None,
+    tokenizer: Tokenizer | None = None,
 ) -> list[Sequence]:
-    """One checked Sequence per prompt, its random stream where the model's weights are."""
+    """One checked Sequence per prompt, its random stream where the model's weights are;
+    `tokenizer` compiles the grammars of requests with structured output."""
     params = params_per_prompt(prompts, params, model.config.block_size)
     device = next(model.parameters()).device  # (a pipeline stage may hold no lm_head)
     return [
-        Sequence(list(prompt), p, eos_id=eot_id, decode=decode, device=device)
+        Sequence(
+            list(prompt),
+            p,
+            eos_id=eot_id,
+            decode=decode,
+            device=device,
+            grammar=grammar_for(p.structured_outputs, tokenizer, model.config.vocab_size),
+        )
         for prompt, p in zip(prompts, params, strict=True)
     ]
 

@@ -3,15 +3,20 @@
 Every generation path (the uncached oracle, the cached loop, the serving engine)
 calls `sample_next_token` on the logits of the last position, with the request's own
 `torch.Generator`, so under one seed a request draws the same tokens on every path
-and in any batch; `sample_rows` does that for each row of a batch.
+and in any batch; `sample_rows` does that for each row of a batch, after
+`apply_grammar_masks` has taken from each constrained request's row the tokens its
+grammar forbids (roseinfer/request/structured.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.request.sequence import Sequence
+from roseinfer.request.structured import allowed_tokens
+from rosetrainer.errors import RoseError
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,9 +67,42 @@ def sample_next_token(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Set to -inf, in place, every logit a row's grammar forbids next (rows of requests
+    without structured output, and finished ones, are left alone).
+
+    The masks of the batch's constrained rows are filled into one array, then written
+    into the logits; masked logits are what the row then samples from, greedy or not (and what its
+    logprobs report: the distribution it was drawn from). A JSON output near max_tokens
+    is closed in time: its mask then allows only the closing tokens.
+    """
+    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
+    if not rows:
+        return
+    tokens_left = [seqs[i].params.max_tokens - len(seqs[i].output_ids) for i in rows]
+    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.size(-1), tokens_left)
+    if not allowed.any(axis=1).all():
+        raise RoseError("the grammar allows no token this model's vocabulary has")
+    forbidden = ~allowed
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # On the CPU, numpy writes the -inf through a view of the logits several times
+        # faster than masked_fill_ does (the mask's cost is mostly this write).
+        values = logits.detach().numpy()
+        for k, row in enumerate(rows):
+            np.copyto(values[row], -np.inf, where=forbidden[k])
+        return
+    forbidden = torch.from_numpy(forbidden).to(logits.device)
+    # (inference mode: the model's logits are inference tensors, written in place only there)
+    with torch.inference_mode():
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of (B, vocab) logits, each drawn with its own request's
-    parameters and random stream (so a row samples as its prompt would alone)."""
+    parameters and random stream (so a row samples as its prompt would alone), among
+    the tokens its grammar allows when it has one (the logits are masked in place)."""
+    apply_grammar_masks(logits, seqs)
     if all(seq.params.greedy for seq in seqs):
         return torch.argmax(logits, dim=-1).tolist()
     return [

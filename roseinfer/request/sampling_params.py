@@ -6,6 +6,7 @@ onnxruntime loop, which runs without torch, reads the same settings and checks.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -31,6 +32,79 @@ class InvalidParam(RoseError):
         self.param = param
 
 
+STRUCTURED = "structured_outputs"  # the field an error in a constraint names
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One constraint on a request's output (vLLM's `structured_outputs` names).
+
+    json: a JSON schema (a dict, or its JSON text; kept as text, property order intact);
+    json_object: any JSON object (OpenAI's `{"type": "json_object"}`); regex: the whole
+    output matches it; choice: the output is exactly one of these strings; grammar: a
+    Lark grammar in llguidance's dialect (its rule `start` is the output).
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise InvalidParam(
+                STRUCTURED, f"json_object is true or false, got {self.json_object!r}"
+            )
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise InvalidParam(
+                STRUCTURED,
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}",
+            )
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParam(
+                    STRUCTURED, f"{name} must be a non-empty string, got {value!r:.100}"
+                )
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or any(not isinstance(c, str) or not c for c in choice):
+                raise InvalidParam(
+                    STRUCTURED, f"choice is a list of non-empty strings, got {self.choice!r:.200}"
+                )
+            object.__setattr__(self, "choice", choice)
+
+    @property
+    def kind(self) -> str:
+        return next(
+            name
+            for name in ("json", "json_object", "regex", "choice", "grammar")
+            if getattr(self, name) not in (None, False)
+        )
+
+
+def _schema_text(schema: object) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as err:
+            raise InvalidParam(STRUCTURED, f"the JSON schema is not JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise InvalidParam(
+            STRUCTURED, f"a JSON schema is a JSON object, got {type(schema).__name__}"
+        )
+    return json.dumps(schema)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Everything that belongs to one request (the engine's own settings live apart).
@@ -47,6 +121,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop once one of these is sampled (it is kept)
     ignore_eos: bool = False  # go on past end-of-text (it is then an ordinary token)
     logprobs: int | None = None  # also report the log-probabilities of this many top tokens
+    # hold the output to a JSON schema, a regex, a choice or a grammar (compiled and
+    # matched in roseinfer/request/structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string, lists and None, as the OpenAI API does; store tuples.
@@ -109,6 +186,14 @@ class SamplingParams:
                 "logprobs",
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             )
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise InvalidParam(
+                    STRUCTURED,
+                    "structured_outputs is a StructuredOutputs, got "
+                    f"{type(self.structured_outputs).__name__}",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -25,10 +25,13 @@ from rosetrainer.errors import RoseError
 if TYPE_CHECKING:
     import torch
 
+    from roseinfer.request.structured import Grammar, GrammarMatcher
 
-# Why a request finished, in the OpenAI API's words: "stop" (end-of-text, a stop token
-# or a stop string; `stop_reason` says which), "length" (max_tokens or the context
-# window) or "abort" (cancelled, or failed: `error` says why).
+
+# Why a request finished, in the OpenAI API's words: "stop" (end-of-text, a stop token,
+# a stop string, or its structured output complete; `stop_reason` names the token id or
+# the string, None for the last), "length" (max_tokens or the context window) or
+# "abort" (cancelled, or failed: `error` says why).
 FINISH_REASONS = ("stop", "length", "abort")
 
 _request_ids = itertools.count()
@@ -45,6 +48,8 @@ class Sequence:
     decode: Callable[[list[int]], str] | None = None  # ids -> text, for stop strings and text
     device: torch.device | str = "cpu"  # where the request's random stream lives
     arrival_time: float = field(default_factory=time.perf_counter)
+    # params.structured_outputs compiled for the tokenizer (request/structured.py)
+    grammar: Grammar | None = field(default=None, repr=False)
 
     output_ids: list[int] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)
@@ -58,6 +63,9 @@ class Sequence:
     generator: Any = field(default=None, init=False, repr=False)
     # The output's text, when a decode was given
     detokenizer: Detokenizer | None = field(default=None, init=False, repr=False)
+    # Where its output stands in its grammar; advanced by append_token only, so it always
+    # matches output_ids (a preempted request keeps both and recomputes only its cache).
+    matcher: GrammarMatcher | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -67,6 +75,15 @@ class Sequence:
         self.generator = self.new_generator()
         if self.decode is not None:
             self.detokenizer = Detokenizer(self.decode, self.params.stop)
+        if (self.grammar is None) != (self.params.structured_outputs is None):
+            raise RoseError(
+                "a request with structured_outputs needs its compiled grammar "
+                "(roseinfer.request.structured.grammar_for), and only such a request has one"
+            )
+        if self.grammar is not None:
+            from roseinfer.request.structured import GrammarMatcher
+
+            self.matcher = GrammarMatcher(self.grammar)
 
     def new_generator(self) -> Any:
         """The request's own random stream, seeded from its params (None when greedy)."""
@@ -122,12 +139,18 @@ class Sequence:
         True when the token joined the output.
 
         End-of-text is not kept in `output_ids` (it ends the text, it is not part of it);
-        a stop token id is kept, as is the token that completes a stop string.
+        a stop token id is kept, as is the token that completes a stop string. A request
+        with structured output advances its matcher first (a token its grammar forbids
+        raises), and stops ("stop") once its grammar is complete.
         max_len: the most tokens the request may hold (prompt and output): a loop whose
         positions end at the context window stops it there ("length").
         """
+        if self.matcher is not None:
+            self.matcher.advance(token_id)
         self.token_times.append(time.perf_counter() if now is None else now)
-        if token_id == self.eos_id and not self.params.ignore_eos:
+        # (A grammar allows end-of-text only where its output is whole: there it ends the
+        # request whatever ignore_eos says.)
+        if token_id == self.eos_id and (not self.params.ignore_eos or self.matcher is not None):
             self.finish("stop", stop_reason=token_id)
             return False
         self.output_ids.append(token_id)
@@ -136,6 +159,8 @@ class Sequence:
             self.finish("stop", stop_reason=token_id)
         elif stop is not None:
             self.finish("stop", stop_reason=stop)
+        elif self.matcher is not None and self.matcher.is_finished:
+            self.finish("stop")
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish("length")
         elif max_len is not None and self.num_tokens > max_len:
@@ -177,7 +202,7 @@ class Sequence:
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # the new tokens (a final <|endoftext|> is not included)
-    finish_reason: str  # "stop" (end-of-text, a stop token or string) or "length"
+    finish_reason: str  # "stop" or "length" (FINISH_REASONS says why each)
     stop_reason: int | str | None  # the token id or stop string that stopped it
     # (vocab,) float32 per step, when asked for: torch tensors, or numpy arrays from the
     # onnxruntime loop

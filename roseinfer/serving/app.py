@@ -112,8 +112,10 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         builder = ResponseBuilder(
             f"cmpl-{uuid.uuid4().hex}", settings.model_name, tokenizer, chat=False, echo=echo
         )
-        jobs = checks.jobs(body, prompts, body.logprobs)
-        return await answer(request, client, metrics, body, jobs, sum(map(len, prompts)), builder)
+        constraint, grammar = await checks.constraint(body)
+        jobs = checks.jobs(body, prompts, body.logprobs, constraint)
+        prompt_tokens = sum(map(len, prompts))
+        return await answer(request, client, metrics, body, jobs, prompt_tokens, builder, grammar)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -134,8 +136,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
             chat=True,
             echo=[""] * body.n,
         )
-        jobs = checks.jobs(body, [prompt], logprobs)
-        return await answer(request, client, metrics, body, jobs, len(prompt), builder)
+        constraint, grammar = await checks.constraint(body)
+        jobs = checks.jobs(body, [prompt], logprobs, constraint)
+        return await answer(request, client, metrics, body, jobs, len(prompt), builder, grammar)
 
     @app.get("/v1/models")
     async def models() -> dict:

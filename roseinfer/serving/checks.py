@@ -8,9 +8,18 @@ failure a BadRequest naming the field.
 
 from __future__ import annotations
 
-from roseinfer.request.sampling_params import MAX_SEED, InvalidParam, SamplingParams
+import asyncio
+
+from roseinfer.request.sampling_params import (
+    MAX_SEED,
+    InvalidParam,
+    SamplingParams,
+    StructuredOutputs,
+)
+from roseinfer.request.structured import Grammar, grammar_for
 from roseinfer.serving.errors import BadRequest
 from roseinfer.serving.protocol import SamplingFields
+from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
 Job = tuple[list[int], SamplingParams]  # one engine request: prompt ids and its params
@@ -68,8 +77,46 @@ class RequestChecks:
             )
         return ids or [self.tokenizer.eot_id]
 
+    async def constraint(
+        self, body: SamplingFields
+    ) -> tuple[StructuredOutputs | None, Grammar | None]:
+        """The constraint a request asks for (OpenAI's response_format or vLLM's
+        structured_outputs, not both), and its grammar, compiled here in the handler (off
+        the event loop, within the compile's time bound): an invalid or pathological one
+        is this request's 400 and never reaches the engine thread. (None, None) for text.
+        """
+        fmt, vllm = body.response_format, body.structured_outputs
+        param = "structured_outputs" if vllm is not None else "response_format"
+        if fmt is not None and fmt.type != "text" and vllm is not None:
+            raise BadRequest("give response_format or structured_outputs, not both", param)
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise BadRequest(
+                'response_format of type "json_schema" needs its json_schema: '
+                '{"name": ..., "schema": {...}}',
+                param,
+            )
+        try:
+            if vllm is not None:
+                fields = vllm.model_dump(exclude_none=True)
+                fields["json"] = fields.pop("json_", None)
+                spec = StructuredOutputs(**fields)
+            elif fmt is None or fmt.type == "text":
+                return None, None
+            elif fmt.type == "json_object":
+                spec = StructuredOutputs(json_object=True)
+            else:
+                spec = StructuredOutputs(json=fmt.json_schema.schema_)
+            grammar = await asyncio.to_thread(grammar_for, spec, self.tokenizer, self.vocab_size)
+        except RoseError as err:  # (InvalidParam is one)
+            raise BadRequest(str(err), param) from None
+        return spec, grammar
+
     def jobs(
-        self, body: SamplingFields, prompts: list[list[int]], logprobs: int | None
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        logprobs: int | None,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> list[Job]:
         """One job per prompt and choice. Choice j of n > 1 with a seed samples with seed + j
         (wrapping past 2**64 - 1), so the choices differ yet repeat under one seed."""
@@ -95,6 +142,7 @@ class RequestChecks:
                     stop=body.stop,
                     ignore_eos=body.ignore_eos,
                     logprobs=logprobs,
+                    structured_outputs=structured_outputs,
                 )
             except InvalidParam as err:
                 raise BadRequest(str(err), err.param) from None

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from roseinfer.engine.outputs import RequestOutput
+from roseinfer.request.structured import Grammar
 from roseinfer.serving.checks import Job
 from roseinfer.serving.engine_thread import EngineClient, QueueFull
 from roseinfer.serving.errors import BadRequest, error_body, error_response, server_error
@@ -53,8 +54,15 @@ async def answer(
     jobs: list[Job],
     prompt_tokens: int,
     builder: ResponseBuilder,
+    grammar: Grammar | None = None,
 ) -> Response:
-    """Run the request's jobs (one per prompt and choice) and answer: JSON, or a stream."""
+    """Run the request's jobs (one per prompt and choice) and answer: JSON, or a stream.
+
+    grammar: the jobs' structured output, compiled by the handler. The engine finds it
+    in the compile cache by its key; holding it here until this returns (the engine has
+    made every job's matcher by the first output) keeps the cache from dropping it
+    before, so a grammar is never compiled on the engine thread.
+    """
     outputs = client.generate(builder.request_id, jobs)
     try:
         if not body.stream:

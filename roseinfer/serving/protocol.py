@@ -22,6 +22,34 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Strict):
+    """OpenAI's response_format.json_schema."""
+
+    name: str
+    # (`schema` is a BaseModel attribute: the field takes the name through its alias)
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the output is held to the schema either way
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON for a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Strict):
+    """vLLM's `structured_outputs` body field: one of json (a schema), json_object,
+    regex, choice, grammar (a Lark grammar)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(Strict):
     """The fields both endpoints share; the names and defaults are OpenAI's."""
 
@@ -36,6 +64,8 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     user: str | None = None  # accepted and ignored, as the API allows
 
 

@@ -1,0 +1,424 @@
+"""Structured output: a request's text held to a JSON schema, a regex, a list of choices
+or a grammar, by a mask over the vocabulary at every step.
+
+Reading order:
+
+* `StructuredOutputs` (roseinfer/request/sampling_params.py, beside the rest of what a
+  request asks for): one of json, json_object, regex, choice, grammar, checked when it
+  is made; it rides in `SamplingParams.structured_outputs`.
+* `compile_grammar`: the constraint -> a `Grammar` for one tokenizer, through llguidance
+  (https://github.com/guidance-ai/llguidance). Compiling walks the grammar's lexer over
+  the whole token trie once, so a step later costs microseconds; a compiled grammar is
+  kept (a bounded LRU, by tokenizer and grammar) and reused by every request that asks
+  for it. A constraint the library refuses, or one that takes longer than
+  COMPILE_TIMEOUT_S to compile, raises `InvalidParam` with the library's reason: the
+  server compiles at admission, in its request handler, so a bad schema is that
+  request's 400 and never reaches the engine.
+* `GrammarMatcher`: one request's position in its grammar. `Sequence.append_token` is
+  the only caller of `advance` (so a speculative verify step, which appends only the
+  accepted tokens, keeps it in step with the output); `allowed_tokens` fills the masks
+  of a batch of them at once (roseinfer/request/sampling.py applies them).
+
+Three traps closed here, all reported against other engines:
+
+* whitespace: JSON allows any amount between tokens, and a model that likes whitespace
+  (a random one, a weak one) can spend all of max_tokens on it. Here a JSON constraint
+  allows at most JSON_WHITESPACE_MAX whitespace characters in a row, and the schema's
+  own `x-guidance` settings cannot lift that bound.
+* a value without end: inside a string almost every token is allowed and few end it,
+  and a number's digits need never stop, so a weak model's JSON is often cut by
+  max_tokens, and does not parse. Near max_tokens a JSON output is closed instead: the
+  shortest text that makes it whole (`json_closing`) is forced once it is due
+  (`GrammarMatcher.closing_token`).
+* a pathological schema (huge enums, deeply nested $refs, regexes whose automaton
+  explodes): the library's parser limits bound its work, and the compile's wall time is
+  bounded on top of that, so nothing stalls the thread that asked.
+
+llguidance is imported on first use (it is the `[structured]` extra): a request without
+structured output never needs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from roseinfer.request.sampling_params import STRUCTURED as PARAM
+from roseinfer.request.sampling_params import InvalidParam, StructuredOutputs
+from rosetrainer.errors import RoseError
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from rosetrainer.tokenizer import Tokenizer
+
+# At most this many whitespace characters between two JSON tokens (enough for a
+# newline and a little indentation; never a loop).
+JSON_WHITESPACE_MAX = 4
+# llguidance's JSON settings, applied over the schema's own `x-guidance` ones: separators
+# without whitespace of their own, whitespace bounded as above.
+JSON_OVERRIDES = {
+    "item_separator": ",",
+    "key_separator": ":",
+    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{JSON_WHITESPACE_MAX}}}",
+}
+# A JSON output is closed (`GrammarMatcher.closing_token`) when the tokens that close it
+# come within CLOSING_MARGIN of the tokens left; looked for in the last CLOSING_WITHIN.
+CLOSING_MARGIN = 4
+CLOSING_WITHIN = 64
+COMPILE_TIMEOUT_S = 10.0  # a constraint that compiles longer than this is refused
+CACHE_SIZE = 64  # compiled grammars kept after their last request finished
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.tiktoken
+    except ImportError:
+        raise RoseError(
+            "structured outputs need llguidance: pip install 'rose[structured]'"
+        ) from None
+    return llguidance
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The constraint in llguidance's grammar format (what is compiled and cached)."""
+    LLMatcher = _llguidance().LLMatcher
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else '{"type": "object"}'
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
+        except ValueError as err:
+            raise InvalidParam(PARAM, f"invalid JSON schema: {err}") from None
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        # Lark string literals read JSON's escapes, so json.dumps quotes any choice.
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+        )
+    return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+# ---------------------------------------------------------------------------
+# Compiling, with a bound on time and a cache
+# ---------------------------------------------------------------------------
+
+
+class Grammar:
+    """A compiled constraint for one tokenizer: a matcher at the start, copied per request."""
+
+    def __init__(
+        self,
+        text: str,
+        start: llguidance.LLMatcher,
+        tokenizer: llguidance.LLTokenizer,
+        is_json: bool,
+    ) -> None:
+        self.text = text
+        self.start = start
+        self.tokenizer = tokenizer
+        self.n_vocab = tokenizer.vocab_size  # the mask's width
+        self.is_json = is_json  # a JSON schema or object: closed before max_tokens
+
+
+@functools.cache
+def ll_tokenizer(name: str) -> llguidance.LLTokenizer:
+    """llguidance's view of a tiktoken encoding: every token's bytes, in a trie (built
+    once per encoding, about 0.2 s for GPT-2's 50,257 tokens)."""
+    from rosetrainer.tokenizer import get_encoding
+
+    return _llguidance().tiktoken.lltokenizer_from_encoding(get_encoding(name))
+
+
+_lock = threading.Lock()
+_recent: OrderedDict[tuple[str, str], Grammar] = OrderedDict()  # the LRU
+# Every grammar a live request (or a handler about to admit one) holds, however old: the
+# engine finds the one its handler compiled even if the LRU has dropped it since.
+_held: weakref.WeakValueDictionary[tuple[str, str], Grammar] = weakref.WeakValueDictionary()
+_compiler = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+
+def compile_grammar(
+    spec: StructuredOutputs, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S
+) -> Grammar:
+    """`spec` compiled for `tokenizer`'s vocabulary, from the cache when it is there.
+
+    Raises InvalidParam naming the library's reason when the constraint is invalid, or
+    when compiling takes longer than `timeout_s` (the compile runs on a worker thread
+    and finishes there; llguidance's parser limits bound its work).
+    """
+    text = grammar_text(spec)
+    key = (tokenizer.name, text)
+    with _lock:
+        grammar = _held.get(key) or _recent.get(key)
+        if grammar is not None:
+            _recent[key] = grammar
+            _recent.move_to_end(key)
+            return grammar
+    is_json = spec.json is not None or spec.json_object
+    future = _compiler.submit(_compile, tokenizer.name, text, is_json)
+    try:
+        grammar = future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise InvalidParam(
+            PARAM,
+            f"the {spec.kind} constraint took longer than {timeout_s:g} s to compile: simplify it",
+        ) from None
+    with _lock:
+        _recent[key] = _held[key] = grammar
+        while len(_recent) > CACHE_SIZE:
+            _recent.popitem(last=False)
+    return grammar
+
+
+def _compile(tokenizer_name: str, text: str, is_json: bool) -> Grammar:
+    LLMatcher = _llguidance().LLMatcher
+    tokenizer = ll_tokenizer(tokenizer_name)
+    # log_level 0: the library's warnings would go to stderr; its errors come back here.
+    start = LLMatcher(tokenizer, text, log_level=0)
+    if start.is_error():
+        raise InvalidParam(PARAM, f"invalid constraint: {one_line(start.get_error())}")
+    return Grammar(text, start, tokenizer, is_json)
+
+
+def one_line(reason: str) -> str:
+    """The library's message on one line: its text, without the source excerpt and the
+    carets it draws under it."""
+    kept = []
+    for line in reason.splitlines():
+        line = line.strip()
+        if line and set(line) - {"^", " "} and not re.match(r"\d+ \|", line):
+            kept.append(line)
+    return " ".join(kept)
+
+
+def grammar_for(
+    spec: StructuredOutputs | None, tokenizer: Tokenizer | None, vocab_size: int
+) -> Grammar | None:
+    """A request's constraint compiled (None: unconstrained), for a model whose logits
+    have `vocab_size` entries."""
+    if spec is None:
+        return None
+    if tokenizer is None:
+        raise RoseError("structured outputs need the tokenizer: its vocabulary is the mask's")
+    if vocab_size < tokenizer.n_vocab:
+        # The library spells a forced string with the tokenizer's own tokens ("name", not
+        # n-a-m-e): a model without them could not follow the grammar.
+        raise RoseError(
+            f"structured outputs need a model with the whole vocabulary of its tokenizer "
+            f"({tokenizer.n_vocab} tokens); this one has {vocab_size}"
+        )
+    return compile_grammar(spec, tokenizer)
+
+
+def clear_cache() -> None:
+    """Forget every compiled grammar (the benchmark's first compile); requests that hold
+    one keep it."""
+    with _lock:
+        _recent.clear()
+        _held.clear()
+
+
+# ---------------------------------------------------------------------------
+# One request's matcher, and a batch's masks
+# ---------------------------------------------------------------------------
+
+
+class GrammarMatcher:
+    """Where one request stands in its grammar: which tokens may come next, and whether
+    it is complete. Its state is the request's output so far, token for token."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.matcher = grammar.start.deep_copy()
+        self.tokens: list[int] = []  # consumed: its output (and an end-of-text that ended it)
+        self.closing: list[int] = []  # the tokens that close its JSON, once they must come
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def advance(self, token_id: int) -> None:
+        """Consume one token the request took; a token the grammar forbids raises."""
+        if not self.matcher.consume_token(token_id):
+            raise RoseError(f"token {token_id} breaks the grammar: {self.error}")
+        self.tokens.append(token_id)
+        if self.closing:
+            self.closing = self.closing[1:] if self.closing[0] == token_id else []
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` tokens (a rejected draft's, say)."""
+        if not 0 <= num_tokens <= self.num_tokens or not self.matcher.rollback(num_tokens):
+            raise RoseError(
+                f"cannot roll back {num_tokens} of {self.num_tokens} tokens: {self.error}"
+            )
+        del self.tokens[len(self.tokens) - num_tokens :]
+        self.closing = []  # planned for a longer output: planned again when needed
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        """Write which tokens may come next into `out`: int32, one bit per token id
+        (32 ids a word, the lowest bit first), as wide as the tokenizer's vocabulary."""
+        if self.matcher.is_error():
+            raise RoseError(f"the grammar matcher failed: {self.error}")
+        # (the library writes through a raw pointer: the buffer must be what it expects)
+        if (
+            out.dtype != np.int32
+            or not out.flags.c_contiguous
+            or out.size * 32 < self.grammar.n_vocab
+        ):
+            raise RoseError(f"the mask is {self.grammar.n_vocab} bits in contiguous int32 words")
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def closing_token(self, tokens_left: int) -> int | None:
+        """The token that must come next so that the JSON is closed within `tokens_left`
+        tokens, or None while the model may still choose (or when no closing fits).
+
+        A JSON output cut by max_tokens does not parse. So once the shortest text that
+        closes it (`json_closing`), in tokens, is within CLOSING_MARGIN of the tokens
+        left, those tokens are planned and forced one by one; the margin covers a token
+        that opens several values at once. A schema that does not take the closing text
+        (its values are not numbers, say) is left to run to "length".
+        """
+        if self.closing:
+            return self.closing[0]
+        if tokens_left > CLOSING_WITHIN or not self.grammar.is_json:
+            return None
+        text = self.grammar.tokenizer.decode_bytes(self.tokens).decode("utf-8", "replace")
+        suffix = json_closing(text)
+        if suffix is None:
+            return None
+        plan = self.grammar.tokenizer.tokenize_str(suffix)
+        trial = self.matcher.deep_copy()
+        if not (trial.consume_tokens(plan) and trial.is_accepting()):
+            return None
+        if not trial.is_stopped():  # a value that could go on (a number): end-of-text ends it
+            plan.append(self.grammar.tokenizer.eos_token)
+        if len(plan) + CLOSING_MARGIN < tokens_left:
+            return None  # room enough: the model writes on
+        self.closing = plan
+        return plan[0]
+
+    @property
+    def error(self) -> str:
+        """The library's error, its first line (the rest dumps the parser's state)."""
+        return next(iter(self.matcher.get_error().splitlines()), "")
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and takes no further token (end-of-text aside)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is a whole match (it could end here, or go on)."""
+        return self.matcher.is_accepting()
+
+
+def allowed_tokens(
+    matchers: list[GrammarMatcher], width: int, tokens_left: list[int] | None = None
+) -> np.ndarray:
+    """(len(matchers), width) bool: which token ids each matcher allows next.
+
+    `width` is the logits' (a model may pad its vocabulary past the tokenizer's, as
+    GPT-2 checkpoints trained at 50,304 do): ids the tokenizer does not have are never
+    allowed. The library writes one bit per token (32 tokens per int32 word); numpy
+    unpacks them in token order. tokens_left: each request's tokens until max_tokens; a
+    JSON output that must close now allows only its closing token (`closing_token`).
+    """
+    n_vocab = matchers[0].grammar.n_vocab
+    words = (n_vocab + 31) // 32
+    bits = np.zeros((len(matchers), words), dtype=np.int32)
+    for row, m in enumerate(matchers):
+        if m.grammar.n_vocab != n_vocab:
+            raise RoseError("the requests of one batch share one tokenizer")
+        # One row after another: a mask takes microseconds, less than handing the rows
+        # to the library's thread pool costs (measured: ~1 ms for 4 rows on 2 cores).
+        m.fill_bitmask(bits[row])
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+    allowed = np.zeros((len(matchers), width), dtype=bool)
+    known = min(width, n_vocab)
+    allowed[:, :known] = unpacked[:, :known]
+    for row, left in enumerate(tokens_left or ()):
+        forced = matchers[row].closing_token(left)
+        if forced is not None:
+            allowed[row] = False
+            allowed[row, forced] = True
+    return allowed
+
+
+def json_closing(text: str) -> str | None:
+    """The shortest text that makes `text`, the start of a JSON object, whole: it ends
+    an open string (and its escape), number or literal, gives a key its value (0), and
+    closes every open object and array. None when `text` is not read as JSON here.
+    """
+    if not text.strip():
+        return "{}"
+    stack: list[str] = []  # the open objects and arrays, outermost first
+    expect = "value"  # what comes next: value, key, colon, more (a comma or a close)
+    in_string, is_key, escape, word = False, False, "", ""
+    for ch in text:
+        if in_string:
+            if escape:  # "\\" then one letter, or "\\u" then four hex digits
+                escape = "" if escape == "\\" and ch != "u" else escape + ch
+                escape = "" if len(escape) == 6 else escape
+            elif ch == "\\":
+                escape = "\\"
+            elif ch == '"':
+                in_string, expect = False, "colon" if is_key else "more"
+            continue
+        if word:  # a number or true/false/null, until a character that ends it
+            if ch.isalnum() or ch in "+-.":
+                word += ch
+                continue
+            word, expect = "", "more"
+        if ch.isspace():
+            continue
+        if ch == '"':
+            in_string, is_key = True, expect == "key"
+        elif ch in "{[":
+            stack.append(ch)
+            expect = "key" if ch == "{" else "value"
+        elif ch in "}]":
+            if not stack:
+                return None
+            stack.pop()
+            expect = "more"
+        elif ch == ":":
+            expect = "value"
+        elif ch == ",":
+            if not stack:
+                return None
+            expect = "key" if stack[-1] == "{" else "value"
+        else:
+            word = ch
+    # An empty object or array closes as it is; a key or a comma needs its value.
+    just_opened = not in_string and not word and text.rstrip()[-1:] in ("{", "[")
+    suffix = ""
+    if in_string:
+        if escape:
+            suffix += "n" if escape == "\\" else "0" * (6 - len(escape))
+        suffix += '"'
+        expect = "colon" if is_key else "more"
+    elif word:
+        suffix += _finish_word(word)
+        expect = "more"
+    if not just_opened:
+        suffix += {"key": '"":0', "colon": ":0", "value": "0", "more": ""}[expect]
+    return suffix + "".join("}" if c == "{" else "]" for c in reversed(stack))
+
+
+def _finish_word(word: str) -> str:
+    """What ends a number or a literal begun as `word`."""
+    for literal in ("true", "false", "null"):
+        if literal.startswith(word):
+            return literal[len(word) :]
+    return "0" if word[-1] in "+-.eE" else ""
