@@ -7,7 +7,7 @@
     rose-course check all [--dir DIR]  grade every chapter's file
 
 A check swaps the learner's function in for the real piece, runs the real system on a
-small seeded model and compares it with the oracle (rosecourse/exercises.py). Its
+small seeded model and compares it with the oracle (rosecourse/exercises/). Its
 verdict is one line: the first step that differs and, for a known mistake, which one.
 """
 
