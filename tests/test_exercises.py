@@ -51,11 +51,11 @@ FIRST_DIVERGENT_STEP = {
     "last_slot_only": 1,
     "lose_past_kv": 1,  # the prefill has no past to lose; the first decode step does
     "new_only": 1,
-    "new_first": None,  # decode attention is order-free; the chunks' tokens happen to hold
+    "new_first": 1,  # order-free for one decode query, but not for a left-padded row
     "along_heads": 1,
     "top_left": 1,  # the first decode query sees key 0 only
     "square": 0,  # passes one-token steps; the second prefill chunk has a past
-    "open": None,  # a decode query may see every key anyway
+    "open": 2,  # a batch prefills under the mask: its earlier queries see later keys
     "strict": 8,
     "from_zero": 1,
     "one_too_far": 0,
@@ -66,6 +66,7 @@ FIRST_DIVERGENT_STEP = {
     "at_slot_zero": 2,
     "into_a_copy": 1,  # the prefill sees its own keys; the next call finds the slots empty
     "never_written": 1,
+    "first_row_only": 1,  # the batch's row 1 (row 0 is right)
     "counting_padding": 0,
     "from_one": 0,
     "unclamped": 0,

@@ -1,6 +1,7 @@
-"""Chapter 00's exercise: the causal self-attention of a training step. The learner's function replaces the
-model's uncached attention (PyTorch's SDPA with is_causal=True), and the model decodes
-greedily without a cache.
+"""Chapter 00's exercise: the causal self-attention of a training step.
+
+The learner's function replaces the model's uncached attention (PyTorch's SDPA with
+is_causal=True), and the model decodes greedily without a cache.
 
 The contract is the docstring of rosecourse/solutions/ch00_causal_attention.py.
 """
@@ -23,6 +24,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
@@ -35,7 +37,7 @@ from roseinfer.request.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def random_qkv(seed: int, shape: tuple[int, ...] = (1, 2, 5, 8)) -> list[torch.Tensor]:
+def random_qkv(seed: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=generator) for _ in range(3)]
 
@@ -73,8 +75,18 @@ def _swap_causal_attention(fn: Callable) -> contextlib.AbstractContextManager:
     return mock.patch.object(rosetrainer.model, "F", functional)
 
 
-def _attention_probe(fn: Callable) -> list[object]:
-    return [outcome(lambda s=s: fn(*random_qkv(s))) for s in (0, 1)]
+# (batch, n_head, T, head_dim): rows and heads that differ, one position alone, and a
+# head_dim other than the model's.
+ATTENTION_SHAPES = [(2, 3, 5, 8), (1, 2, 1, 4), (3, 1, 7, 16)]
+
+
+def _attention_probe(fn: Callable) -> Probe:
+    return {
+        f"causal_attention(q, k, v), each of shape {shape}": outcome(
+            lambda seed=seed, shape=shape: fn(*random_qkv(seed, shape))
+        )
+        for seed, shape in enumerate(ATTENTION_SHAPES)
+    }
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Chapter 01's exercise: the uncached greedy loop. The check calls the learner's loop on the
-chapters' model and compares its tokens with the teaching loop's.
+"""Chapter 01's exercise: the uncached greedy loop.
+
+The check calls the learner's loop on the chapters' model and compares its tokens with
+the teaching loop's.
 
 The contract is the docstring of rosecourse/solutions/ch01_greedy_decode.py.
 """
@@ -18,6 +20,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     held_function,
@@ -37,9 +40,13 @@ def greedy_decode(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> lis
     return generate(model, prompt_ids, params, use_cache=False).token_ids
 
 
-def _greedy_probe(fn: Callable) -> list[object]:
+def _greedy_probe(fn: Callable) -> Probe:
     model = oracle_model()
-    return [outcome(lambda p=p: fn(model, list(p), 3)) for p in ((464, 3290, 318), (50,))]
+    cases = [((464, 3290, 318), 3), ((50,), 4), ((50, 464), 1)]
+    return {
+        f"greedy_decode(model, {list(p)}, {n})": outcome(lambda p=p, n=n: fn(model, list(p), n))
+        for p, n in cases
+    }
 
 
 def _greedy_runs() -> list[tuple[str, Callable, Callable]]:

@@ -1,5 +1,6 @@
-"""Chapter 02's exercise: keep the past keys/values and add the new ones. The learner's
-function replaces rosetrainer.model.concat_kv under a concatenating cache.
+"""Chapter 02's exercise: keep the past keys/values and add the new ones.
+
+The learner's function replaces rosetrainer.model.concat_kv under a concatenating cache.
 
 The contract is the docstring of rosecourse/solutions/ch02_concat_kv.py.
 """
@@ -15,6 +16,8 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
+    batch_runs,
     check,
     greedy_runs,
     outcome,
@@ -25,17 +28,25 @@ from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import concat_kv
 
 
-def _kv_probe(fn: Callable) -> list[object]:
+def _kv_probe(fn: Callable) -> Probe:
+    """Two rows that differ, three heads: a first call (no past), then a past of 3 and 2 new
+    tokens, then one decode token; and a call where every axis has the same size."""
     generator = torch.Generator().manual_seed(0)
-    past = (
-        torch.randn(1, 2, 3, 4, generator=generator),
-        torch.randn(1, 2, 3, 4, generator=generator),
-    )
-    new = (
-        torch.randn(1, 2, 2, 4, generator=generator),
-        torch.randn(1, 2, 2, 4, generator=generator),
-    )
-    return [outcome(lambda: fn(None, *new)), outcome(lambda: fn(past, *new))]
+
+    def kv(time: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(2, 3, time, 4, generator=generator) for _ in range(2))
+
+    past, new, one = kv(3), kv(2), kv(1)
+    # Every axis of one size: a concatenation along the wrong one raises nothing.
+    square = [torch.randn(2, 2, 2, 2, generator=generator) for _ in range(4)]
+    return {
+        "concat_kv(past of (2, 2, 2, 2), k, v of (2, 2, 2, 2))": outcome(
+            lambda: fn(tuple(square[:2]), *square[2:])
+        ),
+        "concat_kv(None, k, v) with k, v (2, 3, 2, 4)": outcome(lambda: fn(None, *new)),
+        "concat_kv(past of (2, 3, 3, 4), k, v of (2, 3, 2, 4))": outcome(lambda: fn(past, *new)),
+        "concat_kv(past of (2, 3, 3, 4), k, v of (2, 3, 1, 4))": outcome(lambda: fn(past, *one)),
+    }
 
 
 def _new_only(layer_past, k, v):
@@ -59,7 +70,7 @@ EXERCISE = Exercise(
     reference=concat_kv,
     probe=_kv_probe,
     swapped_in=patched(rosetrainer.model, "concat_kv"),
-    runs=greedy_runs(ConcatKVCache),
+    runs=greedy_runs(ConcatKVCache) + batch_runs(lambda rows: ConcatKVCache()),
     known_wrong=[
         KnownWrong(
             "lose_past_kv",

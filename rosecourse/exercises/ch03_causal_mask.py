@@ -1,5 +1,6 @@
-"""Chapter 03's exercise: the causal mask of a call with a past. The learner's function
-replaces rosetrainer.model.causal_mask.
+"""Chapter 03's exercise: the causal mask of a call with a past.
+
+The learner's function replaces rosetrainer.model.causal_mask.
 
 The contract is the docstring of rosecourse/solutions/ch03_causal_mask.py.
 """
@@ -15,20 +16,23 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
+    batch_runs,
     check,
     greedy_runs,
-    outcome,
     patched,
+    probe_calls,
 )
 from rosecourse.naive import top_left_causal_mask
 from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import causal_mask
 
-MASK_PROBES = [(1, 1), (4, 4), (1, 6), (3, 7), (2, 2)]
+# (q_len, kv_len): no past, one decode query, chunks after a past.
+MASK_PROBES = [(1, 1), (4, 4), (1, 6), (3, 7), (2, 2), (5, 12)]
 
 
-def _mask_probe(fn: Callable) -> list[object]:
-    return [outcome(lambda q=q, kv=kv: fn(q, kv)) for q, kv in MASK_PROBES]
+def _mask_probe(fn: Callable) -> Probe:
+    return probe_calls(fn, "causal_mask", MASK_PROBES)
 
 
 def _square_mask(q_len, kv_len, device=None):
@@ -58,7 +62,7 @@ EXERCISE = Exercise(
     reference=causal_mask,
     probe=_mask_probe,
     swapped_in=patched(rosetrainer.model, "causal_mask"),
-    runs=greedy_runs(ConcatKVCache),
+    runs=greedy_runs(ConcatKVCache) + batch_runs(lambda rows: ConcatKVCache()),
     known_wrong=[
         KnownWrong("top_left", top_left_causal_mask, TOP_LEFT),
         KnownWrong("square", _square_mask, SQUARE),

@@ -1,5 +1,6 @@
-"""Chapter 04's exercise: the positions of new tokens after a past. The learner's function
-replaces rosetrainer.model.position_ids.
+"""Chapter 04's exercise: the positions of new tokens after a past.
+
+The learner's function replaces rosetrainer.model.position_ids.
 
 The contract is the docstring of rosecourse/solutions/ch04_position_ids.py.
 """
@@ -15,18 +16,20 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     greedy_runs,
-    outcome,
     patched,
+    probe_calls,
 )
 from rosecourse.naive import positions_from_zero
 from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import position_ids
 
 
-def _positions_probe(fn: Callable) -> list[object]:
-    return [outcome(lambda a=a: fn(*a)) for a in [(0, 5), (5, 1), (7, 3)]]
+def _positions_probe(fn: Callable) -> Probe:
+    # (past_len, q_len): a prefill, a decode token, chunks after a past.
+    return probe_calls(fn, "position_ids", [(0, 5), (5, 1), (7, 3), (0, 1), (12, 4)])
 
 
 def _one_too_far(past_len, q_len, device=None):

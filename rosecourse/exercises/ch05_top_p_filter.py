@@ -1,5 +1,7 @@
-"""Chapter 05's exercise: nucleus (top-p) filtering. The learner's function replaces the
-sampler's, and a seeded cached run must draw the reference sampler's tokens.
+"""Chapter 05's exercise: nucleus (top-p) filtering.
+
+The learner's function replaces the sampler's, and a seeded cached run must draw the
+reference sampler's tokens.
 
 The contract is the docstring of rosecourse/solutions/ch05_top_p_filter.py.
 """
@@ -24,6 +26,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
@@ -56,8 +59,23 @@ TOP_P_LOGITS = torch.tensor(
 )
 
 
-def _top_p_probe(fn: Callable) -> list[object]:
-    return [outcome(lambda p=p: fn(TOP_P_LOGITS.clone(), p)) for p in (0.5, 0.8, 0.95)]
+# Two tokens of probability exactly 1/2 (the rest -inf, as after top-k): at p = 0.5 the
+# first alone reaches p.
+HALVES = torch.tensor([[0.0, 0.0, -torch.inf, -torch.inf, -torch.inf, -torch.inf]])
+TOP_P_INPUTS = {
+    "TOP_P_LOGITS (3, 6)": TOP_P_LOGITS,
+    f"{HALVES.tolist()}": HALVES,
+    "TOP_P_LOGITS as (3, 1, 6)": TOP_P_LOGITS[:, None, :],
+    "TOP_P_LOGITS in float16": TOP_P_LOGITS.half(),
+}
+
+
+def _top_p_probe(fn: Callable) -> Probe:
+    return {
+        f"top_p_filter({name}, {p})": outcome(lambda x=x, p=p: fn(x.clone(), p))
+        for name, x in TOP_P_INPUTS.items()
+        for p in (0.05, 0.5, 0.8, 0.95, 1.0)
+    }
 
 
 def _drops_crossing(logits, p):

@@ -1,5 +1,7 @@
-"""Chapter 06's exercise: the static cache's in-place write. The learner's function replaces
-StaticLayerCache.update, as a function of the layer's buffers.
+"""Chapter 06's exercise: the static cache's in-place write.
+
+The learner's function replaces StaticLayerCache.update, as a function of the layer's
+buffers.
 
 The contract is the docstring of rosecourse/solutions/ch06_static_update.py.
 """
@@ -16,6 +18,8 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
+    batch_runs,
     check,
     greedy_runs,
     oracle_model,
@@ -24,16 +28,20 @@ from rosecourse.exercises.common import (
 from roseinfer.cache.dense import StaticKVCache, StaticLayerCache
 
 
-def _static_probe(fn: Callable) -> list[object]:
-    """A prefill of 3 into 6 slots, then one decode token: what is handed back, and kept."""
-    k, v = torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2)
-    seen = []
-    for start, length in [(0, 3), (3, 1)]:
-        new = torch.arange(start, start + length, dtype=torch.float32) + 1.0
-        k_new = new[None, None, :, None].expand(1, 1, length, 2).contiguous()
-        positions = torch.arange(start, start + length)
-        seen.append(outcome(lambda n=k_new, p=positions: cloned(fn(k, v, p, n, -n))))
-        seen.append((k.clone(), v.clone()))
+def _static_probe(fn: Callable) -> Probe:
+    """Buffers of 2 rows, 2 heads and 7 slots: a prefill of 3, a decode token, then a chunk
+    of 2; after each call, what is handed back and what the buffers keep."""
+    generator = torch.Generator().manual_seed(0)
+    k, v = torch.zeros(2, 2, 7, 3), torch.zeros(2, 2, 7, 3)
+    seen: Probe = {}
+    for start, length in [(0, 3), (3, 1), (4, 2)]:
+        k_new, v_new = (torch.randn(2, 2, length, 3, generator=generator) for _ in range(2))
+        input_pos = torch.arange(start, start + length)
+        call = f"static_update(k, v, {input_pos.tolist()}, k_new, v_new)"
+        seen[f"{call} returns"] = outcome(
+            lambda p=input_pos, k_new=k_new, v_new=v_new: cloned(fn(k, v, p, k_new, v_new))
+        )
+        seen[f"after {call}, the buffers"] = (k.clone(), v.clone())
     return seen
 
 
@@ -67,6 +75,12 @@ def _into_a_copy(k_buffer, v_buffer, input_pos, k_new, v_new):
     return k_buffer.index_copy(2, input_pos, k_new), v_buffer.index_copy(2, input_pos, v_new)
 
 
+def _first_row_only(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[0, :, input_pos] = k_new[0]
+    v_buffer[0, :, input_pos] = v_new[0]
+    return k_buffer, v_buffer
+
+
 def _never_written(k_buffer, v_buffer, input_pos, k_new, v_new):
     return k_buffer, v_buffer
 
@@ -76,7 +90,8 @@ EXERCISE = Exercise(
     reference=static_update,
     probe=_static_probe,
     swapped_in=_swap_static_update,
-    runs=greedy_runs(lambda: StaticKVCache(oracle_model(), max_len=64)),
+    runs=greedy_runs(lambda: StaticKVCache(oracle_model(), max_len=64))
+    + batch_runs(lambda rows: StaticKVCache(oracle_model(), batch_size=rows, max_len=64)),
     known_wrong=[
         KnownWrong(
             "at_slot_zero",
@@ -91,6 +106,12 @@ EXERCISE = Exercise(
             "you wrote into a copy (index_copy, not "
             "index_copy_): this call sees its keys, the next finds their slots "
             "unwritten (zeros) and attends to them",
+        ),
+        KnownWrong(
+            "first_row_only",
+            _first_row_only,
+            "you write batch row 0 only: every other row of a batch keeps zeros (or a "
+            "stale sequence) in its slots; write every row of the batch",
         ),
         KnownWrong(
             "never_written",

@@ -1,5 +1,6 @@
-"""Chapter 07's exercise: the per-row positions of a left-padded batch. The learner's
-function replaces rosetrainer.model.padded_position_ids in a batched run.
+"""Chapter 07's exercise: the per-row positions of a left-padded batch.
+
+The learner's function replaces rosetrainer.model.padded_position_ids in a batched run.
 
 The contract is the docstring of rosecourse/solutions/ch07_padded_position_ids.py.
 """
@@ -11,52 +12,44 @@ from collections.abc import Callable
 import torch
 
 import rosetrainer.model
-from rosecourse.demo import (
-    NEW_TOKENS,
-)
 from rosecourse.exercises.common import (
-    BATCH_TEXTS,
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
+    batch_runs,
     check,
-    encoded,
     oracle_model,
     outcome,
     patched,
-    reference_tokens,
 )
 from roseinfer.cache.dense import ConcatKVCache
-from roseinfer.loops.generate import generate_batch
-from roseinfer.request.sampling import SamplingParams
 from rosetrainer.model import padded_position_ids
 
-PADDING = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+# Left-padded masks: rows with no, some and much padding; one real token; a bool mask.
+MASKS = [
+    torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]),
+    torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1, 1, 1]]),
+    torch.tensor([[False, True, True], [True, True, True]]),
+]
 
 
-def _padded_probe(fn: Callable) -> list[object]:
-    return [outcome(lambda: fn(PADDING.clone()))]
+def _padded_probe(fn: Callable) -> Probe:
+    """What fn gives for each mask, a padding slot's position shown as 0 when it is any
+    position the model has (the contract leaves it free: nothing reads it)."""
+    block_size = oracle_model().config.block_size
 
+    def positions(mask: torch.Tensor) -> object:
+        got = fn(mask.clone())
+        if not isinstance(got, torch.Tensor) or got.shape != mask.shape:
+            return got
+        free = (mask == 0) & (got >= 0) & (got < block_size)
+        return got.masked_fill(free, 0)
 
-def _batch_runs() -> list[tuple[str, Callable, Callable]]:
-    prompts = [encoded(text) for text in BATCH_TEXTS]
-
-    def expected() -> list[tuple[int, ...]]:
-        return [reference_tokens(p, NEW_TOKENS) for p in prompts]
-
-    def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
-        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-        runs = generate_batch(
-            oracle_model(),
-            [list(p) for p in prompts],
-            params,
-            cache=ConcatKVCache(),
-            on_token=on_token,
-        )
-        return [run.token_ids for run in runs]
-
-    pads = [max(map(len, prompts)) - len(p) for p in prompts]
-    return [(f"a left-padded batch, padding {pads}", expected, go)]
+    return {
+        f"padded_position_ids({mask.tolist()})": outcome(lambda mask=mask: positions(mask))
+        for mask in MASKS
+    }
 
 
 def _counting_padding(attention_mask):
@@ -76,7 +69,7 @@ EXERCISE = Exercise(
     reference=padded_position_ids,
     probe=_padded_probe,
     swapped_in=patched(rosetrainer.model, "padded_position_ids"),
-    runs=_batch_runs(),
+    runs=batch_runs(lambda rows: ConcatKVCache()),
     known_wrong=[
         KnownWrong(
             "counting_padding",

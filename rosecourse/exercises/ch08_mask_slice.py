@@ -1,5 +1,6 @@
-"""Chapter 08's exercise: a chunk's rows of one precomputed causal mask (nanoGPT's bias). The
-learner's slice becomes the model's causal mask.
+"""Chapter 08's exercise: a chunk's rows of one precomputed causal mask (nanoGPT's bias).
+
+The learner's slice becomes the model's causal mask.
 
 The contract is the docstring of rosecourse/solutions/ch08_mask_slice.py.
 """
@@ -18,22 +19,25 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
+    batch_runs,
     check,
     greedy_runs,
     oracle_model,
     outcome,
 )
+from rosecourse.solutions.ch08_mask_slice import mask_slice
 from roseinfer.cache.dense import ConcatKVCache
 
 
-def mask_slice(bias: torch.Tensor, past_len: int, q_len: int) -> torch.Tensor:
-    """The reference, as the solution writes it (kept here to compare learners with)."""
-    return bias[past_len : past_len + q_len, : past_len + q_len]
-
-
-def _slice_probe(fn: Callable) -> list[object]:
+def _slice_probe(fn: Callable) -> Probe:
     bias = torch.ones(8, 8, dtype=torch.bool).tril()
-    return [outcome(lambda a=a: fn(bias, *a)) for a in [(0, 4), (5, 1), (3, 3)]]
+    # (past_len, q_len): a prefill, decode tokens, a chunk, the whole bias.
+    cases = [(0, 4), (5, 1), (3, 3), (0, 8), (7, 1), (2, 5)]
+    return {
+        f"mask_slice(bias (8, 8), {past}, {q})": outcome(lambda past=past, q=q: fn(bias, past, q))
+        for past, q in cases
+    }
 
 
 def _swap_mask_slice(fn: Callable) -> contextlib.AbstractContextManager:
@@ -63,7 +67,7 @@ EXERCISE = Exercise(
     reference=mask_slice,
     probe=_slice_probe,
     swapped_in=_swap_mask_slice,
-    runs=greedy_runs(ConcatKVCache),
+    runs=greedy_runs(ConcatKVCache) + batch_runs(lambda rows: ConcatKVCache()),
     known_wrong=[
         KnownWrong("nanogpt", _nanogpt_slice, SQUARE),
         KnownWrong("top_rows", _top_rows, TOP_LEFT),

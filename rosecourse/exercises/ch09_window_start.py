@@ -1,5 +1,7 @@
-"""Chapter 09's exercise: the window policy past the context. The learner's function replaces
-roseinfer.request.rows.window_start in a run twice the context long.
+"""Chapter 09's exercise: the window policy past the context.
+
+The learner's function replaces roseinfer.request.rows.window_start in a run twice the
+context long.
 
 The contract is the docstring of rosecourse/solutions/ch09_window_start.py.
 """
@@ -20,11 +22,12 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
-    outcome,
     patched,
+    probe_calls,
     reference_tokens,
 )
 from roseinfer.loops.generate import generate
@@ -32,9 +35,14 @@ from roseinfer.request.rows import window_start
 from roseinfer.request.sampling import SamplingParams
 
 
-def _window_probe(fn: Callable) -> list[object]:
-    cases = [(0, 8, 8, 4), (0, 9, 8, 4), (5, 12, 8, 4), (5, 13, 8, 4), (0, 9, 8, 7), (12, 17, 8, 4)]
-    return [outcome(lambda a=a: fn(*a)) for a in cases]
+def _window_probe(fn: Callable) -> Probe:
+    # (start, seq_len, block_size, keep): the view just full, one too many, past a first
+    # cut, a keep other than half the context, and a later window.
+    cases = [
+        (0, 8, 8, 4), (0, 9, 8, 4), (5, 12, 8, 4), (5, 13, 8, 4), (0, 9, 8, 7),
+        (12, 17, 8, 4), (4, 13, 8, 3), (0, 33, 32, 1),
+    ]  # fmt: skip
+    return probe_calls(fn, "window_start", cases)
 
 
 def _window_runs() -> list[tuple[str, Callable, Callable]]:

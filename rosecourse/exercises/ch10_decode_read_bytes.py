@@ -1,5 +1,7 @@
-"""Chapter 10's exercise: the bytes one decode step reads. The check compares the learner's
-formula with what real objects hold: a real GPT's parameters and a real cache.
+"""Chapter 10's exercise: the bytes one decode step reads.
+
+The check compares the learner's formula with what real objects hold: a real GPT's
+parameters and a real cache.
 
 The contract is the docstring of rosecourse/solutions/ch10_decode_read_bytes.py.
 """
@@ -15,6 +17,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     held_function,
     hold,
@@ -74,11 +77,11 @@ def decode_read_bytes(
     return (weights + kv) * bytes_per_number
 
 
-def _bytes_probe(fn: Callable) -> list[object]:
-    return [
-        outcome(lambda case=case: fn(case[0], case[1], case[2], case[3].itemsize))
-        for case in BYTES_CASES
-    ]
+def _bytes_probe(fn: Callable) -> Probe:
+    return {
+        _case_name(i): outcome(lambda c=c: fn(c[0], c[1], c[2], c[3].itemsize))
+        for i, c in enumerate(BYTES_CASES)
+    }
 
 
 def _bytes_runs() -> list[tuple[str, Callable, Callable]]:

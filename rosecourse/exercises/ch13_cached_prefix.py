@@ -1,5 +1,6 @@
-"""Chapter 13's exercise: the prefix cache's lookup by chained block hashes. The learner's
-function replaces BlockManager.cached_prefix inside the engine.
+"""Chapter 13's exercise: the prefix cache's lookup by chained block hashes.
+
+The learner's function replaces BlockManager.cached_prefix inside the engine.
 
 The contract is the docstring of rosecourse/solutions/ch13_cached_prefix.py.
 """
@@ -13,6 +14,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     outcome,
@@ -54,16 +56,29 @@ def cache_hits(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
     return tuple(sorted((o.request_id, o.num_cached_tokens) for o in outputs))
 
 
-def _prefix_probe(fn: Callable) -> list[object]:
-    """Lookups in a manager that holds two registered sequences' full blocks."""
-    engine = make_engine(num_kv_blocks=16, max_num_seqs=1)
-    first = list(range(100, 113))  # 13 tokens: 3 full blocks
-    engine.add_request(first, greedy(1), request_id="a")
-    while engine.has_unfinished():
-        engine.step()
-    manager = engine.block_manager
-    queries = [first, first[:12], first[:8] + [1, 2, 3, 4, 5], [*first[4:8], *first[:4], 9], [7, 8]]
-    return [outcome(lambda q=q: list(fn(manager, q))) for q in queries]
+def _prefix_probe(fn: Callable) -> Probe:
+    """Lookups in a pool that holds one finished 13-token prompt's full blocks, for blocks
+    of 4 tokens and of 3."""
+    probe: Probe = {}
+    first = list(range(100, 113))
+    for size in (4, 3):
+        engine = make_engine(kv_block_size=size, num_kv_blocks=16, max_num_seqs=1)
+        engine.add_request(first, greedy(1), request_id="a")
+        while engine.has_unfinished():
+            engine.step()
+        manager = engine.block_manager
+        queries = {
+            "the same prompt": first,
+            f"its first {3 * size} tokens": first[: 3 * size],
+            "its first 2 blocks, then others": first[: 2 * size] + [1, 2, 3, 4, 5],
+            "its blocks 1 and 0 swapped": [*first[size : 2 * size], *first[:size], 9],
+            "its block 0 twice": [*first[:size], *first[:size], 9],
+            "2 other tokens": [7, 8],
+        }
+        for name, query in queries.items():
+            call = f"cached_prefix(manager, {name}), kv_block_size={size}"
+            probe[call] = outcome(lambda q=query, m=manager: list(fn(m, q)))
+    return probe
 
 
 def _unchained(manager, token_ids):
@@ -89,13 +104,19 @@ EXERCISE = Exercise(
     reference=cached_prefix,
     probe=_prefix_probe,
     swapped_in=lambda fn: mock.patch.object(BlockManager, "cached_prefix", fn),
-    runs=engine_runs(
-        _prefix_workload,
-        cache_hits,
-        "tokens served from the prefix cache, against the reference lookup's",
-        num_kv_blocks=40,
-        max_num_seqs=1,  # one at a time: each request finds its predecessors' blocks
-    ),
+    runs=[
+        run
+        for size, blocks in ((4, 40), (3, 52))
+        for run in engine_runs(
+            _prefix_workload,
+            cache_hits,
+            "tokens served from the prefix cache, against the reference lookup's "
+            f"(kv_block_size={size})",
+            kv_block_size=size,
+            num_kv_blocks=blocks,
+            max_num_seqs=1,  # one at a time: each request finds its predecessors' blocks
+        )
+    ],
     known_wrong=[
         KnownWrong(
             "unchained",

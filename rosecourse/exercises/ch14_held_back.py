@@ -1,5 +1,6 @@
-"""Chapter 14's exercise: the stream's stop-string hold-back. The learner's function replaces
-the detokenizer's held_back inside the engine.
+"""Chapter 14's exercise: the stream's stop-string hold-back.
+
+The learner's function replaces the detokenizer's held_back inside the engine.
 
 The contract is the docstring of rosecourse/solutions/ch14_held_back.py.
 """
@@ -17,9 +18,10 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
-    outcome,
+    probe_calls,
     reference_tokens,
 )
 from rosecourse.exercises.engine import (
@@ -35,7 +37,7 @@ from roseinfer.request.detokenizer import held_back
 from roseinfer.request.sampling import SamplingParams
 
 
-def _hold_probe(fn: Callable) -> list[object]:
+def _hold_probe(fn: Callable) -> Probe:
     cases = [
         ("Good mor", ("morning",)),
         ("Good morning", ("morning",)),
@@ -43,8 +45,12 @@ def _hold_probe(fn: Callable) -> list[object]:
         ("xxab", ("bz", "abz")),
         ("", ("a",)),
         ("hello", ()),
+        ("say aa", ("aab",)),  # "a" and "aa" both begin the stop: the longer is held
+        ("The end", ("end.", "e")),  # a whole one-letter stop is no beginning
+        ("xyz", ("yzw", "zq")),  # the first stop's beginning is the longer
+        ("a", ("abc",)),  # the text shorter than the stop
     ]
-    return [outcome(lambda c=c: fn(*c)) for c in cases]
+    return probe_calls(fn, "held_back", cases)
 
 
 @functools.cache

@@ -1,4 +1,5 @@
 """Chapter 15's exercise: the exported graph's positions and mask, its shapes kept symbolic.
+
 The learner's function replaces ExportCache.prepare, eager and through torch.export.
 
 The contract is the docstring of rosecourse/solutions/ch15_export_prepare.py.
@@ -18,6 +19,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
@@ -38,15 +40,28 @@ def _swap_export_prepare(fn: Callable) -> contextlib.AbstractContextManager:
     return mock.patch.object(ExportCache, "prepare", fn)
 
 
-def _export_probe(fn: Callable) -> list[object]:
+def _export_probe(fn: Callable) -> Probe:
+    """(positions, mask) for left-padded batches, the mask broadcast to (batch, 1, q_len,
+    past + q_len): the contract allows any shape that broadcasts there."""
     config = oracle_model().config
-    cases = [(2, 3, 4, [0, 2]), (1, 0, 5, None), (3, 6, 1, [1, 0, 3])]
-    seen = []
+    # (batch, past, new, left padding per row)
+    cases = [(2, 3, 4, [0, 2]), (1, 0, 5, None), (3, 6, 1, [1, 0, 3]), (2, 2, 2, [3, 0])]
+
+    def prepared(cache: ExportCache, batch: int, q_len: int) -> object:
+        got = fn(cache, batch, q_len, torch.device("cpu"))
+        shape = (batch, 1, q_len, cache.attention_mask.size(1))
+        if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], torch.Tensor):
+            with contextlib.suppress(RuntimeError):  # a mask of another shape shows as it is
+                return got[0], got[1].broadcast_to(shape)
+        return got
+
+    probe: Probe = {}
     for batch, past, new, pads in cases:
         _, attention_mask, position_ids, past_kv = example_inputs(config, batch, past, new, pads)
         cache = ExportCache(list(past_kv), attention_mask, position_ids)
-        seen.append(outcome(lambda c=cache, b=batch, n=new: fn(c, b, n, torch.device("cpu"))))
-    return seen
+        call = f"export_prepare(batch {batch}, past {past}, {new} new, left padding {pads})"
+        probe[call] = outcome(lambda c=cache, b=batch, n=new: prepared(c, b, n))
+    return probe
 
 
 def padded_greedy(

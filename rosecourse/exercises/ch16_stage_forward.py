@@ -1,5 +1,7 @@
-"""Chapter 16's exercise: one pipeline stage's share of a model call. The learner's function
-replaces PipelineStage.forward, and the model runs as one stage per layer.
+"""Chapter 16's exercise: one pipeline stage's share of a model call.
+
+The learner's function replaces PipelineStage.forward, and the model runs as one stage
+per layer.
 
 The contract is the docstring of rosecourse/solutions/ch16_stage_forward.py.
 """
@@ -20,6 +22,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
@@ -71,17 +74,31 @@ def _stage_runs() -> list[tuple[str, Callable, Callable]]:
     ]
 
 
-def _stage_probe(fn: Callable) -> list[object]:
+def _stage_probe(fn: Callable) -> Probe:
+    """Two calls on one cache (3 tokens, then 1) of a batch of 2 rows, at the first of two
+    stages (token ids in), the last of two (hidden states in), and a single stage holding
+    every layer."""
     model = oracle_model()
-    last = PipelineStage(model, 1, 2)
-    hidden = torch.randn(1, 3, model.config.n_embd, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=generator)
+    hidden = torch.randn(2, 3, model.config.n_embd, generator=generator)
 
-    def two_calls() -> list[torch.Tensor]:
+    def two_calls(stage: PipelineStage, x: torch.Tensor) -> list[torch.Tensor]:
         cache = ConcatKVCache()
         with torch.inference_mode():
-            return [fn(last, hidden, cache), fn(last, hidden[:, :1], cache)]
+            return [fn(stage, x, cache), fn(stage, x[:, -1:], cache)]
 
-    return [outcome(two_calls)]
+    stages = {
+        "the first of 2 stages": (PipelineStage(model, 0, 2), ids),
+        "the last of 2 stages": (PipelineStage(model, 1, 2), hidden),
+        "one stage of every layer": (PipelineStage(model, 0, 1), ids),
+    }
+    return {
+        f"stage_forward at {name}, 2 rows, 3 tokens then 1": outcome(
+            lambda s=stage, x=x: two_calls(s, x)
+        )
+        for name, (stage, x) in stages.items()
+    }
 
 
 def _global_layer(stage, x, cache):

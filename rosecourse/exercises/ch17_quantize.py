@@ -1,5 +1,6 @@
-"""Chapter 17's exercise: group quantization (keys per channel, values per token). The
-learner's function replaces the quantized cache's quantize.
+"""Chapter 17's exercise: group quantization (keys per channel, values per token).
+
+The learner's function replaces the quantized cache's quantize.
 
 The contract is the docstring of rosecourse/solutions/ch17_quantize.py.
 """
@@ -25,6 +26,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     encoded,
     oracle_model,
@@ -35,27 +37,49 @@ from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
 
 
-def _quantize_probe(fn: Callable) -> list[object]:
-    """Not the codes themselves (float16 rounding may differ by a code): the shapes, the
-    code range, and how far each number is read back from itself."""
+def _quantize_probe(fn: Callable) -> Probe:
+    """Not the codes themselves (float16 rounding may differ by a code): the shapes and
+    dtypes, the code range, and how far each number is read back from itself.
+
+    The numbers hold an outlier channel (as keys do), a group just above 1000 whose
+    minimum float16 cannot hold (rounded to nearest, the zero lands above it), a group
+    of equal numbers (scale 0) and a group near float16's largest numbers.
+    """
     x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0)) * 3
-    x[..., 3] += 20.0  # an outlier channel, as keys have
+    x[..., 3] += 20.0
+    x[0, 0, 0] = torch.linspace(1000.3, 1001.0, 8)
+    x[0, 0, 1] = 5.1
+    x[0, 1, 2] = torch.linspace(-65000.0, 60000.0, 8)
+    half = x.half()
+    ulp = (torch.nextafter(half, torch.full_like(half, torch.inf)) - half).float()
 
     def summary(bits: int, group_size: int, dim: int) -> object:
-        q = fn(x, bits, group_size, dim)
+        q = fn(x.clone(), bits, group_size, dim)
         back = dequantize(q, group_size, dim, torch.float32)
         scale = q.scale.float().repeat_interleave(group_size, dim)
-        slack = 1e-3 * (1 + x.abs())
-        return (
-            tuple(q.codes.shape),
-            tuple(q.scale.shape),
-            q.codes.dtype,
-            int(q.codes.max()) <= 2**bits - 1,
-            bool(((back - x).abs() <= scale / 2 + slack).all()),
-            bool((back <= x + slack).all()),
-        )
+        # Within half a scale, up to float32 rounding; a scale of 0 reads back its zero,
+        # the group's number rounded down to float16.
+        bound = scale / 2 + 1e-6 * (1 + x.abs()) + torch.where(scale == 0, ulp, 0.0)
+        outside = ((back - x).abs() > bound).nonzero()
+        first = "none"
+        if len(outside):
+            at = tuple(outside[0].tolist())
+            first = (
+                f"x{list(at)} = {x[at]:.6g} reads back as {back[at]:.6g} (scale {scale[at]:.4g})"
+            )
+        return {
+            "codes": (tuple(q.codes.shape), q.codes.dtype),
+            "scale and zero": (tuple(q.scale.shape), q.scale.dtype, tuple(q.zero.shape)),
+            "codes above 2**bits - 1": int((q.codes.long() > 2**bits - 1).sum()),
+            "the first number read back farther than scale / 2": first,
+            "some number read back above itself": bool((back > x + 1e-6 * (1 + x.abs())).any()),
+        }
 
-    return [outcome(lambda a=a: summary(*a)) for a in [(4, 4, 3), (8, 8, 2), (4, 2, 2)]]
+    cases = [(4, 4, 3), (8, 8, 2), (4, 2, 2), (2, 8, 3)]
+    return {
+        f"quantize(x, bits={b}, group_size={g}, dim={d})": outcome(lambda a=(b, g, d): summary(*a))
+        for b, g, d in cases
+    }
 
 
 QUANT_NEW = 24

@@ -1,11 +1,14 @@
-"""Chapter 18's exercise: the rolling cache's slot for each position. The learner's function
-replaces roseinfer.cache.rolling.rolling_slot far past the window.
+"""Chapter 18's exercise: the rolling cache's slot for each position.
+
+The learner's function replaces roseinfer.cache.rolling.rolling_slot far past the
+window.
 
 The contract is the docstring of rosecourse/solutions/ch18_rolling_slot.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -25,6 +28,7 @@ from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
     KnownWrong,
+    Probe,
     check,
     outcome,
     patched,
@@ -34,11 +38,21 @@ from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.model import GPT
 
+# (window, sinks): chapter 18's model (rosecourse.demo), and one with another window and
+# more sinks, so that neither number can be a constant.
+WINDOWS = [
+    (WINDOWED_MODEL_CONFIG.sliding_window, WINDOWED_MODEL_CONFIG.attention_sinks),
+    (5, 3),
+]
+
 
 @functools.cache
-def windowed_model() -> GPT:
-    """Chapter 18's rotary model with a sliding window and sinks (rosecourse.demo)."""
-    return wide_random_init(GPT(WINDOWED_MODEL_CONFIG), 0)
+def windowed_model(window: int, sinks: int) -> GPT:
+    """Chapter 18's rotary model with this window and these sinks, seeded."""
+    config = dataclasses.replace(
+        WINDOWED_MODEL_CONFIG, sliding_window=window, attention_sinks=sinks
+    )
+    return wide_random_init(GPT(config), 0)
 
 
 # A prompt of token ids (the windowed model's vocabulary is 512), and a run four contexts long.
@@ -47,24 +61,60 @@ WINDOWED_NEW_TOKENS = 4 * WINDOWED_MODEL_CONFIG.block_size
 
 
 @functools.cache
-def windowed_reference() -> tuple[int, ...]:
+def windowed_reference(window: int, sinks: int) -> tuple[int, ...]:
     """The uncached greedy run under the banded mask: the whole sequence at every step."""
     params = SamplingParams(max_tokens=WINDOWED_NEW_TOKENS, ignore_eos=True)
-    run = generate(windowed_model(), list(WINDOWED_PROMPT), params, use_cache=False)
+    model = windowed_model(window, sinks)
+    run = generate(model, list(WINDOWED_PROMPT), params, use_cache=False)
     return tuple(run.token_ids)
 
 
-def _slot_probe(fn: Callable) -> list[object]:
-    # (window, sinks): the chapter's (8, 2), no sinks, and one sink.
-    pos = torch.arange(30)
-    return [outcome(lambda w=w, s=s: fn(pos, w, s)) for w, s in ((8, 2), (8, 0), (5, 1))]
+def renumbered(slots: torch.Tensor, pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """`slots` renumbered in the order positions first use them: the sinks' among 0 .. S - 1
+    and the window's among S .. S + W - 1 (a slot outside its range keeps its number).
+
+    The contract says which positions share a slot and which slots each part may use, not
+    which slot comes first, so every answer that meets it reads here as the reference.
+    """
+    flat, positions, out = slots.flatten().tolist(), pos.flatten().tolist(), []
+    numbers: dict[tuple[bool, int], int] = {}
+    for p, slot in zip(positions, flat, strict=True):
+        is_sink = p < sinks
+        low, high = (0, sinks) if is_sink else (sinks, sinks + window)
+        if low <= slot < high:
+            first = sum(key[0] == is_sink for key in numbers)
+            slot = numbers.setdefault((is_sink, slot), low + first)
+        out.append(slot)
+    return torch.tensor(out, dtype=slots.dtype).view(slots.shape)
+
+
+def _slot_probe(fn: Callable) -> Probe:
+    """Slots renumbered as the reference numbers them (see `renumbered`), for several
+    windows and sink counts, and positions in a (2, 10) tensor."""
+
+    def slots(pos: torch.Tensor, window: int, sinks: int) -> object:
+        got = fn(pos.clone(), window, sinks)
+        if not isinstance(got, torch.Tensor) or got.shape != pos.shape or got.is_floating_point():
+            return got
+        return renumbered(got, pos, window, sinks)
+
+    cases = [(30, 8, 2), (30, 8, 0), (30, 5, 1), (30, 3, 3), (40, 16, 4)]
+    probe = {
+        f"rolling_slot(arange({n}), {w}, {s})": outcome(
+            lambda n=n, w=w, s=s: slots(torch.arange(n), w, s)
+        )
+        for n, w, s in cases
+    }
+    grid = torch.arange(20).view(2, 10)
+    probe["rolling_slot(arange(20).view(2, 10), 4, 2)"] = outcome(lambda: slots(grid, 4, 2))
+    return probe
 
 
 def _slot_runs() -> list[tuple[str, Callable, Callable]]:
-    def go(chunk: int | None) -> Callable:
+    def go(window: int, sinks: int, chunk: int | None) -> Callable:
         def run(on_token: Callable[[int, int], None]) -> list[list[int]]:
             params = SamplingParams(max_tokens=WINDOWED_NEW_TOKENS, ignore_eos=True)
-            model = windowed_model()
+            model = windowed_model(window, sinks)
             result = generate(
                 model, list(WINDOWED_PROMPT), params, cache=RollingKVCache(model),
                 prefill_chunk=chunk, on_token=on_token,
@@ -73,12 +123,20 @@ def _slot_runs() -> list[tuple[str, Callable, Callable]]:
 
         return run
 
-    label = f"{WINDOWED_NEW_TOKENS} tokens on the rolling cache"
-    expected = lambda: [windowed_reference()]  # noqa: E731
-    return [
-        (label, expected, go(None)),
-        (f"{label}, prefill in chunks of {CHUNK}", expected, go(CHUNK)),
-    ]
+    runs = []
+    for (window, sinks), chunks in zip(WINDOWS, ((None, CHUNK), (None,)), strict=True):
+        label = (
+            f"{WINDOWED_NEW_TOKENS} tokens on the rolling cache (window {window}, {sinks} sinks)"
+        )
+        for chunk in chunks:
+            runs.append(
+                (
+                    label + (f", prefill in chunks of {chunk}" if chunk else ""),
+                    lambda window=window, sinks=sinks: [windowed_reference(window, sinks)],
+                    go(window, sinks, chunk),
+                )
+            )
+    return runs
 
 
 def _modulo_all_slots(pos, window, sinks):

@@ -29,7 +29,7 @@ from rosecourse.demo import (
     first_divergence,
     wide_random_init,
 )
-from roseinfer.loops.generate import generate
+from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -135,13 +135,35 @@ def compare_run(
 # Probes: a function's behaviour on small inputs, to compare it with known answers
 # ---------------------------------------------------------------------------
 
+# What a function gives on each of a few small inputs, by a label that says which input
+# (the call as a learner would write it).
+Probe = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Raised:
+    """The outcome of a call that raised: the exception's type (its message may vary)."""
+
+    error: str
+
+    def __str__(self) -> str:
+        return f"raises {self.error}"
+
 
 def outcome(call: Callable[[], object]) -> object:
-    """What a call returned (tensors as they are), or the name of what it raised."""
+    """What a call returned (tensors as they are), or what it raised."""
     try:
         return call()
     except Exception as error:  # what it raised is the outcome
-        return f"raises {type(error).__name__}"
+        return Raised(type(error).__name__)
+
+
+def probe_calls(fn: Callable, name: str, cases: list[tuple]) -> Probe:
+    """`fn(*case)` for each case (plain numbers and strings), labelled as the call."""
+    return {
+        f"{name}({', '.join(map(repr, case))})": outcome(lambda case=case: fn(*case))
+        for case in cases
+    }
 
 
 # Float outcomes computed in another order (a learner's attention, say) differ in the last
@@ -149,39 +171,79 @@ def outcome(call: Callable[[], object]) -> object:
 PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-5
 
 
-def same(a: object, b: object) -> bool:
-    """Equal outcomes: tensors of one shape and equal values (floats within PROBE_RTOL /
-    PROBE_ATOL, NaN equal to NaN, inf to inf of its sign), recursively."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype.is_floating_point != b.dtype.is_floating_point:
-            return False
-        a, b = a.detach().cpu(), b.detach().cpu()
-        if a.is_floating_point():
-            return torch.allclose(
-                a.float(), b.float(), rtol=PROBE_RTOL, atol=PROBE_ATOL, equal_nan=True
-            )
-        return bool((a == b).all())
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
+def _close(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal (floats within PROBE_RTOL / PROBE_ATOL, NaN to NaN, inf to inf)."""
+    if a.is_floating_point():
+        return torch.isclose(a.float(), b.float(), rtol=PROBE_RTOL, atol=PROBE_ATOL, equal_nan=True)
     return a == b
 
 
-def shown(value: object, limit: int = 160) -> str:
-    """An outcome on one short line (tensors as nested lists)."""
+def same(a: object, b: object) -> bool:
+    """Equal outcomes: tensors of one shape and equal values (see _close), recursively."""
+    return difference(a, b) is None
 
-    def brief(v: object) -> object:
-        if not isinstance(v, torch.Tensor):
-            return v
-        if v.numel() <= 24:
-            return v.tolist()
-        start = ", ".join(f"{x:.3g}" for x in v.flatten()[:4].tolist())
-        return f"<shape {tuple(v.shape)}: {start}, ...>"
 
-    value = [brief(v) for v in value] if isinstance(value, (tuple, list)) else brief(value)
-    text = str(value).replace("'", "")
+def _values(t: torch.Tensor) -> str:
+    return ", ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in t.tolist())
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """An outcome on one short line: a tensor as its values (the first few), else as str."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().flatten()
+        text = f"[{_values(flat[:12])}{', ...' if flat.numel() > 12 else ''}]"
+    else:
+        text = str(value).replace("'", "")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def difference(got: object, want: object) -> str | None:
+    """How `got` differs from `want`, in words and values a learner can read (the first
+    elements that differ); None when they are the same outcome."""
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+        got, want = got.detach().cpu(), want.detach().cpu()
+        if got.shape != want.shape:
+            return (
+                f"it gives a tensor of shape {tuple(got.shape)} where {tuple(want.shape)} is right"
+            )
+        if got.dtype != want.dtype:
+            return f"it gives {got.dtype} where {want.dtype} is right"
+        wrong = ~_close(got, want)
+        if not wrong.any():
+            return None
+        index = tuple(int(i) for i in wrong.nonzero()[0])
+        row, at = index[:-1], index[-1] if index else 0
+        got_run = got[row][at : at + 6] if got.dim() else got
+        want_run = want[row][at : at + 6] if want.dim() else want
+        more = ", ..." if got.dim() and at + 6 < got.size(-1) else ""
+        where = f"from index {list(index)} on " if index else ""
+        return (
+            f"{where}it gives {_values(got_run.flatten())}{more} where "
+            f"{_values(want_run.flatten())}{more} is right "
+            f"({int(wrong.sum())} of {got.numel()} elements differ)"
+        )
+    if isinstance(got, dict) and isinstance(want, dict) and got.keys() == want.keys():
+        for key in want:
+            found = difference(got[key], want[key])
+            if found is not None:
+                return f"{key}: {found}"
+        return None
+    if isinstance(got, (tuple, list)) and isinstance(want, (tuple, list)):
+        if len(got) != len(want):
+            return (
+                f"it gives {len(got)} items ({_brief(got)}) where {len(want)} are right "
+                f"({_brief(want)})"
+            )
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            found = difference(g, w)
+            if found is not None:
+                return found if len(want) == 1 else f"item {i}: {found}"
+        return None
+    if isinstance(got, Raised) and got != want:
+        return f"it {got} where {_brief(want)} is right"
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor) or got != want:
+        return f"it gives {_brief(got)} where {_brief(want)} is right"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -193,7 +255,7 @@ def shown(value: object, limit: int = 160) -> str:
 class Exercise:
     name: str
     reference: Callable
-    probe: Callable[[Callable], list[object]]  # fn -> its outcomes on small inputs
+    probe: Callable[[Callable], Probe]  # fn -> its outcomes on small inputs
     swapped_in: Callable[[Callable], contextlib.AbstractContextManager]
     runs: list[tuple[str, Callable[[], list[tuple[int, ...]]], Callable]]  # label, expected, run
     known_wrong: list[KnownWrong]
@@ -209,21 +271,47 @@ class Exercise:
                 return wrong.fn
         raise KeyError(f"{self.name} has no known wrong answer called {name!r}")
 
+    def probed(self, fn: Callable) -> Probe:
+        """The probe of the reference or a known wrong answer, made once (they never change)."""
+        key = (self.name, fn)
+        if key not in _PROBED:
+            _PROBED[key] = self.probe(fn)
+        return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, Callable], Probe] = {}
+
+
+def first_difference(seen: Probe, wanted: Probe) -> str | None:
+    """The first small input on which `seen` differs from `wanted`, and how."""
+    for label, want in wanted.items():
+        found = difference(seen[label], want)
+        if found is not None:
+            return f"{label}: {found}"
+    return None
+
 
 def check(exercise: Exercise, fn: Callable) -> CheckResult:
-    """Swap `fn` in, run every run against its reference, print and return the verdict."""
+    """Swap `fn` in, run every run against its reference, print and return the verdict.
+
+    A known wrong answer's diagnosis is given when `fn` gives what that answer gives on
+    every small input; otherwise the exercise's fallback, with the first small input on
+    which `fn` and the reference differ, if any.
+    """
     seen = exercise.probe(fn)
+    wanted = exercise.probed(exercise.reference)
     diagnosis = next(
-        (w.explanation for w in exercise.known_wrong if same(exercise.probe(w.fn), seen)),
+        (w.explanation for w in exercise.known_wrong if same(seen, exercise.probed(w.fn))),
         None,
     )
+    evidence = first_difference(seen, wanted)
+    why = diagnosis or exercise.fallback + (f" (on {evidence})" if evidence else "")
     result = None
     for label, expected, run in exercise.runs:
         want = expected()  # the reference runs before anything is swapped in
         with exercise.swapped_in(fn):
             divergence = compare_run(label, want, run)
         if divergence is not None:
-            why = diagnosis or exercise.fallback
             if "raised NotImplementedError" in divergence.where:
                 why = "not written yet: replace the stub with your function"
             result = CheckResult(
@@ -234,18 +322,11 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
                 exercise.step_label,
             )
             break
-    if result is None:
-        wanted = exercise.probe(exercise.reference)
-        bad = [i for i, (a, b) in enumerate(zip(seen, wanted, strict=True)) if not same(a, b)]
-        if bad:
-            why = diagnosis or "it differs from the reference on a case these runs never reach"
-            result = CheckResult(
-                exercise.name,
-                False,
-                None,
-                f"every step matches, but on small input #{bad[0]} it gives {shown(seen[bad[0]])} "
-                f"where {shown(wanted[bad[0]])} is right: {why}",
-            )
+    if result is None and evidence is not None:
+        why = diagnosis or "it differs from the reference on a case these runs never reach"
+        result = CheckResult(
+            exercise.name, False, None, f"every step matches, but on {evidence}: {why}"
+        )
     if result is None:
         labels = "; ".join(label for label, _, _ in exercise.runs)
         result = CheckResult(
@@ -281,6 +362,39 @@ def greedy_runs(cache: Callable[[], object]) -> list[tuple[str, Callable, Callab
         ("one-shot prefill, then decode", expected, run(None)),
         (f"prefill in chunks of {CHUNK}", expected, run(CHUNK)),
     ]
+
+
+def batch_runs(
+    cache: Callable[[int], object], chunked: bool = True
+) -> list[tuple[str, Callable, Callable]]:
+    """BATCH_TEXTS as one left-padded batch on `cache(rows)`, each row against its solo
+    uncached run: a one-shot prefill, then (if `chunked`) a prefill in chunks."""
+    prompts = [encoded(text) for text in BATCH_TEXTS]
+    pads = [max(map(len, prompts)) - len(p) for p in prompts]
+
+    def expected() -> list[tuple[int, ...]]:
+        return [reference_tokens(p, NEW_TOKENS) for p in prompts]
+
+    def run(chunk: int | None) -> Callable:
+        def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+            runs = generate_batch(
+                oracle_model(),
+                [list(p) for p in prompts],
+                params,
+                cache=cache(len(prompts)),
+                prefill_chunk=chunk,
+                on_token=on_token,
+            )
+            return [run.token_ids for run in runs]
+
+        return go
+
+    label = f"a left-padded batch of {len(prompts)} rows, padding {pads}"
+    runs = [(label, expected, run(None))]
+    if chunked:
+        runs.append((f"{label}, prefill in chunks of {CHUNK}", expected, run(CHUNK)))
+    return runs
 
 
 def patched(module: object, name: str) -> Callable[[Callable], contextlib.AbstractContextManager]:

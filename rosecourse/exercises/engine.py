@@ -130,7 +130,10 @@ def engine_runs(
             (what, reference_steps, lambda on_token: [run_engine(on_token).steps]),
         )
     if tokens_too:
-        runs.append(("each request's tokens", lambda: solo_tokens(workload()), tokens))
+        settings = ", ".join(f"{key}={value}" for key, value in config.items())
+        runs.append(
+            (f"each request's tokens ({settings})", lambda: solo_tokens(workload()), tokens)
+        )
     return runs
 
 
