@@ -103,8 +103,8 @@ EXERCISE = Exercise(
         KnownWrong(
             "into_a_copy",
             _into_a_copy,
-            "you wrote into a copy (index_copy, not "
-            "index_copy_): this call sees its keys, the next finds their slots "
+            "you wrote into a copy of the buffers (an out-of-place operation): this "
+            "call sees its keys, the next finds their slots "
             "unwritten (zeros) and attends to them",
         ),
         KnownWrong(
