@@ -956,6 +956,14 @@ def positions_one_late(cache, batch, q_len, device):
     return _prepared(cache, q_len, device, positions=cache.position_ids + 1)
 
 
+@alternative("15")
+def mask_built_by_hand(cache, batch, q_len, device):
+    kv_len = cache.attention_mask.size(1)
+    causal = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()[kv_len - q_len :]
+    mask = causal[None, None] & cache.attention_mask[:, None, None, :].bool()
+    return cache.position_ids, mask | ~mask.any(-1, keepdim=True)
+
+
 # -- 16: stage_forward(stage, x, cache) ----------------------------------------------------
 
 

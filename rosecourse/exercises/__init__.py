@@ -8,3 +8,15 @@ inputs) and the known wrong answers with their diagnoses. What they share (the v
 the oracle model, the one `check`) is in common.py; the engine's exercises (11 to 14)
 also share engine.py.
 """
+
+# What other parts of the course (the builds, the runner) use of the checks' machinery.
+from rosecourse.exercises.common import (
+    BATCH_TEXTS,
+    CheckResult,
+    encoded,
+    oracle_model,
+    reference_tokens,
+    same,
+)
+
+__all__ = ["BATCH_TEXTS", "CheckResult", "encoded", "oracle_model", "reference_tokens", "same"]
