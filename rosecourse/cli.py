@@ -8,7 +8,7 @@
     rose-course check all [--dir DIR]   grade every chapter's and build's file, then a table
 
 A check swaps the learner's function in for the real piece, runs the real system on a
-small seeded model and compares it with the oracle (rosecourse/exercises.py). Its
+small seeded model and compares it with the oracle (rosecourse/exercises/). Its
 verdict is one line: the first step that differs and, for a known mistake, which one.
 A build (rosecourse/builds/) is one of rose's main pieces written whole; its check runs
 each part of it beside rose's own and prints a line per part.

@@ -24,13 +24,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from rosecourse import exercises, exercises_engine, exercises_model
 from rosecourse.builds.block_manager import BLOCK_MANAGER
 from rosecourse.builds.cached_loop import CACHED_LOOP
 from rosecourse.builds.grading import Build, check_build
 from rosecourse.builds.model import MODEL
 from rosecourse.builds.training_step import TRAINING_STEP
-from rosecourse.exercises import CheckResult
+from rosecourse.exercises import (
+    ch00_causal_attention,
+    ch01_greedy_decode,
+    ch02_concat_kv,
+    ch03_causal_mask,
+    ch04_position_ids,
+    ch05_top_p_filter,
+    ch06_static_update,
+    ch07_padded_position_ids,
+    ch08_mask_slice,
+    ch09_window_start,
+    ch10_decode_read_bytes,
+    ch11_slot_mapping,
+    ch12_schedule,
+    ch13_cached_prefix,
+    ch14_held_back,
+    ch15_export_prepare,
+    ch16_stage_forward,
+    ch17_quantize,
+    ch18_rolling_slot,
+)
+from rosecourse.exercises.common import CheckResult
 from rosetrainer.errors import RoseError
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 
@@ -62,86 +82,101 @@ LESSONS = [
         "00",
         "causal_attention",
         "the causal self-attention of a training step",
-        exercises_model.check_causal_attention,
+        ch00_causal_attention.check_causal_attention,
     ),
-    Lesson("01", "greedy_decode", "the uncached greedy loop", exercises_model.check_greedy_decode),
-    Lesson("02", "concat_kv", "keep the past keys/values, add the new", exercises.check_concat_kv),
     Lesson(
-        "03", "causal_mask", "the causal mask of a call with a past", exercises.check_causal_mask
+        "01", "greedy_decode", "the uncached greedy loop", ch01_greedy_decode.check_greedy_decode
+    ),
+    Lesson(
+        "02", "concat_kv", "keep the past keys/values, add the new", ch02_concat_kv.check_concat_kv
+    ),
+    Lesson(
+        "03",
+        "causal_mask",
+        "the causal mask of a call with a past",
+        ch03_causal_mask.check_causal_mask,
     ),
     Lesson(
         "04",
         "position_ids",
         "the positions of new tokens after a past",
-        exercises.check_position_ids,
+        ch04_position_ids.check_position_ids,
     ),
-    Lesson("05", "top_p_filter", "nucleus (top-p) filtering", exercises.check_top_p_filter),
+    Lesson("05", "top_p_filter", "nucleus (top-p) filtering", ch05_top_p_filter.check_top_p_filter),
     Lesson(
-        "06", "static_update", "the static cache's in-place write", exercises.check_static_update
+        "06",
+        "static_update",
+        "the static cache's in-place write",
+        ch06_static_update.check_static_update,
     ),
     Lesson(
         "07",
         "padded_position_ids",
         "per-row positions of a left-padded batch",
-        exercises.check_padded_position_ids,
+        ch07_padded_position_ids.check_padded_position_ids,
     ),
-    Lesson("08", "mask_slice", "a chunk's rows of a precomputed mask", exercises.check_mask_slice),
     Lesson(
-        "09", "window_start", "the window policy past the context", exercises.check_window_start
+        "08", "mask_slice", "a chunk's rows of a precomputed mask", ch08_mask_slice.check_mask_slice
+    ),
+    Lesson(
+        "09",
+        "window_start",
+        "the window policy past the context",
+        ch09_window_start.check_window_start,
     ),
     Lesson(
         "10",
         "decode_read_bytes",
         "the bytes one decode step must read",
-        exercises_model.check_decode_read_bytes,
+        ch10_decode_read_bytes.check_decode_read_bytes,
     ),
     Lesson(
         "11",
         "slot_mapping",
         "each token's slot in the paged pool",
-        exercises_engine.check_slot_mapping,
+        ch11_slot_mapping.check_slot_mapping,
     ),
     Lesson(
         "12",
         "schedule",
         "the scheduler's decision for one step",
-        exercises_engine.check_schedule,
+        ch12_schedule.check_schedule,
     ),
     Lesson(
         "13",
         "cached_prefix",
         "the prefix cache's lookup by chained block hash",
-        exercises_engine.check_cached_prefix,
+        ch13_cached_prefix.check_cached_prefix,
     ),
     Lesson(
         "14",
         "held_back",
         "the stream's stop-string hold-back",
-        exercises_engine.check_held_back,
+        ch14_held_back.check_held_back,
     ),
     Lesson(
         "15",
         "export_prepare",
         "the exported graph's positions and mask, shapes kept symbolic",
-        exercises_model.check_export_prepare,
+        ch15_export_prepare.check_export_prepare,
     ),
     Lesson(
         "16",
         "stage_forward",
         "one pipeline stage's share of a model call",
-        exercises_model.check_stage_forward,
+        ch16_stage_forward.check_stage_forward,
     ),
     Lesson(
         "17",
         "quantize",
         "group quantization (keys per channel, values per token)",
-        exercises_model.check_quantize,
+        ch17_quantize.check_quantize,
     ),
     Lesson(
         "18",
         "rolling_slot",
         "the rolling cache's slot for each position (sinks kept, the window modulo W)",
-        exercises.check_rolling_slot,
+        ch18_rolling_slot.check_rolling_slot,
     ),
 ]
 

@@ -3,11 +3,12 @@ at its first divergent step with its own explanation, an unknown one with the fa
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-from rosecourse import exercises
-from rosecourse.solutions import (
+from rosecourse.exercises import (
     ch02_concat_kv,
     ch03_causal_mask,
     ch04_position_ids,
@@ -18,17 +19,26 @@ from rosecourse.solutions import (
     ch09_window_start,
     ch18_rolling_slot,
 )
+from rosecourse.solutions import ch02_concat_kv as solution02
+from rosecourse.solutions import ch03_causal_mask as solution03
+from rosecourse.solutions import ch04_position_ids as solution04
+from rosecourse.solutions import ch05_top_p_filter as solution05
+from rosecourse.solutions import ch06_static_update as solution06
+from rosecourse.solutions import ch07_padded_position_ids as solution07
+from rosecourse.solutions import ch08_mask_slice as solution08
+from rosecourse.solutions import ch09_window_start as solution09
+from rosecourse.solutions import ch18_rolling_slot as solution18
 
 SOLUTIONS = [
-    (exercises.check_concat_kv, ch02_concat_kv.concat_kv),
-    (exercises.check_causal_mask, ch03_causal_mask.causal_mask),
-    (exercises.check_position_ids, ch04_position_ids.position_ids),
-    (exercises.check_top_p_filter, ch05_top_p_filter.top_p_filter),
-    (exercises.check_static_update, ch06_static_update.static_update),
-    (exercises.check_padded_position_ids, ch07_padded_position_ids.padded_position_ids),
-    (exercises.check_mask_slice, ch08_mask_slice.mask_slice),
-    (exercises.check_window_start, ch09_window_start.window_start),
-    (exercises.check_rolling_slot, ch18_rolling_slot.rolling_slot),
+    (ch02_concat_kv.check_concat_kv, solution02.concat_kv),
+    (ch03_causal_mask.check_causal_mask, solution03.causal_mask),
+    (ch04_position_ids.check_position_ids, solution04.position_ids),
+    (ch05_top_p_filter.check_top_p_filter, solution05.top_p_filter),
+    (ch06_static_update.check_static_update, solution06.static_update),
+    (ch07_padded_position_ids.check_padded_position_ids, solution07.padded_position_ids),
+    (ch08_mask_slice.check_mask_slice, solution08.mask_slice),
+    (ch09_window_start.check_window_start, solution09.window_start),
+    (ch18_rolling_slot.check_rolling_slot, solution18.rolling_slot),
 ]
 
 # The first step each known wrong answer parts from the reference on the oracle model
@@ -41,11 +51,11 @@ FIRST_DIVERGENT_STEP = {
     "last_slot_only": 1,
     "lose_past_kv": 1,  # the prefill has no past to lose; the first decode step does
     "new_only": 1,
-    "new_first": None,  # decode attention is order-free; the chunks' tokens happen to hold
+    "new_first": 1,  # order-free for one decode query, but not for a left-padded row
     "along_heads": 1,
     "top_left": 1,  # the first decode query sees key 0 only
     "square": 0,  # passes one-token steps; the second prefill chunk has a past
-    "open": None,  # a decode query may see every key anyway
+    "open": 2,  # a batch prefills under the mask: its earlier queries see later keys
     "strict": 8,
     "from_zero": 1,
     "one_too_far": 0,
@@ -56,6 +66,7 @@ FIRST_DIVERGENT_STEP = {
     "at_slot_zero": 2,
     "into_a_copy": 1,  # the prefill sees its own keys; the next call finds the slots empty
     "never_written": 1,
+    "first_row_only": 1,  # the batch's row 1 (row 0 is right)
     "counting_padding": 0,
     "from_one": 0,
     "unclamped": 0,
@@ -82,7 +93,11 @@ def test_reference_solution_passes(check, solution) -> None:
     assert result.step is None
 
 
-WRONG = list(exercises.known_wrong_answers())
+WRONG = [
+    (check, wrong)
+    for check, solution in SOLUTIONS
+    for wrong in importlib.import_module(check.__module__).EXERCISE.known_wrong
+]
 
 
 def test_every_known_wrong_answer_has_an_expected_step() -> None:
@@ -103,7 +118,7 @@ def test_a_stub_fails_where_it_is_first_called_and_says_so() -> None:
     def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
         raise NotImplementedError("write the mask")
 
-    result = exercises.check_causal_mask(causal_mask)
+    result = ch03_causal_mask.check_causal_mask(causal_mask)
     # A prefill without a past never asks for the mask; the first decode step does.
     assert not result.passed and result.step == 1
     assert result.explanation.startswith("not written yet")
@@ -114,7 +129,7 @@ def test_an_unknown_wrong_answer_gets_the_exercise_own_explanation() -> None:
     def off_by_two(past_len: int, q_len: int, device=None) -> torch.Tensor:
         return torch.arange(past_len + 2, past_len + q_len + 2, device=device)
 
-    result = exercises.check_position_ids(off_by_two)
+    result = ch04_position_ids.check_position_ids(off_by_two)
     assert not result.passed and result.step == 0
-    assert result.explanation.startswith(exercises.POSITION_IDS.fallback)
+    assert result.explanation.startswith(ch04_position_ids.EXERCISE.fallback)
     assert str(result).startswith("position_ids: FAILED at step 0 (the prefill's token): ")

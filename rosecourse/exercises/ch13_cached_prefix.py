@@ -1,0 +1,142 @@
+"""Chapter 13's exercise: the prefix cache's lookup by chained block hashes.
+
+The learner's function replaces BlockManager.cached_prefix inside the engine.
+
+The contract is the docstring of rosecourse/solutions/ch13_cached_prefix.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from unittest import mock
+
+from rosecourse.exercises.common import (
+    CheckResult,
+    Exercise,
+    KnownWrong,
+    Probe,
+    check,
+    encoded,
+    outcome,
+)
+from rosecourse.exercises.engine import (
+    engine_runs,
+    engine_step_name,
+    greedy,
+    make_engine,
+)
+from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.outputs import RequestOutput
+from roseinfer.request.sampling import SamplingParams
+
+_real_cached_prefix = BlockManager.cached_prefix
+
+
+def cached_prefix(manager: BlockManager, token_ids: list[int]) -> list[int]:
+    """The reference: BlockManager.cached_prefix."""
+    return _real_cached_prefix(manager, token_ids)
+
+
+def _prefix_workload() -> list[tuple[list[int], SamplingParams]]:
+    """A shared 12-token head, one prompt exactly 3 blocks long (its last token must be
+    computed), and a prompt whose second block repeats another's second block behind a
+    different first block (a key of the block's tokens alone would find it)."""
+    head = list(encoded("ROMEO:\nBut soft, what light through yonder window")[:12])
+    other = [head[1], head[0], head[2], head[3], *head[4:]]
+    return [
+        (head + list(encoded(" breaks?")), greedy()),
+        (head + list(encoded(" is the east")), greedy()),
+        (head, greedy()),
+        (other + list(encoded(" breaks?")), greedy()),
+    ]
+
+
+def cache_hits(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
+    return tuple(sorted((o.request_id, o.num_cached_tokens) for o in outputs))
+
+
+def _prefix_probe(fn: Callable) -> Probe:
+    """Lookups in a pool that holds one finished 13-token prompt's full blocks, for blocks
+    of 4 tokens and of 3."""
+    probe: Probe = {}
+    first = list(range(100, 113))
+    for size in (4, 3):
+        engine = make_engine(kv_block_size=size, num_kv_blocks=16, max_num_seqs=1)
+        engine.add_request(first, greedy(1), request_id="a")
+        while engine.has_unfinished():
+            engine.step()
+        manager = engine.block_manager
+        queries = {
+            "the same prompt": first,
+            f"its first {3 * size} tokens": first[: 3 * size],
+            "its first 2 blocks, then others": first[: 2 * size] + [1, 2, 3, 4, 5],
+            "its blocks 1 and 0 swapped": [*first[size : 2 * size], *first[:size], 9],
+            "its block 0 twice": [*first[:size], *first[:size], 9],
+            "2 other tokens": [7, 8],
+        }
+        for name, query in queries.items():
+            call = f"cached_prefix(manager, {name}), kv_block_size={size}"
+            probe[call] = outcome(lambda q=query, m=manager: list(fn(m, q)))
+    return probe
+
+
+def _unchained(manager, token_ids):
+    from roseinfer.engine.block_manager import chain_hash
+
+    found = []
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
+        block_id = manager.cached.get(chain_hash(b"", tokens))
+        if block_id is None:
+            break
+        found.append(block_id)
+    return found
+
+
+def _serves_the_last_token(manager, token_ids):
+    # One more block than lookup_blocks allows when the prompt fills its blocks exactly.
+    return cached_prefix(manager, [*token_ids, 0])
+
+
+EXERCISE = Exercise(
+    name="cached_prefix",
+    reference=cached_prefix,
+    probe=_prefix_probe,
+    swapped_in=lambda fn: mock.patch.object(BlockManager, "cached_prefix", fn),
+    runs=[
+        run
+        for size, blocks in ((4, 40), (3, 52))
+        for run in engine_runs(
+            _prefix_workload,
+            cache_hits,
+            "tokens served from the prefix cache, against the reference lookup's "
+            f"(kv_block_size={size})",
+            kv_block_size=size,
+            num_kv_blocks=blocks,
+            max_num_seqs=1,  # one at a time: each request finds its predecessors' blocks
+        )
+    ],
+    known_wrong=[
+        KnownWrong(
+            "unchained",
+            _unchained,
+            "your key is the block's tokens alone: the pool keys a block by its tokens and "
+            "every token before it (chain the parent's hash), so only the first block is found",
+        ),
+        KnownWrong(
+            "serves_the_last_token",
+            _serves_the_last_token,
+            "you serve a prompt's last block even when it holds the last token: that token "
+            "must be computed, its logits choose the first new token",
+        ),
+    ],
+    fallback="the blocks you find are not the longest run of the prompt's full blocks "
+    "(the last token excluded) that the pool holds under their chained keys",
+    step_label=engine_step_name,
+)
+
+
+def check_cached_prefix(fn: Callable) -> CheckResult:
+    """Chapter 13: `cached_prefix(manager, token_ids) -> physical block ids`."""
+    return check(EXERCISE, fn)

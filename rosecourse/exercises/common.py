@@ -1,0 +1,415 @@
+"""What every exercise's check shares: the verdict, the oracle, the probes, one check.
+
+A check swaps the learner's function in for the real piece (the same
+`mock.patch.object` the chapters use to show a bug), runs the real code on the
+chapters' random strong-oracle model, and compares every step with the reference: the
+uncached greedy run of chapter 01 (for sampling, the reference sampler under the same
+seed). It prints the first step that differs and what that means. Each exercise has a
+diagnosis table of known wrong answers; when the learner's function behaves like one
+of them on a few small inputs (probes), the explanation names the mistake.
+
+Steps count as in the chapters: step 0 is the token the prefill chose, step 1 the
+first decode step. A run that raises is reported at the step it was on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from rosecourse.demo import (
+    NEW_TOKENS,
+    PROMPT,
+    RANDOM_MODEL_CONFIG,
+    first_divergence,
+    wide_random_init,
+)
+from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request.sampling import SamplingParams
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+# A prefill in chunks of this many tokens: every chunk after the first has a past.
+CHUNK = 3
+# Ragged prompts for the batching exercise: rows with 0, some and many padding slots.
+BATCH_TEXTS = ("JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?", PROMPT, "Good night")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What a check found: passed, or the first step that differs and what it means."""
+
+    exercise: str
+    passed: bool
+    step: int | None  # the first generation step that differs from the reference
+    explanation: str
+    # What a step is in this check (a generation step unless the check says otherwise).
+    step_label: Callable[[int], str] | None = None
+
+    def __str__(self) -> str:
+        if self.passed:
+            return f"{self.exercise}: passed. {self.explanation}"
+        label = self.step_label or step_name
+        where = "" if self.step is None else f" at step {self.step} ({label(self.step)})"
+        return f"{self.exercise}: FAILED{where}: {self.explanation}"
+
+
+@dataclass(frozen=True)
+class KnownWrong:
+    """A wrong answer people write, and what it does to the output."""
+
+    name: str
+    fn: Callable
+    explanation: str
+
+
+@dataclass(frozen=True)
+class Divergence:
+    step: int
+    where: str  # which run, which row, what was raised
+
+
+def step_name(step: int) -> str:
+    return "the prefill's token" if step == 0 else f"decode step {step}"
+
+
+# ---------------------------------------------------------------------------
+# The oracle: the chapters' random model, its prompts and their reference runs
+# ---------------------------------------------------------------------------
+
+
+@functools.cache
+def oracle_model() -> GPT:
+    """The chapters' random strong-oracle model (rosecourse.demo), whatever is trained here,
+    so a check's verdict and its step numbers are the same on every machine."""
+    return wide_random_init(GPT(RANDOM_MODEL_CONFIG), 0)
+
+
+@functools.cache
+def encoded(text: str) -> tuple[int, ...]:
+    return tuple(Tokenizer("gpt2").encode(text))
+
+
+@functools.cache
+def reference_tokens(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """The uncached greedy run of `prompt` (with the default window policy past block_size)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return tuple(generate(oracle_model(), list(prompt), params, use_cache=False).token_ids)
+
+
+def compare_run(
+    label: str,
+    expected: list[tuple[int, ...]],
+    run: Callable[[Callable[[int, int], None]], list[list[int]]],
+) -> Divergence | None:
+    """Run `run(on_token)`; the first step where a row's tokens leave `expected`, if any.
+
+    A learner's function may fail in any way at all; an exception is a divergence at
+    the step the slowest row was on when it was raised.
+    """
+    made = [0] * len(expected)
+
+    def on_token(row: int, _token: int) -> None:
+        made[row] += 1
+
+    try:
+        rows = run(on_token)
+    except Exception as error:  # anything a learner's code raises is a finding
+        message = str(error).splitlines()[0] if str(error) else ""
+        return Divergence(min(made), f"{label}: raised {type(error).__name__}: {message}")
+    steps = [first_divergence(list(want), got) for want, got in zip(expected, rows, strict=True)]
+    parted = [(step, row) for row, step in enumerate(steps) if step is not None]
+    if not parted:
+        return None
+    step, row = min(parted)
+    which = f", row {row}" if len(expected) > 1 else ""
+    return Divergence(step, f"{label}{which}")
+
+
+# ---------------------------------------------------------------------------
+# Probes: a function's behaviour on small inputs, to compare it with known answers
+# ---------------------------------------------------------------------------
+
+# What a function gives on each of a few small inputs, by a label that says which input
+# (the call as a learner would write it).
+Probe = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Raised:
+    """The outcome of a call that raised: the exception's type (its message may vary)."""
+
+    error: str
+
+    def __str__(self) -> str:
+        return f"raises {self.error}"
+
+
+def outcome(call: Callable[[], object]) -> object:
+    """What a call returned (tensors as they are), or what it raised."""
+    try:
+        return call()
+    except Exception as error:  # what it raised is the outcome
+        return Raised(type(error).__name__)
+
+
+def probe_calls(fn: Callable, name: str, cases: list[tuple]) -> Probe:
+    """`fn(*case)` for each case (plain numbers and strings), labelled as the call."""
+    return {
+        f"{name}({', '.join(map(repr, case))})": outcome(lambda case=case: fn(*case))
+        for case in cases
+    }
+
+
+# Float outcomes computed in another order (a learner's attention, say) differ in the last
+# bits; within these tolerances they are the same outcome.
+PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal (floats within PROBE_RTOL / PROBE_ATOL, NaN to NaN, inf to inf)."""
+    if a.is_floating_point():
+        return torch.isclose(a.float(), b.float(), rtol=PROBE_RTOL, atol=PROBE_ATOL, equal_nan=True)
+    return a == b
+
+
+def same(a: object, b: object) -> bool:
+    """Equal outcomes: tensors of one shape and equal values (see _close), recursively."""
+    return difference(a, b) is None
+
+
+def _values(t: torch.Tensor) -> str:
+    return ", ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in t.tolist())
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """An outcome on one short line: a tensor as its values (the first few), else as str."""
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().flatten()
+        text = f"[{_values(flat[:12])}{', ...' if flat.numel() > 12 else ''}]"
+    else:
+        text = str(value).replace("'", "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def difference(got: object, want: object) -> str | None:
+    """How `got` differs from `want`, in words and values a learner can read (the first
+    elements that differ); None when they are the same outcome."""
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+        got, want = got.detach().cpu(), want.detach().cpu()
+        if got.shape != want.shape:
+            return (
+                f"it gives a tensor of shape {tuple(got.shape)} where {tuple(want.shape)} is right"
+            )
+        if got.dtype != want.dtype:
+            return f"it gives {got.dtype} where {want.dtype} is right"
+        wrong = ~_close(got, want)
+        if not wrong.any():
+            return None
+        index = tuple(int(i) for i in wrong.nonzero()[0])
+        row, at = index[:-1], index[-1] if index else 0
+        got_run = got[row][at : at + 6] if got.dim() else got
+        want_run = want[row][at : at + 6] if want.dim() else want
+        more = ", ..." if got.dim() and at + 6 < got.size(-1) else ""
+        where = f"from index {list(index)} on " if index else ""
+        return (
+            f"{where}it gives {_values(got_run.flatten())}{more} where "
+            f"{_values(want_run.flatten())}{more} is right "
+            f"({int(wrong.sum())} of {got.numel()} elements differ)"
+        )
+    if isinstance(got, dict) and isinstance(want, dict) and got.keys() == want.keys():
+        for key in want:
+            found = difference(got[key], want[key])
+            if found is not None:
+                return f"{key}: {found}"
+        return None
+    if isinstance(got, (tuple, list)) and isinstance(want, (tuple, list)):
+        if len(got) != len(want):
+            return (
+                f"it gives {len(got)} items ({_brief(got)}) where {len(want)} are right "
+                f"({_brief(want)})"
+            )
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            found = difference(g, w)
+            if found is not None:
+                return found if len(want) == 1 else f"item {i}: {found}"
+        return None
+    if isinstance(got, Raised) and got != want:
+        return f"it {got} where {_brief(want)} is right"
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor) or got != want:
+        return f"it gives {_brief(got)} where {_brief(want)} is right"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# One check, for every exercise
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str
+    reference: Callable
+    probe: Callable[[Callable], Probe]  # fn -> its outcomes on small inputs
+    swapped_in: Callable[[Callable], contextlib.AbstractContextManager]
+    runs: list[tuple[str, Callable[[], list[tuple[int, ...]]], Callable]]  # label, expected, run
+    known_wrong: list[KnownWrong]
+    fallback: str  # what a divergence means when the function is none of the known ones
+    # What the runs' steps are: generation steps (step_name) unless the exercise says otherwise
+    # (engine steps, cases of a measurement, ...).
+    step_label: Callable[[int], str] = step_name
+
+    def wrong_answer(self, name: str) -> Callable:
+        """A known wrong answer by its name in the diagnosis table (the chapters show some)."""
+        for wrong in self.known_wrong:
+            if wrong.name == name:
+                return wrong.fn
+        raise KeyError(f"{self.name} has no known wrong answer called {name!r}")
+
+    def probed(self, fn: Callable) -> Probe:
+        """The probe of the reference or a known wrong answer, made once (they never change)."""
+        key = (self.name, fn)
+        if key not in _PROBED:
+            _PROBED[key] = self.probe(fn)
+        return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, Callable], Probe] = {}
+
+
+def first_difference(seen: Probe, wanted: Probe) -> str | None:
+    """The first small input on which `seen` differs from `wanted`, and how."""
+    for label, want in wanted.items():
+        found = difference(seen[label], want)
+        if found is not None:
+            return f"{label}: {found}"
+    return None
+
+
+def check(exercise: Exercise, fn: Callable) -> CheckResult:
+    """Swap `fn` in, run every run against its reference, print and return the verdict.
+
+    A known wrong answer's diagnosis is given when `fn` gives what that answer gives on
+    every small input; otherwise the exercise's fallback, with the first small input on
+    which `fn` and the reference differ, if any.
+    """
+    seen = exercise.probe(fn)
+    wanted = exercise.probed(exercise.reference)
+    diagnosis = next(
+        (w.explanation for w in exercise.known_wrong if same(seen, exercise.probed(w.fn))),
+        None,
+    )
+    evidence = first_difference(seen, wanted)
+    why = diagnosis or exercise.fallback + (f" (on {evidence})" if evidence else "")
+    result = None
+    for label, expected, run in exercise.runs:
+        want = expected()  # the reference runs before anything is swapped in
+        with exercise.swapped_in(fn):
+            divergence = compare_run(label, want, run)
+        if divergence is not None:
+            if "raised NotImplementedError" in divergence.where:
+                why = "not written yet: replace the stub with your function"
+            result = CheckResult(
+                exercise.name,
+                False,
+                divergence.step,
+                f"{why} [{divergence.where}]",
+                exercise.step_label,
+            )
+            break
+    if result is None and evidence is not None:
+        why = diagnosis or "it differs from the reference on a case these runs never reach"
+        result = CheckResult(
+            exercise.name, False, None, f"every step matches, but on {evidence}: {why}"
+        )
+    if result is None:
+        labels = "; ".join(label for label, _, _ in exercise.runs)
+        result = CheckResult(
+            exercise.name, True, None, f"every step equals the reference ({labels})"
+        )
+    print(result)
+    return result
+
+
+def greedy_runs(cache: Callable[[], object]) -> list[tuple[str, Callable, Callable]]:
+    """The chapter's prompt greedy on `cache`: a one-shot prefill, then a prefill in chunks."""
+    prompt = encoded(PROMPT)
+
+    def expected() -> list[tuple[int, ...]]:
+        return [reference_tokens(prompt, NEW_TOKENS)]
+
+    def run(chunk: int | None) -> Callable:
+        def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+            result = generate(
+                oracle_model(),
+                list(prompt),
+                params,
+                cache=cache(),
+                prefill_chunk=chunk,
+                on_token=on_token,
+            )
+            return [result.token_ids]
+
+        return go
+
+    return [
+        ("one-shot prefill, then decode", expected, run(None)),
+        (f"prefill in chunks of {CHUNK}", expected, run(CHUNK)),
+    ]
+
+
+def batch_runs(
+    cache: Callable[[int], object], chunked: bool = True
+) -> list[tuple[str, Callable, Callable]]:
+    """BATCH_TEXTS as one left-padded batch on `cache(rows)`, each row against its solo
+    uncached run: a one-shot prefill, then (if `chunked`) a prefill in chunks."""
+    prompts = [encoded(text) for text in BATCH_TEXTS]
+    pads = [max(map(len, prompts)) - len(p) for p in prompts]
+
+    def expected() -> list[tuple[int, ...]]:
+        return [reference_tokens(p, NEW_TOKENS) for p in prompts]
+
+    def run(chunk: int | None) -> Callable:
+        def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+            runs = generate_batch(
+                oracle_model(),
+                [list(p) for p in prompts],
+                params,
+                cache=cache(len(prompts)),
+                prefill_chunk=chunk,
+                on_token=on_token,
+            )
+            return [run.token_ids for run in runs]
+
+        return go
+
+    label = f"a left-padded batch of {len(prompts)} rows, padding {pads}"
+    runs = [(label, expected, run(None))]
+    if chunked:
+        runs.append((f"{label}, prefill in chunks of {CHUNK}", expected, run(CHUNK)))
+    return runs
+
+
+def patched(module: object, name: str) -> Callable[[Callable], contextlib.AbstractContextManager]:
+    return lambda fn: mock.patch.object(module, name, fn)
+
+
+_held: list[Callable] = []
+
+
+def hold(fn: Callable) -> contextlib.AbstractContextManager:
+    """For a piece the check calls itself (a whole loop, a formula): nothing to patch, the
+    run calls `held_function()`."""
+    _held[:] = [fn]
+    return contextlib.nullcontext()
+
+
+def held_function() -> Callable:
+    return _held[0]

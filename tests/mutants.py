@@ -1,0 +1,1097 @@
+"""Plausible wrong answers to every chapter's exercise, beyond its known-wrong list.
+
+Each is written against the exercise's contract (rosecourse/solutions/chNN_*.py) the way
+a learner might get it wrong: off by one, the wrong axis, one row only, a constant where
+a parameter belongs, a missing comparison, rounding the wrong way. tests/test_mutants.py
+asserts that each fails its check without being taken for a known mistake, and that the
+alternatives (other answers that meet the contract) pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+MUTANTS: dict[str, list[Callable]] = {}
+ALTERNATIVES: dict[str, list[Callable]] = {}
+
+
+def mutant(chapter: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        MUTANTS.setdefault(chapter, []).append(fn)
+        return fn
+
+    return register
+
+
+def alternative(chapter: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        ALTERNATIVES.setdefault(chapter, []).append(fn)
+        return fn
+
+    return register
+
+
+# -- 00: causal_attention(q, k, v) --------------------------------------------------------
+
+
+def _attend(q, k, v, scale: float, allowed: torch.Tensor, fill: float = -math.inf):
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return torch.softmax(scores.masked_fill(~allowed, fill), dim=-1) @ v
+
+
+def _lower(t: int, diagonal: int = 0) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril(diagonal)
+
+
+@mutant("00")
+def scaled_by_head_dim(q, k, v):
+    return _attend(q, k, v, 1 / q.size(-1), _lower(q.size(-2)))
+
+
+@mutant("00")
+def scale_of_the_probe_head_dim(q, k, v):
+    return _attend(q, k, v, 1 / math.sqrt(8), _lower(q.size(-2)))
+
+
+@mutant("00")
+def own_key_hidden(q, k, v):
+    return _attend(q, k, v, q.size(-1) ** -0.5, _lower(q.size(-2), -1)).nan_to_num()
+
+
+@mutant("00")
+def masked_with_zero(q, k, v):
+    return _attend(q, k, v, q.size(-1) ** -0.5, _lower(q.size(-2)), fill=0.0)
+
+
+@mutant("00")
+def first_row_attends_for_all(q, k, v):
+    y = _attend(q[:1], k[:1], v[:1], q.size(-1) ** -0.5, _lower(q.size(-2)))
+    return y.expand_as(q)
+
+
+@mutant("00")
+def keys_query_the_queries(q, k, v):
+    scores = (k @ q.transpose(-2, -1)) * q.size(-1) ** -0.5
+    return torch.softmax(scores.masked_fill(~_lower(q.size(-2)), -math.inf), dim=-1) @ v
+
+
+@alternative("00")
+def attention_with_a_float_mask(q, k, v):
+    t = q.size(-2)
+    bias = torch.full((t, t), -math.inf).triu(1)
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias, dim=-1) @ v
+
+
+# -- 01: greedy_decode(model, prompt_ids, max_new_tokens) ---------------------------------
+
+
+def _greedy(model, prompt_ids, steps: int, pick: Callable, feed: Callable = list) -> list[int]:
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(pick(model(torch.tensor([feed(ids)])).logits[0])))
+    return ids[len(prompt_ids) :]
+
+
+@mutant("01")
+def one_token_short(model, prompt_ids, max_new_tokens):
+    return _greedy(model, prompt_ids, max_new_tokens - 1, lambda logits: logits[-1].argmax())
+
+
+@mutant("01")
+def one_token_too_many(model, prompt_ids, max_new_tokens):
+    return _greedy(model, prompt_ids, max_new_tokens + 1, lambda logits: logits[-1].argmax())
+
+
+@mutant("01")
+def next_to_last_position(model, prompt_ids, max_new_tokens):
+    return _greedy(model, prompt_ids, max_new_tokens, lambda logits: logits[-2].argmax())
+
+
+@mutant("01")
+def least_likely(model, prompt_ids, max_new_tokens):
+    return _greedy(model, prompt_ids, max_new_tokens, lambda logits: logits[-1].argmin())
+
+
+@mutant("01")
+def runner_up(model, prompt_ids, max_new_tokens):
+    return _greedy(model, prompt_ids, max_new_tokens, lambda logits: logits[-1].topk(2)[1][1])
+
+
+@mutant("01")
+def sequence_reversed(model, prompt_ids, max_new_tokens):
+    pick = lambda logits: logits[-1].argmax()  # noqa: E731
+    return _greedy(model, prompt_ids, max_new_tokens, pick, feed=lambda ids: ids[::-1])
+
+
+@alternative("01")
+def greedy_on_a_tensor(model, prompt_ids, max_new_tokens):
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()
+
+
+# -- 02: concat_kv(layer_past, k, v) -------------------------------------------------------
+
+
+def _concat(layer_past, k, v, join: Callable):
+    if layer_past is None:
+        return k, v
+    return join(layer_past[0], k), join(layer_past[1], v)
+
+
+@mutant("02")
+def first_row_only(layer_past, k, v):
+    return _concat(layer_past, k, v, lambda past, new: torch.cat([past[:1], new[:1]], dim=2))
+
+
+@mutant("02")
+def along_head_dim(layer_past, k, v):
+    return _concat(layer_past, k, v, lambda past, new: torch.cat([past, new], dim=3))
+
+
+@mutant("02")
+def oldest_dropped(layer_past, k, v):
+    return _concat(layer_past, k, v, lambda past, new: torch.cat([past[:, :, 1:], new], dim=2))
+
+
+@mutant("02")
+def newest_past_only(layer_past, k, v):
+    return _concat(layer_past, k, v, lambda past, new: torch.cat([past[:, :, -1:], new], dim=2))
+
+
+@mutant("02")
+def past_only(layer_past, k, v):
+    return layer_past if layer_past is not None else (k, v)
+
+
+@mutant("02")
+def keys_for_values(layer_past, k, v):
+    if layer_past is None:
+        return k, v
+    return torch.cat([layer_past[0], k], dim=2), torch.cat([layer_past[0], v], dim=2)
+
+
+@alternative("02")
+def concatenated_at_negative_two(layer_past, k, v):
+    if layer_past is not None:
+        k, v = (torch.cat(pair, dim=-2) for pair in zip(layer_past, (k, v), strict=True))
+    return k, v
+
+
+# -- 03: causal_mask(q_len, kv_len, device) -------------------------------------------------
+
+
+def _full(kv_len: int, diagonal: int = 0) -> torch.Tensor:
+    return torch.ones(kv_len, kv_len, dtype=torch.bool).tril(diagonal)
+
+
+@mutant("03")
+def sees_the_next_key(q_len, kv_len, device=None):
+    return _full(kv_len, 1)[kv_len - q_len :]
+
+
+@mutant("03")
+def mask_rows_one_early(q_len, kv_len, device=None):
+    return _full(kv_len)[kv_len - q_len - 1 : kv_len - 1]
+
+
+@mutant("03")
+def zeros_and_ones(q_len, kv_len, device=None):
+    return _full(kv_len)[kv_len - q_len :].float()
+
+
+@mutant("03")
+def mask_inverted(q_len, kv_len, device=None):
+    return ~_full(kv_len)[kv_len - q_len :]
+
+
+@mutant("03")
+def mask_transposed(q_len, kv_len, device=None):
+    return _full(kv_len).T[kv_len - q_len :]
+
+
+@mutant("03")
+def last_row_only(q_len, kv_len, device=None):
+    return _full(kv_len)[-1:]
+
+
+@alternative("03")
+def key_at_or_before_query(q_len, kv_len, device=None):
+    query = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= query
+
+
+@alternative("03")
+def tril_with_an_offset(q_len, kv_len, device=None):
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+# -- 04: position_ids(past_len, q_len, device) ----------------------------------------------
+
+
+@mutant("04")
+def end_is_q_len(past_len, q_len, device=None):
+    return torch.arange(past_len, q_len, device=device)
+
+
+@mutant("04")
+def one_too_early(past_len, q_len, device=None):
+    return torch.arange(past_len - 1, past_len + q_len - 1, device=device).clamp(min=0)
+
+
+@mutant("04")
+def every_position_so_far(past_len, q_len, device=None):
+    return torch.arange(past_len + q_len, device=device)
+
+
+@mutant("04")
+def counting_down(past_len, q_len, device=None):
+    return torch.arange(past_len + q_len - 1, past_len - 1, -1, device=device)
+
+
+@mutant("04")
+def all_at_the_last(past_len, q_len, device=None):
+    return torch.full((q_len,), past_len + q_len - 1, device=device)
+
+
+@mutant("04")
+def float_positions(past_len, q_len, device=None):
+    return torch.arange(past_len, past_len + q_len, dtype=torch.float32, device=device)
+
+
+@alternative("04")
+def offset_added(past_len, q_len, device=None):
+    return past_len + torch.arange(q_len, device=device)
+
+
+# -- 05: top_p_filter(logits, p) ----------------------------------------------------------
+
+
+def _nucleus(logits, p, drop: Callable, fill: float = -math.inf, descending: bool = True):
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=descending, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    dropped = drop(probs, probs.cumsum(-1) - probs, p)
+    return logits.masked_fill(torch.zeros_like(dropped).scatter(-1, order, dropped), fill)
+
+
+@mutant("05")
+def keeps_a_token_at_exactly_p(logits, p):
+    return _nucleus(logits, p, lambda probs, before, p: before > p)
+
+
+@mutant("05")
+def constant_p(logits, p):
+    return _nucleus(logits, p, lambda probs, before, p: before >= 0.9)
+
+
+@mutant("05")
+def keeps_the_tail(logits, p):
+    return _nucleus(logits, p, lambda probs, before, p: before < p)
+
+
+@mutant("05")
+def dropped_to_zero(logits, p):
+    return _nucleus(logits, p, lambda probs, before, p: before >= p, fill=0.0)
+
+
+@mutant("05")
+def sorted_ascending(logits, p):
+    return _nucleus(logits, p, lambda probs, before, p: before >= p, descending=False)
+
+
+@mutant("05")
+def softmax_over_rows(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=0)
+    dropped = probs.cumsum(-1) - probs >= p
+    return logits.masked_fill(torch.zeros_like(dropped).scatter(-1, order, dropped), -math.inf)
+
+
+@mutant("05")
+def first_row_decides(logits, p):
+    kept = _nucleus(logits[..., :1, :], p, lambda probs, before, p: before >= p).isfinite()
+    return logits.masked_fill(~kept.expand_as(logits), -math.inf)
+
+
+@alternative("05")
+def kept_count_per_row(logits, p):
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    before = torch.softmax(sorted_logits, dim=-1).cumsum(-1) - torch.softmax(sorted_logits, dim=-1)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(logits.size(-1)).expand_as(order)
+    )
+    kept = (before < p).sum(-1, keepdim=True)
+    return logits.masked_fill(rank >= kept, -math.inf)
+
+
+# -- 06: static_update(k_buffer, v_buffer, input_pos, k_new, v_new) ----------------------
+
+
+@mutant("06")
+def first_new_token_only(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos[0]] = k_new[:, :, 0]
+    v_buffer[:, :, input_pos[0]] = v_new[:, :, 0]
+    return k_buffer, v_buffer
+
+
+@mutant("06")
+def one_slot_late(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos + 1] = k_new
+    v_buffer[:, :, input_pos + 1] = v_new
+    return k_buffer, v_buffer
+
+
+@mutant("06")
+def written_slots_only(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos] = k_new
+    v_buffer[:, :, input_pos] = v_new
+    return k_buffer[:, :, input_pos], v_buffer[:, :, input_pos]
+
+
+@mutant("06")
+def keys_and_values_swapped(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos] = v_new
+    v_buffer[:, :, input_pos] = k_new
+    return k_buffer, v_buffer
+
+
+@mutant("06")
+def values_written_as_keys(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos] = k_new
+    v_buffer[:, :, input_pos] = k_new
+    return k_buffer, v_buffer
+
+
+@mutant("06")
+def up_to_the_last_written(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, input_pos] = k_new
+    v_buffer[:, :, input_pos] = v_new
+    end = int(input_pos[-1]) + 1
+    return k_buffer[:, :, :end], v_buffer[:, :, :end]
+
+
+@alternative("06")
+def index_copy_in_place(k_buffer, v_buffer, input_pos, k_new, v_new):
+    return k_buffer.index_copy_(2, input_pos, k_new), v_buffer.index_copy_(2, input_pos, v_new)
+
+
+@alternative("06")
+def slice_from_the_first_slot(k_buffer, v_buffer, input_pos, k_new, v_new):
+    start = int(input_pos[0])
+    k_buffer[:, :, start : start + k_new.size(2)] = k_new
+    v_buffer[:, :, start : start + v_new.size(2)] = v_new
+    return k_buffer, v_buffer
+
+
+# -- 07: padded_position_ids(attention_mask) ------------------------------------------------
+
+
+@mutant("07")
+def counted_down_the_batch(attention_mask):
+    return (attention_mask.long().cumsum(0) - 1).clamp(min=0)
+
+
+@mutant("07")
+def first_row_positions_for_all(attention_mask):
+    return (attention_mask[:1].long().cumsum(-1) - 1).clamp(min=0).expand(attention_mask.shape)
+
+
+@mutant("07")
+def counted_from_the_right(attention_mask):
+    return attention_mask.long().sum(-1, keepdim=True) - attention_mask.long().cumsum(-1)
+
+
+@mutant("07")
+def padding_counted(attention_mask):
+    return (1 - attention_mask.long()).cumsum(-1)
+
+
+@mutant("07")
+def slot_numbers(attention_mask):
+    return (torch.arange(attention_mask.size(1)) - 1).clamp(min=0).expand(attention_mask.shape)
+
+
+@mutant("07")
+def real_tokens_in_the_row(attention_mask):
+    return attention_mask.long().sum(-1, keepdim=True).expand(attention_mask.shape) - 1
+
+
+@alternative("07")
+def slot_minus_padding(attention_mask):
+    padding = (attention_mask == 0).sum(-1, keepdim=True)
+    return (torch.arange(attention_mask.size(1)) - padding).clamp(min=0)
+
+
+@alternative("07")
+def tokens_before(attention_mask):
+    mask = attention_mask.long()
+    return mask.cumsum(-1) - mask
+
+
+@alternative("07")
+def padding_at_position_one(attention_mask):
+    return (attention_mask.long().cumsum(-1) - 1).abs()
+
+
+# -- 08: mask_slice(bias, past_len, q_len) --------------------------------------------------
+
+
+@mutant("08")
+def bias_rows_one_early(bias, past_len, q_len):
+    start = max(past_len - 1, 0)
+    return bias[start : start + q_len, : past_len + q_len]
+
+
+@mutant("08")
+def one_column_short(bias, past_len, q_len):
+    return bias[past_len : past_len + q_len, : past_len + q_len - 1]
+
+
+@mutant("08")
+def bias_transposed(bias, past_len, q_len):
+    return bias[: past_len + q_len, past_len : past_len + q_len].T
+
+
+@mutant("08")
+def last_rows_of_the_bias(bias, past_len, q_len):
+    return bias[-q_len:, : past_len + q_len]
+
+
+@mutant("08")
+def bias_inverted(bias, past_len, q_len):
+    return ~bias[past_len : past_len + q_len, : past_len + q_len]
+
+
+@mutant("08")
+def rows_counted_by_q_len(bias, past_len, q_len):
+    return bias[q_len - 1 : 2 * q_len - 1, : past_len + q_len]
+
+
+@alternative("08")
+def narrowed(bias, past_len, q_len):
+    return bias.narrow(0, past_len, q_len).narrow(1, 0, past_len + q_len)
+
+
+# -- 09: window_start(start, seq_len, block_size, keep) -------------------------------------
+
+
+def _cut(start, seq_len, block_size, keep, full: Callable, to: Callable):
+    return to(start, seq_len, block_size, keep) if full(seq_len - start, block_size) else start
+
+
+@mutant("09")
+def half_the_context_kept(start, seq_len, block_size, keep):
+    return _cut(start, seq_len, block_size, keep, int.__gt__, lambda s, n, b, k: n - b // 2)
+
+
+@mutant("09")
+def one_token_fewer_kept(start, seq_len, block_size, keep):
+    return _cut(start, seq_len, block_size, keep, int.__gt__, lambda s, n, b, k: n - k + 1)
+
+
+@mutant("09")
+def moved_on_by_keep(start, seq_len, block_size, keep):
+    return _cut(start, seq_len, block_size, keep, int.__gt__, lambda s, n, b, k: s + k)
+
+
+@mutant("09")
+def measured_against_keep(start, seq_len, block_size, keep):
+    return seq_len - keep if seq_len - start > keep else start
+
+
+@mutant("09")
+def keep_as_the_start(start, seq_len, block_size, keep):
+    return _cut(start, seq_len, block_size, keep, int.__gt__, lambda s, n, b, k: k)
+
+
+@mutant("09")
+def cut_from_the_start(start, seq_len, block_size, keep):
+    return _cut(start, seq_len, block_size, keep, int.__gt__, lambda s, n, b, k: s + n - k)
+
+
+@alternative("09")
+def cut_at_one_token_too_many(start, seq_len, block_size, keep):
+    return seq_len - keep if seq_len - start == block_size + 1 else start
+
+
+# -- 18: rolling_slot(pos, window, sinks) ---------------------------------------------------
+
+
+@mutant("18")
+def window_of_eight(pos, window, sinks):
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % 8)
+
+
+@mutant("18")
+def sinks_of_two(pos, window, sinks):
+    return torch.where(pos < 2, pos, 2 + (pos - 2) % window)
+
+
+@mutant("18")
+def last_sink_in_the_window(pos, window, sinks):
+    return torch.where(pos < sinks - 1, pos, sinks + (pos - sinks) % window)
+
+
+@mutant("18")
+def one_slot_short(pos, window, sinks):
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % max(window - 1, 1))
+
+
+@mutant("18")
+def window_rounds_down(pos, window, sinks):
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) // window)
+
+
+@mutant("18")
+def no_sinks_branch(pos, window, sinks):
+    return sinks + (pos - sinks) % window
+
+
+@mutant("18")
+def sinks_not_skipped(pos, window, sinks):
+    return torch.where(pos < sinks, pos, (pos - sinks) % window)
+
+
+@alternative("18")
+def window_counted_from_zero(pos, window, sinks):
+    return torch.where(pos < sinks, pos, sinks + pos % window)
+
+
+@alternative("18")
+def sinks_in_reverse(pos, window, sinks):
+    return torch.where(pos < sinks, sinks - 1 - pos, sinks + (pos - sinks) % window)
+
+
+# -- 10: decode_read_bytes(config, batch, context_len, bytes_per_number) --------------------
+
+
+def _read_bytes(config, batch, context_len, bytes_per_number, **drop: bool) -> int:
+    c = config.n_embd
+    bias = 0 if drop.get("biases") else 1
+    norms = 0 if drop.get("norms") else 2 * c
+    per_layer = (
+        norms + (c * 3 * c + bias * 3 * c) + (c * c + bias * c)
+        + norms + (c * 4 * c + bias * 4 * c) + (0 if drop.get("mlp_out") else 4 * c * c + bias * c)
+    )  # fmt: skip
+    wpe = 0 if drop.get("wpe") else config.block_size * c
+    weights = config.vocab_size * c + wpe + config.n_layer * per_layer + norms
+    kv = 2 * config.n_layer * batch * context_len * c
+    return (weights + kv) * bytes_per_number
+
+
+@mutant("10")
+def no_biases(config, batch, context_len, bytes_per_number):
+    return _read_bytes(config, batch, context_len, bytes_per_number, biases=True)
+
+
+@mutant("10")
+def no_layer_norms(config, batch, context_len, bytes_per_number):
+    return _read_bytes(config, batch, context_len, bytes_per_number, norms=True)
+
+
+@mutant("10")
+def no_position_embeddings(config, batch, context_len, bytes_per_number):
+    return _read_bytes(config, batch, context_len, bytes_per_number, wpe=True)
+
+
+@mutant("10")
+def half_the_mlp(config, batch, context_len, bytes_per_number):
+    return _read_bytes(config, batch, context_len, bytes_per_number, mlp_out=True)
+
+
+@mutant("10")
+def the_new_token_cached_too(config, batch, context_len, bytes_per_number):
+    return _read_bytes(config, batch, context_len + 1, bytes_per_number)
+
+
+@mutant("10")
+def cache_in_two_bytes(config, batch, context_len, bytes_per_number):
+    kv = 2 * config.n_layer * batch * context_len * config.n_embd
+    return _read_bytes(config, 0, 0, bytes_per_number) + kv * 2
+
+
+@alternative("10")
+def counted_from_a_real_model(config, batch, context_len, bytes_per_number):
+    from rosetrainer.model import GPT
+
+    weights = sum(p.numel() for p in GPT(config).parameters())
+    return (weights + 2 * config.n_layer * batch * context_len * config.n_embd) * bytes_per_number
+
+
+# -- 11: slot_mapping(block_tables, seq_of_token, positions, kv_block_size) -----------------
+
+
+@mutant("11")
+def offset_one_late(block_tables, seq_of_token, positions, kv_block_size):
+    block = block_tables[seq_of_token, positions // kv_block_size]
+    return block * kv_block_size + (positions + 1) % kv_block_size
+
+
+@mutant("11")
+def next_logical_block(block_tables, seq_of_token, positions, kv_block_size):
+    logical = (positions // kv_block_size + 1).clamp(max=block_tables.size(1) - 1)
+    return block_tables[seq_of_token, logical] * kv_block_size + positions % kv_block_size
+
+
+@mutant("11")
+def blocks_as_wide_as_the_table(block_tables, seq_of_token, positions, kv_block_size):
+    block = block_tables[seq_of_token, positions // kv_block_size]
+    return block * block_tables.size(1) + positions % kv_block_size
+
+
+@mutant("11")
+def block_rounded_up(block_tables, seq_of_token, positions, kv_block_size):
+    logical = torch.ceil(positions / kv_block_size).long().clamp(max=block_tables.size(1) - 1)
+    return block_tables[seq_of_token, logical] * kv_block_size + positions % kv_block_size
+
+
+@mutant("11")
+def first_block_then_contiguous(block_tables, seq_of_token, positions, kv_block_size):
+    return block_tables[seq_of_token, 0] * kv_block_size + positions
+
+
+@mutant("11")
+def block_size_from_the_table(block_tables, seq_of_token, positions, kv_block_size):
+    size = block_tables.size(1)
+    return block_tables[seq_of_token, positions // size] * size + positions % size
+
+
+@alternative("11")
+def table_indexed_block_first(block_tables, seq_of_token, positions, kv_block_size):
+    block = block_tables.T[positions // kv_block_size, seq_of_token]
+    return block * kv_block_size + positions % kv_block_size
+
+
+@alternative("11")
+def divmod_then_gather(block_tables, seq_of_token, positions, kv_block_size):
+    logical, offset = (
+        torch.div(positions, kv_block_size, rounding_mode="floor"),
+        positions.remainder(kv_block_size),
+    )
+    rows = block_tables.index_select(0, seq_of_token)
+    return rows.gather(1, logical[:, None])[:, 0] * kv_block_size + offset
+
+
+# -- 12: schedule(scheduler) ----------------------------------------------------------------
+
+
+def _schedule(scheduler, **mistake: bool):
+    """The policy of rosecourse/solutions/ch12_schedule.py with one `mistake` in it."""
+    from roseinfer.engine.scheduler import ScheduledBatch
+
+    batch = ScheduledBatch()
+    budget = scheduler.config.max_num_batched_tokens
+    manager = scheduler.block_manager
+    index = 0
+    while index < len(scheduler.running) and budget > 0:
+        seq = scheduler.running[index]
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        if not mistake.get("running_uncapped"):
+            num_new = min(num_new, budget)
+        while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
+            victim = scheduler.running.pop(0 if mistake.get("oldest_preempted") else -1)
+            scheduler._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                break
+            if mistake.get("oldest_preempted"):
+                index = max(index - 1, 0)
+        else:
+            manager.grow(seq, seq.num_computed_tokens + num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= 0 if mistake.get("running_free") else num_new
+            index += 1
+    position = -1 if mistake.get("newest_waiting_first") else 0
+    limit = scheduler.config.max_num_seqs + (1 if mistake.get("one_seq_too_many") else 0)
+    while (
+        not batch.preempted and scheduler.waiting and budget > 0 and len(scheduler.running) < limit
+    ):
+        seq = scheduler.waiting[position]
+        cached = [] if mistake.get("no_prefix_cache") else manager.cached_prefix(seq.all_ids)
+        num_cached = len(cached) * manager.kv_block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if mistake.get("whole_prompts_only") and num_new < seq.num_tokens - num_cached:
+            break
+        if not manager.can_start(cached, num_cached + num_new):
+            break
+        scheduler.waiting.remove(seq)
+        manager.start(seq, cached, num_cached + num_new)
+        scheduler.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        budget -= num_new
+    scheduler.running.sort(key=scheduler.arrival_order.__getitem__)
+    return batch
+
+
+@mutant("12")
+def oldest_preempted(scheduler):
+    return _schedule(scheduler, oldest_preempted=True)
+
+
+@mutant("12")
+def running_free(scheduler):
+    return _schedule(scheduler, running_free=True)
+
+
+@mutant("12")
+def newest_waiting_first(scheduler):
+    return _schedule(scheduler, newest_waiting_first=True)
+
+
+@mutant("12")
+def one_seq_too_many(scheduler):
+    return _schedule(scheduler, one_seq_too_many=True)
+
+
+@mutant("12")
+def running_uncapped(scheduler):
+    return _schedule(scheduler, running_uncapped=True)
+
+
+@mutant("12")
+def no_prefix_cache(scheduler):
+    return _schedule(scheduler, no_prefix_cache=True)
+
+
+@mutant("12")
+def whole_prompts_only(scheduler):
+    return _schedule(scheduler, whole_prompts_only=True)
+
+
+@alternative("12")
+def the_policy_written_out(scheduler):
+    return _schedule(scheduler)
+
+
+# -- 13: cached_prefix(manager, token_ids) --------------------------------------------------
+
+
+def _lookup(manager, token_ids, blocks: int, key: Callable, size: int | None = None):
+    from roseinfer.engine.block_manager import chain_hash
+
+    size = size or manager.kv_block_size
+    found, parent = [], b""
+    for i in range(blocks):
+        tokens = tuple(token_ids[i * size : (i + 1) * size])
+        parent = key(chain_hash, parent, tokens, token_ids[: (i + 1) * size])
+        block_id = manager.cached.get(parent)
+        if block_id is None or manager.blocks[block_id].token_ids != tokens:
+            break
+        found.append(block_id)
+    return found
+
+
+def _chained(chain_hash, parent, tokens, prefix):
+    return chain_hash(parent, tokens)
+
+
+@mutant("13")
+def one_block_fewer(manager, token_ids):
+    return _lookup(manager, token_ids, manager.lookup_blocks(len(token_ids)) - 1, _chained)
+
+
+@mutant("13")
+def blocks_of_four(manager, token_ids):
+    blocks = (len(token_ids) - 1) // 4
+    return _lookup(manager, token_ids, blocks, _chained, size=4)
+
+
+@mutant("13")
+def keyed_by_the_whole_prefix(manager, token_ids):
+    blocks = manager.lookup_blocks(len(token_ids))
+    return _lookup(manager, token_ids, blocks, lambda h, parent, t, prefix: h(b"", tuple(prefix)))
+
+
+@mutant("13")
+def parent_never_moves(manager, token_ids):
+    from roseinfer.engine.block_manager import chain_hash
+
+    found = []
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        size = manager.kv_block_size
+        tokens = tuple(token_ids[i * size : (i + 1) * size])
+        block_id = manager.cached.get(chain_hash(chain_hash(b"", tuple(token_ids[:size])), tokens))
+        if i and block_id is None:
+            break
+        found.append(manager.cached.get(chain_hash(b"", tokens)) if i == 0 else block_id)
+    return [block for block in found if block is not None]
+
+
+@mutant("13")
+def last_block_dropped(manager, token_ids):
+    return _lookup(manager, token_ids, manager.lookup_blocks(len(token_ids)), _chained)[:-1]
+
+
+@mutant("13")
+def first_block_only(manager, token_ids):
+    return _lookup(manager, token_ids, min(manager.lookup_blocks(len(token_ids)), 1), _chained)
+
+
+@alternative("13")
+def while_loop(manager, token_ids):
+    from roseinfer.engine.block_manager import chain_hash
+
+    size, key, found = manager.kv_block_size, b"", []
+    while len(found) < manager.lookup_blocks(len(token_ids)):
+        tokens = tuple(token_ids[len(found) * size : (len(found) + 1) * size])
+        key = chain_hash(key, tokens)
+        if key not in manager.cached or manager.blocks[manager.cached[key]].token_ids != tokens:
+            return found
+        found.append(manager.cached[key])
+    return found
+
+
+# -- 14: held_back(text, stops) ---------------------------------------------------------------
+
+
+@mutant("14")
+def first_letter_only(text, stops):
+    return 1 if any(stop and text.endswith(stop[0]) for stop in stops) else 0
+
+
+@mutant("14")
+def shortest_tail(text, stops):
+    lengths = [n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])]
+    return min(lengths, default=0)
+
+
+@mutant("14")
+def beginning_of_the_text(text, stops):
+    lengths = [n for stop in stops for n in range(1, len(stop)) if text.startswith(stop[:n])]
+    return max(lengths, default=0)
+
+
+@mutant("14")
+def whole_stop_minus_one(text, stops):
+    begins = any(text.endswith(stop[:n]) for stop in stops for n in range(1, len(stop)))
+    return max((len(stop) - 1 for stop in stops), default=0) if begins else 0
+
+
+@mutant("14")
+def last_stop_wins(text, stops):
+    held = 0
+    for stop in stops:
+        held = next(
+            (n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0
+        )
+    return held
+
+
+@mutant("14")
+def one_character_short(text, stops):
+    lengths = [n for stop in stops for n in range(1, len(stop) - 1) if text.endswith(stop[:n])]
+    return max(lengths, default=0)
+
+
+@alternative("14")
+def suffixes_of_the_text(text, stops):
+    return max(
+        (
+            n
+            for n in range(1, len(text) + 1)
+            for stop in stops
+            if len(stop) > n and stop.startswith(text[-n:])
+        ),
+        default=0,
+    )
+
+
+# -- 15: export_prepare(cache, batch, q_len, device) ----------------------------------------
+
+
+def _prepared(cache, q_len, device, mask=None, positions=None, padding=None):
+    from rosetrainer.model import causal_mask, padding_mask
+
+    kv_len = cache.attention_mask.size(1)
+    mask = causal_mask(q_len, kv_len, device) if mask is None else mask
+    padding = cache.attention_mask if padding is None else padding
+    return cache.position_ids if positions is None else positions, padding_mask(mask, padding)
+
+
+@mutant("15")
+def padding_only(cache, batch, q_len, device):
+    kv_len = cache.attention_mask.size(1)
+    return _prepared(cache, q_len, device, mask=torch.ones(q_len, kv_len, dtype=torch.bool))
+
+
+@mutant("15")
+def graph_positions_from_zero(cache, batch, q_len, device):
+    positions = torch.arange(q_len, device=device)[None, :].expand(batch, q_len)
+    return _prepared(cache, q_len, device, positions=positions)
+
+
+@mutant("15")
+def mask_of_the_new_tokens(cache, batch, q_len, device):
+    from rosetrainer.model import causal_mask
+
+    mask = causal_mask(q_len, q_len, device)
+    return _prepared(cache, q_len, device, padding=cache.attention_mask[:, -q_len:], mask=mask)
+
+
+@mutant("15")
+def inverted_mask(cache, batch, q_len, device):
+    positions, mask = _prepared(cache, q_len, device)
+    return positions, ~mask
+
+
+@mutant("15")
+def first_row_padding_for_all(cache, batch, q_len, device):
+    padding = cache.attention_mask[:1].expand_as(cache.attention_mask)
+    return _prepared(cache, q_len, device, padding=padding)
+
+
+@mutant("15")
+def positions_one_late(cache, batch, q_len, device):
+    return _prepared(cache, q_len, device, positions=cache.position_ids + 1)
+
+
+@alternative("15")
+def mask_built_by_hand(cache, batch, q_len, device):
+    kv_len = cache.attention_mask.size(1)
+    causal = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()[kv_len - q_len :]
+    mask = causal[None, None] & cache.attention_mask[:, None, None, :].bool()
+    return cache.position_ids, mask | ~mask.any(-1, keepdim=True)
+
+
+# -- 16: stage_forward(stage, x, cache) ----------------------------------------------------
+
+
+def _stage(stage, x, cache, **mistake: bool):
+    batch, q_len = x.shape[:2]
+    positions, mask = cache.prepare(batch, q_len, x.device)
+    if mistake.get("positions_from_zero"):
+        positions = torch.arange(q_len)[None, :].expand(batch, q_len)
+    parts = stage.transformer
+    if stage.is_first:
+        position_part = 0 if mistake.get("no_positions") else parts.wpe(positions)
+        x = parts.drop(parts.wte(x) + position_part)
+    blocks = parts.h[:1] if mistake.get("first_block_only") else parts.h
+    for local, block in enumerate(blocks):
+        x = block(x, mask, cache, local)
+    if mistake.get("ln_f_everywhere"):
+        x = parts.ln_f(x) if stage.is_last else stage.transformer.h[0].ln_1(x)
+    if stage.is_last:
+        x = x if mistake.get("ln_f_everywhere") else parts.ln_f(x)
+        if mistake.get("head_on_every_row"):  # not a mistake: more work, the same answer
+            return stage.lm_head(x)[:, -1]
+        row = 0 if mistake.get("first_position") else -1
+        return x[:, row, :] if mistake.get("no_head") else stage.lm_head(x[:, row, :])
+    return x
+
+
+@mutant("16")
+def stage_positions_from_zero(stage, x, cache):
+    return _stage(stage, x, cache, positions_from_zero=True)
+
+
+@mutant("16")
+def no_positions(stage, x, cache):
+    return _stage(stage, x, cache, no_positions=True)
+
+
+@mutant("16")
+def first_block_of_the_stage_only(stage, x, cache):
+    return _stage(stage, x, cache, first_block_only=True)
+
+
+@mutant("16")
+def normalised_between_stages(stage, x, cache):
+    return _stage(stage, x, cache, ln_f_everywhere=True)
+
+
+@mutant("16")
+def first_position(stage, x, cache):
+    return _stage(stage, x, cache, first_position=True)
+
+
+@mutant("16")
+def no_head(stage, x, cache):
+    return _stage(stage, x, cache, no_head=True)
+
+
+@alternative("16")
+def head_on_every_row_then_the_last(stage, x, cache):
+    return _stage(stage, x, cache, head_on_every_row=True)
+
+
+# -- 17: quantize(x, bits, group_size, dim) ---------------------------------------------------
+
+
+def _quantized(x, bits, group_size, dim, *, to_half=None, rounding=torch.round, **mistake):
+    from roseinfer.cache.quantized import Quantized, _to_float16
+
+    to_half = to_half or _to_float16
+    levels = 2**bits - 1
+    moved = x.float().movedim(dim, -1)
+    if mistake.get("strided_groups"):  # every n-th number in a group, not n in a row
+        groups = moved.unflatten(-1, (group_size, -1)).transpose(-1, -2)
+    else:
+        groups = moved.unflatten(-1, (-1, group_size))
+    low = (
+        groups.amax(-1, keepdim=True)
+        if mistake.get("zero_at_max")
+        else groups.amin(-1, keepdim=True)
+    )
+    zero = to_half(low, -float("inf"))
+    base = low if mistake.get("unrounded_minimum") else zero.float()
+    scale = to_half((groups.amax(-1, keepdim=True) - base) / levels, float("inf"))
+    divisor = torch.where(scale == 0, 1.0, scale.float())
+    codes = rounding((groups - zero.float()) / divisor).clamp(0, levels)
+    codes = codes.to(torch.int64 if mistake.get("long_codes") else torch.uint8)
+    if mistake.get("strided_groups"):
+        codes = codes.transpose(-1, -2)
+    return Quantized(
+        codes.flatten(-2).movedim(-1, dim),
+        scale.squeeze(-1).movedim(-1, dim),
+        zero.squeeze(-1).movedim(-1, dim),
+    )
+
+
+def _nearest_half(t, direction):
+    return t.to(torch.float16)
+
+
+@mutant("17")
+def float16_to_nearest(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, to_half=_nearest_half)
+
+
+@mutant("17")
+def rounded_up(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, rounding=torch.ceil)
+
+
+@mutant("17")
+def zero_at_the_maximum(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, zero_at_max=True)
+
+
+@mutant("17")
+def strided_groups(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, strided_groups=True)
+
+
+@mutant("17")
+def scale_from_the_unrounded_minimum(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, unrounded_minimum=True)
+
+
+@mutant("17")
+def codes_in_int64(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim, long_codes=True)
+
+
+@alternative("17")
+def quantized_as_written_out(x, bits, group_size, dim):
+    return _quantized(x, bits, group_size, dim)

@@ -1,0 +1,80 @@
+"""Every exercise's check is proven against wrong answers (tests/mutants.py).
+
+For each chapter: at least five plausible wrong answers beyond its known-wrong list, each
+failing its check without being taken for a known mistake; the reference solution and
+the alternatives that meet the contract passing; and each known wrong answer told apart
+from the reference and from the other known ones by the probes alone, so its diagnosis
+is given only to that mistake.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from mutants import ALTERNATIVES, MUTANTS
+
+from rosecourse.course import LESSONS, Lesson
+from rosecourse.exercises.common import Exercise, same
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BY_CHAPTER = {chosen.chapter: chosen for chosen in LESSONS}
+
+
+def exercise_of(chosen: Lesson) -> Exercise:
+    return importlib.import_module(f"rosecourse.exercises.{chosen.file_name[:-3]}").EXERCISE
+
+
+def test_every_exercise_has_five_mutants_beyond_its_known_wrong_answers() -> None:
+    for chosen in LESSONS:
+        mutants = MUTANTS.get(chosen.chapter, [])
+        known = {wrong.name for wrong in exercise_of(chosen).known_wrong}
+        assert len(mutants) >= 5, f"chapter {chosen.chapter}: {len(mutants)} mutants"
+        assert not known & {fn.__name__ for fn in mutants}, chosen.chapter
+
+
+CASES = [(chapter, fn) for chapter, fns in MUTANTS.items() for fn in fns]
+
+
+@pytest.mark.parametrize(("chapter", "fn"), CASES, ids=[f"{c}-{f.__name__}" for c, f in CASES])
+def test_mutant_fails_and_is_not_taken_for_a_known_mistake(chapter, fn) -> None:
+    chosen = BY_CHAPTER[chapter]
+    result = chosen.check(fn)
+    assert not result.passed, str(result)
+    for wrong in exercise_of(chosen).known_wrong:
+        assert wrong.explanation not in result.explanation, str(result)
+    assert "\n" not in str(result)
+
+
+RIGHT = [(c.chapter, c.solution()) for c in LESSONS] + [
+    (chapter, fn) for chapter, fns in ALTERNATIVES.items() for fn in fns
+]
+
+
+@pytest.mark.parametrize(
+    ("chapter", "fn"),
+    RIGHT,
+    ids=[f"{c}-{f.__module__.split('.')[-1]}.{f.__name__}" for c, f in RIGHT],
+)
+def test_reference_and_every_answer_that_meets_the_contract_pass(chapter, fn) -> None:
+    result = BY_CHAPTER[chapter].check(fn)
+    assert result.passed, str(result)
+
+
+# Known wrong answers that only a run can tell from the reference: a length read as a
+# Python number is right in eager mode, and wrong only in the exported graph.
+ONLY_A_RUN_TELLS = {"baked_length"}
+
+
+@pytest.mark.parametrize("chosen", LESSONS, ids=[c.chapter for c in LESSONS])
+def test_probes_tell_each_known_wrong_answer_apart(chosen) -> None:
+    exercise = exercise_of(chosen)
+    probes = {"reference": exercise.probed(exercise.reference)}
+    for wrong in exercise.known_wrong:
+        if wrong.name in ONLY_A_RUN_TELLS:
+            continue
+        probe = exercise.probed(wrong.fn)
+        alike = [name for name, other in probes.items() if same(probe, other)]
+        assert not alike, f"{wrong.name}'s probe is the same as {alike}'s"
+        probes[wrong.name] = probe
