@@ -8,6 +8,8 @@ and answers the loop's own questions:
 * `reset(pad_lengths)`: forget everything; rows of a batch may start with left padding,
   which is then masked out of attention and not counted in positions;
 * `fork(n)`: n independent copies (for several continuations of one prefix);
+* `truncate(n)`: keep only the first n positions (speculative decoding rolls a cache
+  back past the drafted tokens the target rejected);
 * `nbytes`: the bytes its keys and values take; `filled_kv()`: the keys and values of
   the positions filled so far; `check_rows(n)`: a clear error before a batch of n rows
   that it cannot take; `compilable`: whether its decode steps all have one shape.
@@ -57,6 +59,8 @@ class DenseKVCache(KVCache, Protocol):
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None: ...
 
     def fork(self, n: int) -> list[DenseKVCache]: ...
+
+    def truncate(self, n: int) -> None: ...
 
     def filled_kv(self) -> list[LayerPast]: ...
 
@@ -121,6 +125,11 @@ class ConcatKVCache:
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
         self.past_kv = []
         self.pad_lengths = pad_lengths
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions: every layer's keys and values cut along time."""
+        check_truncate(n, self.seq_len)
+        self.past_kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.past_kv]
 
     @property
     def nbytes(self) -> int:
@@ -240,6 +249,13 @@ class StaticKVCache:
             slots = torch.arange(self.max_len, device=self.causal_rows.device)
             self.real_slots = slots[None, :] >= pad_lengths[:, None]
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions: only the count moves back. The slots after it keep
+        their stale keys, which no query sees (a query's mask row stops at its own
+        position) until new tokens overwrite them."""
+        check_truncate(n, self.seq_len)
+        self.filled.fill_(n)
+
     # -- what the model asks of a cache (rosetrainer.model.KVCache) --
 
     def prepare(
@@ -278,6 +294,12 @@ class StaticKVCache:
             fork.filled = self.filled.clone()
             forks.append(fork)
         return forks
+
+
+def check_truncate(n: int, held: int) -> None:
+    """A cache can be cut back to 0 .. the positions it holds, never forward."""
+    if not 0 <= n <= held:
+        raise RoseError(f"a cache holding {held} positions cannot be truncated to {n}")
 
 
 def new_cache(model: Blocks, kind: str, rows: int, max_len: int) -> DenseKVCache:
