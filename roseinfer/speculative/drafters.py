@@ -94,7 +94,7 @@ class NgramDrafter:
 
 
 @dataclass
-class DraftCache:
+class DraftState:
     """One request's draft-model cache: it holds the keys of `ids`, which are the
     request's tokens from `start` on (then possibly drafts the target rejected)."""
 
@@ -106,11 +106,11 @@ class DraftCache:
 class ModelDrafter:
     def __init__(self, model: GPT) -> None:
         self.model = model.eval()
-        self.caches: dict[Sequence, DraftCache] = {}
+        self.caches: dict[Sequence, DraftState] = {}
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> Draft:
-        state = self.caches.setdefault(seq, DraftCache())
+        state = self.caches.setdefault(seq, DraftState())
         view = self._view(state, seq.all_ids, k)
         # Keep what the cache holds of the request's tokens (never the newest: its logits
         # are what the first draft is read from); roll the rest back.
@@ -134,7 +134,7 @@ class ModelDrafter:
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq, None)
 
-    def _view(self, state: DraftCache, tokens: list[int], k: int) -> list[int]:
+    def _view(self, state: DraftState, tokens: list[int], k: int) -> list[int]:
         """The request's tokens the draft model reads: all of them, or, once they and k
         - 1 drafts would outgrow its context, the last half context (the cache restarts)."""
         context = self.model.config.block_size
