@@ -5,12 +5,11 @@ chi-square test that the right rule passes and two wrong rules fail)."""
 
 from __future__ import annotations
 
-import copy
 from unittest import mock
 
 import pytest
 import torch
-from models import make_test_model
+from models import make_test_model, perturbed_copy
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import QuantizedKVCache
@@ -44,21 +43,10 @@ def target():
     return make_test_model(0, n_layer=3, block_size=CONTEXT)
 
 
-def perturbed(model, scale: float, seed: int = 1):
-    """A separate draft model that agrees with `model` often, not always: its weights
-    with noise of `scale` times each tensor's spread."""
-    draft = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std() * scale)
-    return draft
-
-
 @pytest.fixture(scope="module")
 def drafters(target):
     return {
-        "draft": lambda: ModelDrafter(perturbed(target, 0.1)),
+        "draft": lambda: ModelDrafter(perturbed_copy(target, 0.1)),
         "ngram": lambda: NgramDrafter(1, 3),
         "self": lambda: ModelDrafter(first_layers(target, 1)),
     }
@@ -182,7 +170,7 @@ def test_a_draft_with_another_vocabulary_is_refused(target) -> None:
     with pytest.raises(RoseError, match="vocabulary has 256 tokens"):
         load_drafter(config, target, tokenizer, other, tokenizer)
     with pytest.raises(RoseError, match="tokenizer 'r50k_base'"):
-        load_drafter(config, target, tokenizer, perturbed(target, 0.1), Tokenizer("r50k_base"))
+        load_drafter(config, target, tokenizer, perturbed_copy(target, 0.1), Tokenizer("r50k_base"))
     with pytest.raises(RoseError, match="draft model not found"):
         load_drafter(SpeculativeConfig(4, "draft", model="/no/such/dir"), target, tokenizer)
 
@@ -256,7 +244,7 @@ def test_sampled_speculative_generation_draws_the_targets_sequences(rule, right)
     (k = 2: accepted, rejected and bonus positions all occur), 3,000 seeds; the 16
     sequences' frequencies against the target's exact probabilities."""
     target = make_test_model(0, vocab_size=4, block_size=16)
-    draft = perturbed(target, 0.6)
+    draft = perturbed_copy(target, 0.6)
     params = SamplingParams(max_tokens=2, temperature=2.5)
     prompt = [1, 2]
     with torch.no_grad():

@@ -201,6 +201,17 @@ class BlockManager:
         seq.num_computed_tokens += num_new
         self.register_full_blocks(seq)
 
+    def trim(self, seq: EngineSequence) -> None:
+        """Give back seq's blocks past its computed tokens: after a verify step, the ones
+        that held only drafts the target rejected. None of them is in the prefix cache:
+        only blocks full of computed tokens are registered, and rejected drafts are never
+        counted as computed (`advance` moves past accepted tokens only)."""
+        keep = blocks_for(seq.num_computed_tokens, self.kv_block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.blocks[block_id].hash is None, f"block {block_id} is in the prefix cache"
+            self._give_back(block_id)
+        del seq.block_table[keep:]
+
     def register_full_blocks(self, seq: EngineSequence) -> None:
         """Key every block of seq that is now full and computed, so others can find it."""
         if not self.enable_prefix_caching:

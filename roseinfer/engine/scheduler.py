@@ -20,12 +20,18 @@ Each step packs one flat batch under two limits, `max_num_batched_tokens` tokens
 
 A sequence leaves `running` the moment it finishes or is aborted, and its blocks go
 back at once, so the next step already fills its place.
+
+Speculative decoding (`propose`): a running sequence about to decode may carry drafted
+tokens into the step, its verify chunk then being its newest token and the drafts. The
+drafts take what is left of the token budget and only pool blocks no later running
+sequence needs for its own next token: a draft never preempts anyone.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from roseinfer.engine.block_manager import BlockManager
@@ -45,9 +51,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        propose: Callable[[EngineSequence, int], int] | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # propose(seq, room): set seq.draft_ids, at most room of them; return how many.
+        self.propose = propose
         self.waiting: deque[EngineSequence] = deque()
         self.running: list[EngineSequence] = []  # oldest first
         self.arrival_order: dict[EngineSequence, int] = {}
@@ -76,6 +89,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                num_new += self._drafts(seq, num_new, budget, index)
                 manager.grow(seq, seq.num_computed_tokens + num_new)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
@@ -104,8 +118,23 @@ class Scheduler:
         self.running.sort(key=self.arrival_order.__getitem__)
         return batch
 
+    def _drafts(self, seq: EngineSequence, num_new: int, budget: int, index: int) -> int:
+        """How many drafted tokens running[index] carries into this step (0 unless it
+        decodes and a drafter is set): within the budget left after its own token, and
+        the slots its blocks and the spare ones hold, the spare ones being those left
+        once each later running sequence has one block for its next token."""
+        decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+        if self.propose is None or not decoding:
+            return 0
+        manager = self.block_manager
+        spare = max(0, manager.num_available - (len(self.running) - index - 1))
+        slots = (len(seq.block_table) + spare) * manager.kv_block_size
+        room = min(budget - 1, slots - seq.num_tokens)
+        return self.propose(seq, max(0, room))
+
     def _preempt(self, seq: EngineSequence) -> None:
         """Give back all of seq's blocks; it recomputes them when it runs again."""
+        seq.draft_ids = []
         self.block_manager.release(seq)
         self.num_preemptions += 1
         # Back into the waiting queue at its place by arrival: ahead of every newer request.
