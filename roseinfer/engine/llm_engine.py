@@ -44,7 +44,12 @@ from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.token_step import ErrorCallback, take_tokens
-from roseinfer.speculative.drafters import Drafter, check_speculative_tokens
+from roseinfer.speculative.drafters import (
+    Drafter,
+    SpeculativeConfig,
+    check_speculative_tokens,
+    load_drafter,
+)
 from roseinfer.speculative.verify import NO_DRAFT, Draft, SpeculativeStats, verify_drafts
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -372,6 +377,20 @@ class LLMEngine:
             if self.speculative_stats is not None
             else None,
         )
+
+
+def speculative_engine(
+    model: GPT,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    spec: SpeculativeConfig | None,
+    draft_model: GPT | None = None,
+) -> LLMEngine:
+    """The engine, with the drafter `spec` asks for (none without one)."""
+    if spec is None:
+        return LLMEngine(model, tokenizer, config)
+    drafter = load_drafter(spec, model, tokenizer, draft_model)
+    return LLMEngine(model, tokenizer, config, drafter, spec.num_speculative_tokens)
 
 
 def one_line(error: Exception) -> str:
