@@ -161,3 +161,16 @@ def test_serve_refuses_bad_speculative_flags(checkpoints, capsys) -> None:
         and "draft model not found" in err
         and "\n" not in err
     )
+
+
+def test_the_benchmark_runs_in_quick_mode(capsys) -> None:
+    """Every table prints; every speculative single stream made the plain run's tokens."""
+    from roseinfer.bench import speculative as bench
+
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for section in ("1. single stream", "2. over k", "3. the engine", "4. costs"):
+        assert section in out
+    single = out.split("1. single stream")[1].split("2. over k")[0].splitlines()[2:]
+    rows = [line.split() for line in single if line.strip()]
+    assert len(rows) == 8 and all(cells[-1] == "True" for cells in rows), single
