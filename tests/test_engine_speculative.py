@@ -88,6 +88,7 @@ def run_checked(engine: LLMEngine, arrivals: list, rng: random.Random) -> dict:
     assert set(finished) == set(requests)
     manager = engine.block_manager
     assert manager.num_available == manager.num_blocks  # every block free or cached
+    assert not getattr(engine.drafter, "caches", {})  # every request's draft cache let go
     return {request_id: (finished[request_id], *asked) for request_id, asked in requests.items()}
 
 
@@ -214,6 +215,21 @@ def test_stops_inside_an_accepted_run(model, tokenizer) -> None:
     # Request 1's first verify step drafted tokens 1-8 and kept 1-5: the stop token among
     # them ended it (the drafts after it were never taken).
     assert engine.stats().speculative.num_accepted_tokens >= 5
+
+
+def test_logprobs_of_verified_tokens_are_the_plain_steps(model, tokenizer) -> None:
+    """Each token a verify step keeps reports the log-probabilities of its own row."""
+    params = SamplingParams(max_tokens=24, logprobs=3)
+    requests = [([5, 6, 7, 5, 6], params), ([9, 10, 11], params)]
+    plain = run_checked(engine_for(model, tokenizer, None, None), requests, random.Random(0))
+    spec = run_checked(
+        engine_for(model, tokenizer, make_drafter("draft", model), 4), requests, random.Random(0)
+    )
+    for (want, _, _), (got, _, _) in zip(plain.values(), spec.values(), strict=True):
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)

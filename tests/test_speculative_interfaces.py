@@ -86,7 +86,8 @@ BAD = {
     "--speculative-method self:2 --num-speculative-tokens 3": "first 1 .. 1 layers",
     "--speculative-model no/such.pt --num-speculative-tokens 3": "draft model not found",
     "--speculative-model R50K --num-speculative-tokens 3": "share the target's tokenizer",
-    "--speculative-model SMALL --num-speculative-tokens 3": "vocabulary has 512",
+    "--speculative-model SMALL --num-speculative-tokens 3": "small_vocab.pt: tokenizer 'gpt2' "
+    "has 50257 tokens but the model's vocabulary has 512",
     "--speculative-method ngram --num-speculative-tokens 3 --no-kv-cache": "speculative "
     "decoding runs in the engine",
 }
@@ -122,6 +123,19 @@ def test_llm_generate_with_every_draft_kind(checkpoints) -> None:
         assert stats.num_draft_tokens > 0 and stats.mean_accepted_length >= 1
     with pytest.raises(RoseError, match="speculative:"):
         LLM(str(checkpoints["target"]), speculative={"method": "ngram"})
+
+
+def test_a_hugging_face_draft_for_a_hugging_face_target(hf_gpt2_dir: Path) -> None:
+    """An HF GPT-2 directory as the draft (here the target's own weights: every draft
+    accepted, each verify step makes k + 1 tokens)."""
+    speculative = {"method": "draft", "model": str(hf_gpt2_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(hf_gpt2_dir), speculative=speculative)
+    prompt = Tokenizer("gpt2").encode(PROMPT)
+    params = SamplingParams(max_tokens=13)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    assert output.token_ids == generate(llm.engine.model, prompt, params, use_cache=False).token_ids
+    stats = llm.engine.stats().speculative
+    assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length == 4.0
 
 
 @pytest.mark.slow

@@ -271,9 +271,12 @@ def load_draft_model(path: str, target: GPT) -> tuple[GPT, Tokenizer]:
         )
     weight = target.lm_head.weight
     hf = (where / "config.json").is_file()
-    model, tokenizer, _ = load_model_and_tokenizer(
-        None if hf else path, path if hf else None, None, weight.device, weight.dtype
-    )
+    try:
+        model, tokenizer, _ = load_model_and_tokenizer(
+            None if hf else path, path if hf else None, None, weight.device, weight.dtype
+        )
+    except RoseError as error:  # (a corrupt file, a vocabulary its tokenizer does not fit)
+        raise RoseError(f"draft model {path}: {error}") from None
     return model, tokenizer
 
 
