@@ -238,14 +238,19 @@ def test_one_position_of_the_sampled_rule_draws_from_p(rule, right) -> None:
     assert (chi_square_p_value(counts, P) >= SIGNIFICANCE) == right
 
 
-@pytest.mark.parametrize("rule, right", [(accept_or_resample, True), (no_residual, False)])
+@pytest.mark.parametrize(
+    "rule, right",
+    [(accept_or_resample, True), (no_residual, False), (accept_when_draft_likelier, False)],
+)
 def test_sampled_speculative_generation_draws_the_targets_sequences(rule, right) -> None:
-    """The whole loop on a 4-token vocabulary: two sampled tokens drafted by another model
-    (k = 2: accepted, rejected and bonus positions all occur), 3,000 seeds; the 16
-    sequences' frequencies against the target's exact probabilities."""
+    """The whole loop on a 4-token vocabulary: two sampled tokens, the first drafted by
+    another model and verified (accepted or resampled), the second the verify step's own
+    draw; 3,000 seeds; the 16 sequences' frequencies against the target's exact
+    probabilities. (Temperature 5 keeps p spread, so each wrong rule's bias shows: its
+    p-value is below 1e-10 here, the right rule's 0.16.)"""
     target = make_test_model(0, vocab_size=4, block_size=16)
-    draft = perturbed_copy(target, 0.6)
-    params = SamplingParams(max_tokens=2, temperature=2.5)
+    draft = make_test_model(1, vocab_size=4, block_size=16)
+    params = SamplingParams(max_tokens=2, temperature=5.0)
     prompt = [1, 2]
     with torch.no_grad():
         first = sampling_probs(target(torch.tensor([prompt])).logits[0, -1], params)
@@ -259,7 +264,7 @@ def test_sampled_speculative_generation_draws_the_targets_sequences(rule, right)
         for seed in range(3000):
             result = speculative_generate(
                 target, ModelDrafter(draft), prompt, SamplingParams(**{**vars(params), "seed": seed}),
-                num_speculative_tokens=2, stats=stats,
+                num_speculative_tokens=1, stats=stats,
             )  # fmt: skip
             a, b = result.token_ids
             counts[4 * a + b] += 1
