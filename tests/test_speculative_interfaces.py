@@ -183,7 +183,8 @@ def test_the_benchmark_runs_in_quick_mode(capsys) -> None:
 
     assert bench.main(["--quick"]) == 0
     out = capsys.readouterr().out
-    for section in ("1. single stream", "2. over k", "3. the engine", "4. costs"):
+    sections = ("1. single stream", "2. over k", "3. the engine", "4. costs", "5. Hugging Face")
+    for section in sections:
         assert section in out
     single = out.split("1. single stream")[1].split("2. over k")[0].splitlines()[2:]
     rows = [line.split() for line in single if line.strip()]

@@ -14,7 +14,10 @@ lookup, the target's own first --self-layers layers), and prints side by side:
 3. the engine (`LLM`, paged pool, continuous batching) at batch 1, 4 and 16: generated
    tokens/s without and with each drafter;
 4. why: the target's verify call of k + 1 tokens against its one-token step over the same
-   cache, and the drafter's cost per drafted token, each as a multiple of that step.
+   cache, and the drafter's cost per drafted token, each as a multiple of that step;
+5. beside it, Hugging Face `transformers` on the same weights (when installed): plain
+   greedy `generate`, assisted generation with the draft model (`assistant_model=`) and
+   prompt lookup (`prompt_lookup_num_tokens=`), single stream, both workloads.
 
 With acceptance a and k drafts, a verify step makes (1 - a^(k+1)) / (1 - a) tokens in
 about (verify cost + k * draft cost) one-token steps; section 4 gives those costs, so
@@ -284,6 +287,51 @@ def cost_table(target, kinds, workloads, args) -> None:
         print(f"{name}: {statistics.median(seq_runs) / k / one:.2f} per drafted token")
 
 
+def hf_table(target, draft, workloads, args) -> None:
+    """transformers' generate on the same weights: plain, assisted by the draft model,
+    prompt lookup; tokens/s and whether its tokens are rose's plain greedy ones."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        from rosetrainer.hf import to_hf_gpt2
+    except ImportError:
+        print("\n5. Hugging Face: transformers is not installed, skipped")
+        return
+    hf_logging.set_verbosity_error()  # (its notes on how generate's arguments combine)
+    k = args.num_speculative_tokens
+    hf_target = to_hf_gpt2(target).eval()
+    ways: dict[str, dict[str, object]] = {"none": {}}
+    if draft is not None:
+        ways["assistant model"] = {"assistant_model": to_hf_gpt2(draft).eval()}
+    ways["prompt lookup"] = {"prompt_lookup_num_tokens": k}
+    widths = [10, 20, 10, 8, 6]
+    print(f"\n5. Hugging Face transformers, single stream, k = {k} (tokens/s)")
+    print(row(["workload", "drafts", "tokens/s", "speedup", "same"], widths))
+    for workload, (prompt, *_) in workloads.items():
+        want = single_stream(target, None, prompt, args.new_tokens, 1).tokens
+        base = None
+        for name, extra in ways.items():
+            run = functools.partial(hf_generate, hf_target, prompt, args.new_tokens, extra)
+            result = median_run([timed(run) for _ in range(args.rounds)])
+            base = base or result
+            speedup = f"{result.tokens_per_s / base.tokens_per_s:.2f}x"
+            same = result.tokens == want
+            print(row([workload, name, f"{result.tokens_per_s:.1f}", speedup, same], widths))
+
+
+@torch.inference_mode()
+def hf_generate(
+    hf_model: torch.nn.Module, prompt: list[int], n: int, extra: dict[str, object]
+) -> tuple[list[list[int]], None]:
+    """Greedy, exactly n new tokens (end-of-text does not stop it, as in rose's runs here)."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+        do_sample=False, pad_token_id=0, **extra,
+    )  # fmt: skip
+    return [out[0, len(prompt) :].tolist()], None
+
+
 def bench(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     target, draft, tokenizer, text = load(args)
@@ -302,6 +350,7 @@ def bench(argv: list[str] | None = None) -> int:
     k_curve_table(target, kinds, workloads, args)
     engine_table(target, draft, tokenizer, workloads, args)
     cost_table(target, kinds, workloads, args)
+    hf_table(target, draft, workloads, args)
     return 0
 
 

@@ -110,6 +110,8 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> Draft:
+        if not self.model.config.unbounded:  # (k + 1 tokens must fit its context)
+            k = min(k, self.model.config.block_size - 1)
         state = self.caches.setdefault(seq, DraftState())
         view = self._view(state, seq.all_ids, k)
         # Keep what the cache holds of the request's tokens (never the newest: its logits
