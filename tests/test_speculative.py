@@ -9,6 +9,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from models import make_test_model, perturbed_copy
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
@@ -69,6 +71,37 @@ def test_greedy_speculative_equals_the_uncached_oracle(target, drafters, oracle,
     assert result.finish_reason == "length"
     # Both roads were taken: some drafts kept, some rejected (so the cache rolled back).
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    prompt=st.lists(st.integers(0, 40), min_size=1, max_size=CONTEXT),  # a small alphabet: repeats
+    max_tokens=st.integers(1, 45),
+    k=st.integers(1, 8),
+    kind=st.sampled_from(["draft", "ngram", "self"]),
+    static=st.booleans(),
+    stop_at=st.integers(0, 60),
+)
+def test_any_prompt_and_stop_equals_the_oracle(
+    target, drafters, prompt, max_tokens, k, kind, static, stop_at
+) -> None:
+    """Drawn prompts (up to a full context), lengths, k, drafters and caches; a stop token
+    taken from the oracle's own output (so it stops inside a run)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    want = generate(target, prompt, params, use_cache=False).token_ids
+    if stop_at < len(want):
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(want[stop_at],))
+        want = want[: want.index(want[stop_at]) + 1]
+    cache = StaticKVCache(target) if static else ConcatKVCache()
+    got = speculative_generate(
+        target, drafters[kind](), prompt, params, num_speculative_tokens=k, cache=cache
+    )
+    assert got.token_ids == want
 
 
 def test_all_drafts_accepted_gives_the_bonus_token(target, oracle) -> None:
