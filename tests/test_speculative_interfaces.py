@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from models import make_test_model, perturbed_copy
@@ -159,7 +160,11 @@ def test_the_server_speculates_and_counts_drafts_as_vllm_names_them(
         stream = client.completions.create(**ask, stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream) == text
         after = wait_idle(server)
+        live = httpx.get(server.url + "/live/snapshot").json()["speculative"]
     drafted = after["rose_spec_decode_num_draft_tokens_total"]
+    assert live["num_draft_tokens"] == drafted and live["acceptance_rate"] == pytest.approx(
+        after["rose_spec_decode_num_accepted_tokens_total"] / drafted
+    )
     accepted = after["rose_spec_decode_num_accepted_tokens_total"]
     assert after["rose_spec_decode_num_drafts_total"] > 0 and 0 <= accepted <= drafted
     if method == "DRAFT":  # (a draft close to the target: some drafts are kept)
