@@ -168,10 +168,11 @@ class RecordingDrafter:
         self.drafter = drafter
         self.proposals: list[tuple[list[int], list[int]]] = []
 
-    def propose(self, seq, k):
-        draft = self.drafter.propose(seq, k)
-        self.proposals.append((list(seq.all_ids), list(draft.tokens)))
-        return draft
+    def propose(self, seqs, ks):
+        drafts = self.drafter.propose(seqs, ks)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            self.proposals.append((list(seq.all_ids), list(draft.tokens)))
+        return drafts
 
     def release(self, seq) -> None:
         self.drafter.release(seq)

@@ -5,13 +5,14 @@ chi-square test that the right rule passes and two wrong rules fail)."""
 
 from __future__ import annotations
 
+import copy
 from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import make_test_model, perturbed_copy
+from models import assert_logits_close, make_test_model, perturbed_copy
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import QuantizedKVCache
@@ -19,6 +20,7 @@ from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.loops.generate import generate
 from roseinfer.loops.speculative import speculative_generate
 from roseinfer.request.sampling import SamplingParams, sampling_probs
+from roseinfer.request.sequence import Sequence
 from roseinfer.speculative import verify
 from roseinfer.speculative.drafters import (
     ModelDrafter,
@@ -206,6 +208,45 @@ def test_a_draft_with_another_vocabulary_is_refused(target) -> None:
         load_drafter(config, target, tokenizer, perturbed_copy(target, 0.1), Tokenizer("r50k_base"))
     with pytest.raises(RoseError, match="draft model not found"):
         load_drafter(SpeculativeConfig(4, "draft", model="/no/such/dir"), target, tokenizer)
+
+
+def test_a_draft_model_drafts_for_many_requests_as_for_each_alone(target) -> None:
+    """The engine asks for every request's drafts at once: each request's cache catches
+    up alone, then the drafts are one batched call per token over the caches stacked
+    left-padded. Each request gets the drafts it would get alone, with any k, step after
+    step (its cache rolled back to what it kept in between)."""
+    draft = perturbed_copy(target, 0.1)
+    prompts = [[5, 6, 7], list(range(100, 120)), [9] * 11]
+    seqs = [Sequence(list(p), GREEDY) for p in prompts]
+    alone = [Sequence(list(p), GREEDY) for p in prompts]
+    together, separately = ModelDrafter(draft), ModelDrafter(draft)
+    for ks in ([4, 2, 3], [1, 4, 4], [3, 3, 1]):
+        drafts = together.propose(seqs, ks)
+        for seq, single, k, got in zip(seqs, alone, ks, drafts, strict=True):
+            (want,) = separately.propose([single], [k])
+            assert got.tokens == want.tokens and len(got.tokens) == k
+            # The request keeps the first draft and one token of its own, as after a rejection.
+            for each in (seq, single):
+                each.append_token(got.tokens[0])
+                each.append_token(7)
+
+
+def test_stacked_caches_give_each_row_its_own_logits(target) -> None:
+    caches, logits = [], []
+    with torch.no_grad():
+        for ids in ([5, 6, 7], list(range(100, 120)), [9] * 11):
+            cache = ConcatKVCache()
+            target(torch.tensor([ids[:-1]]), cache=cache)
+            caches.append(cache)
+            alone = copy.deepcopy(cache)
+            logits.append(target(torch.tensor([ids[-1:]]), cache=alone).logits[0, -1])
+        batch = ConcatKVCache.stacked(caches)
+        last = torch.tensor([[7], [119], [9]])
+        together = target(last, cache=batch).logits[:, -1]
+    for row, want in enumerate(logits):
+        assert_logits_close(together[row], want, f"row {row}: ")
+    lengths = [cache.seq_len for cache in batch.unstacked()]
+    assert lengths == [3, 20, 11]  # each row: its past and the token just fed, no padding
 
 
 def test_prompt_lookup_takes_the_longest_latest_match() -> None:

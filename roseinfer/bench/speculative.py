@@ -278,10 +278,10 @@ def cost_table(target, kinds, workloads, args) -> None:
         seq_runs = []
         for _ in range(max(3, args.rounds)):
             seq = Sequence(list(prompt), SamplingParams(max_tokens=k + 1))
-            drafter.propose(seq, k)  # (the first call reads the prompt)
+            drafter.propose([seq], [k])  # (the first call reads the prompt)
             seq.output_ids.append(prompt[0])  # one more token: the next call drafts anew
             started = time.perf_counter()
-            drafter.propose(seq, k)
+            drafter.propose([seq], [k])
             seq_runs.append(time.perf_counter() - started)
             drafter.release(seq)
         print(f"{name}: {statistics.median(seq_runs) / k / one:.2f} per drafted token")

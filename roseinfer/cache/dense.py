@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
@@ -140,6 +141,43 @@ class ConcatKVCache:
 
     def check_rows(self, rows: int) -> None:
         """Any number of rows: the first prefill sets it (`prepare` checks later steps)."""
+
+    @classmethod
+    def stacked(cls, caches: list[ConcatKVCache]) -> ConcatKVCache:
+        """One left-padded batch of one-row caches of different lengths (each row's padding
+        masked, its positions its own), to run them in one call; `unstacked` splits it."""
+        if len(caches) == 1:
+            return caches[0]
+        lengths = [cache.seq_len for cache in caches]
+        longest = max(lengths)
+        batch = cls()
+        for layer in range(len(caches[0].past_kv)):
+            # (1, n_head, len, head_dim) each, padded on the left along time to the longest
+            k, v = (
+                torch.cat(
+                    [F.pad(cache.past_kv[layer][i], (0, 0, longest - n, 0)) for cache, n in
+                     zip(caches, lengths, strict=True)]
+                )
+                for i in (0, 1)
+            )  # fmt: skip
+            batch.past_kv.append((k, v))
+        device = batch.past_kv[0][0].device
+        batch.pad_lengths = torch.tensor([longest - n for n in lengths], device=device)
+        return batch
+
+    def unstacked(self) -> list[ConcatKVCache]:
+        """The rows of a `stacked` batch as one-row caches again, without their padding
+        (views: nothing is copied)."""
+        if self.pad_lengths is None:
+            return [self]
+        rows = []
+        for row, pad in enumerate(self.pad_lengths.tolist()):
+            cache = ConcatKVCache()
+            cache.past_kv = [
+                (k[row : row + 1, :, pad:], v[row : row + 1, :, pad:]) for k, v in self.past_kv
+            ]
+            rows.append(cache)
+        return rows
 
     def fork(self, n: int) -> list[ConcatKVCache]:
         """n caches for n continuations. They may share the past tensors: concatenation

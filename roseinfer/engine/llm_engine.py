@@ -15,8 +15,8 @@ compute alone, its logits depend on nothing else in the batch, and it draws from
 own generator.
 
 Speculative decoding (a `drafter` and num_speculative_tokens): the scheduler asks
-`_propose` for each greedy request about to decode, and the request's step feeds its
-newest token and the drafts as one chunk; `postprocess` verifies them
+`_propose` once a step for drafts for the greedy requests about to decode, and each
+one's step feeds its newest token and its drafts as one chunk; `postprocess` verifies them
 (`verify_drafts`, the teaching loop's rule), counts only the accepted tokens as
 computed, and gives back the blocks that held only rejected ones (`BlockManager.trim`).
 A sampled request decodes one token a step: how many drafts a step can carry depends
@@ -50,7 +50,7 @@ from roseinfer.speculative.drafters import (
     check_speculative_tokens,
     load_drafter,
 )
-from roseinfer.speculative.verify import NO_DRAFT, Draft, SpeculativeStats, verify_drafts
+from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -270,19 +270,35 @@ class LLMEngine:
 
     # -- speculative decoding --
 
-    def _propose(self, seq: EngineSequence, room: int) -> int:
-        """The scheduler asks: seq is about to decode, with room for `room` drafted tokens
-        in this step. Set its drafts; return how many. Never a draft past what the request
-        may still make (its last token is never fed) or past the context's positions."""
+    def _propose(self, seqs: list[EngineSequence], rooms: list[int]) -> list[int]:
+        """The scheduler asks: these sequences are about to decode, each with room for
+        that many drafted tokens in this step. Set their drafts (one drafter call for all);
+        return how many each got. Never a draft past what a request may still make (its
+        last token is never fed) or past the context's positions."""
         with self._timed("draft"):  # (inside "schedule": the scheduler asks)
-            limit = min(self.num_speculative_tokens, room)
-            limit = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1)
-            if self.length_limit is not None:
-                limit = min(limit, self.length_limit - seq.num_tokens)
-            greedy = seq.params.greedy  # (a sampled request: see the module's docstring)
-            draft = self.drafter.propose(seq, limit) if greedy and limit > 0 else NO_DRAFT
-            seq.draft_ids = draft.tokens[:limit]
-            return len(seq.draft_ids)
+            limits = [self._draft_limit(seq, room) for seq, room in zip(seqs, rooms, strict=True)]
+            asked = [i for i, limit in enumerate(limits) if limit > 0]
+            drafts = (
+                self.drafter.propose([seqs[i] for i in asked], [limits[i] for i in asked])
+                if asked
+                else []
+            )
+            for seq in seqs:
+                seq.draft_ids = []
+            for i, draft in zip(asked, drafts, strict=True):
+                seqs[i].draft_ids = draft.tokens[: limits[i]]
+            return [len(seq.draft_ids) for seq in seqs]
+
+    def _draft_limit(self, seq: EngineSequence, room: int) -> int:
+        """How many drafts seq may carry: room, k, what it may still make, the context; 0
+        for a sampled request (see the module's docstring)."""
+        if not seq.params.greedy:
+            return 0
+        limit = min(self.num_speculative_tokens, room)
+        limit = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1)
+        if self.length_limit is not None:
+            limit = min(limit, self.length_limit - seq.num_tokens)
+        return limit
 
     def _verify(
         self, seq: EngineSequence, logits: torch.Tensor, row: int, failed: ErrorCallback

@@ -114,7 +114,7 @@ def speculative_generate(
             room = min(k, params.max_tokens - len(seq.output_ids) - 1)
             if context is not None:
                 room = min(room, context - (len(tokens) - start))
-            draft = drafter.propose(seq, room) if room > 0 else NO_DRAFT
+            (draft,) = drafter.propose([seq], [room]) if room > 0 else (NO_DRAFT,)
             new_ids = tokens[start + held :]
             accepted = verify_and_rollback(target, cache, held, seq, new_ids, draft, on_token)
             held += len(new_ids) + accepted

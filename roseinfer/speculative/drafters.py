@@ -49,8 +49,9 @@ METHODS = ("draft", "ngram", "self")
 class Drafter(Protocol):
     """What the speculative loop and the engine ask of a source of drafts."""
 
-    def propose(self, seq: Sequence, k: int) -> Draft:
-        """Up to k tokens that might follow seq's tokens (fewer, or none, is allowed)."""
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """For each request, up to its k tokens that might follow its tokens so far (fewer,
+        or none, is allowed). The engine asks for every request of a step at once."""
         ...
 
     def release(self, seq: Sequence) -> None:
@@ -81,8 +82,11 @@ class NgramDrafter:
             raise RoseError(f"n-gram bounds must satisfy 1 <= min <= max, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seq: Sequence, k: int) -> Draft:
-        return Draft(prompt_lookup(seq.all_ids, k, self.min_n, self.max_n))
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [
+            Draft(prompt_lookup(seq.all_ids, k, self.min_n, self.max_n))
+            for seq, k in zip(seqs, ks, strict=True)
+        ]
 
     def release(self, seq: Sequence) -> None:
         """Nothing is kept per request."""
@@ -109,29 +113,54 @@ class ModelDrafter:
         self.caches: dict[Sequence, DraftState] = {}
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, k: int) -> Draft:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        steps = max(ks)
         if not self.model.config.unbounded:  # (k + 1 tokens must fit its context)
-            k = min(k, self.model.config.block_size - 1)
-        state = self.caches.setdefault(seq, DraftState())
-        view = self._view(state, seq.all_ids, k)
-        # Keep what the cache holds of the request's tokens (never the newest: its logits
-        # are what the first draft is read from); roll the rest back.
+            steps = min(steps, self.model.config.block_size - 1)
+        states = [self.caches.setdefault(seq, DraftState()) for seq in seqs]
+        views = [
+            self._view(state, seq.all_ids, steps) for state, seq in zip(states, seqs, strict=True)
+        ]
+        # Each request's cache first reads the tokens it has not read yet (one call each:
+        # how many differs), which gives the logits its first draft comes from ...
+        logits = torch.stack(
+            [self._catch_up(state, view) for state, view in zip(states, views, strict=True)]
+        )
+        # ... then every request drafts at once, one batched call per drafted token.
+        batch = ConcatKVCache.stacked([state.cache for state in states])
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(steps):
+            chosen = [self._choose(logits[row], seq, probs[row]) for row, seq in enumerate(seqs)]
+            for row, token in enumerate(chosen):
+                tokens[row].append(token)
+            if step < steps - 1:  # the last draft is never fed: nothing reads its logits
+                logits = self._step(chosen, batch)
+        for state, cache, view, drafted in zip(
+            states, batch.unstacked(), views, tokens, strict=True
+        ):
+            state.cache, state.ids = cache, view + drafted[:-1]
+        return [
+            Draft(drafted[:k], torch.stack(qs[:k]) if qs else None)
+            for drafted, qs, k in zip(tokens, probs, ks, strict=True)
+        ]
+
+    def _catch_up(self, state: DraftState, view: list[int]) -> torch.Tensor:
+        """Roll the cache back to what it holds of the request's tokens (never the newest:
+        its logits are what the first draft is read from), feed it the rest; those logits."""
         held = common_prefix(state.ids, view, len(view) - 1)
         state.cache.truncate(held)
-        logits = self._step(view[held:], state.cache)
-        tokens, probs = [], []
-        for j in range(k):
-            if seq.params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = sampling_probs(logits, seq.params)
-                token = int(torch.multinomial(q, 1, generator=seq.generator))
-                probs.append(q)
-            tokens.append(token)
-            if j < k - 1:  # the last draft is never fed: nothing reads its logits
-                logits = self._step([token], state.cache)
-        state.ids = view + tokens[:-1]
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return self._step(view[held:], state.cache)[0]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, seq: Sequence, probs: list[torch.Tensor]) -> int:
+        """The request's draft from the draft model's logits: the argmax for a greedy
+        request, else drawn from its sampling distribution q (kept in probs for the rule)."""
+        if seq.params.greedy:
+            return int(logits.argmax())
+        q = sampling_probs(logits, seq.params)
+        probs.append(q)
+        return int(torch.multinomial(q, 1, generator=seq.generator))
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq, None)
@@ -146,10 +175,12 @@ class ModelDrafter:
         return tokens[state.start :]
 
     def _step(self, ids: list[int], cache: ConcatKVCache) -> torch.Tensor:
-        """Feed ids; the logits after the last one (vocab,)."""
+        """Feed ids: one row of tokens to a one-row cache, or one token per row to a
+        stacked batch; the logits after each row's last token, (rows, vocab)."""
         device = self.model.lm_head.weight.device
-        idx = torch.tensor([ids], device=device)
-        return self.model(idx, cache=cache, last_only=True, validate=False).logits[0, -1]
+        rows = 1 if cache.pad_lengths is None else len(ids)
+        idx = torch.tensor(ids, device=device).view(rows, -1)
+        return self.model(idx, cache=cache, last_only=True, validate=False).logits[:, -1]
 
 
 def common_prefix(a: list[int], b: list[int], most: int) -> int:
