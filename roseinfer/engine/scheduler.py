@@ -147,14 +147,12 @@ class Scheduler:
         return to the budget) the room its drafts did not fill."""
         if not rooms:
             return 0
-        seqs = [batch.seqs[row] for row in rooms]
+        drafted = self.propose([batch.seqs[row] for row in rooms], list(rooms.values()))
         unused = 0
-        for row, room, drafted in zip(
-            rooms, rooms.values(), self.propose(seqs, list(rooms.values())), strict=True
-        ):
+        for (row, room), count in zip(rooms.items(), drafted, strict=True):
             seq = batch.seqs[row]
-            batch.num_new_tokens[row] -= room - drafted
-            unused += room - drafted
+            batch.num_new_tokens[row] -= room - count
+            unused += room - count
             self.block_manager.trim(seq, seq.num_computed_tokens + batch.num_new_tokens[row])
         return unused
 
