@@ -233,6 +233,29 @@ def test_logprobs_of_verified_tokens_are_the_plain_steps(model, tokenizer) -> No
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
+class EndOfTextAt(Tokenizer):
+    """GPT-2's tokenizer with end-of-text moved to an id the test model does make."""
+
+    def __init__(self, eot_id: int) -> None:
+        super().__init__("gpt2")
+        self.moved_eot_id = eot_id
+
+    @property
+    def eot_id(self) -> int:
+        return self.moved_eot_id
+
+
+def test_end_of_text_inside_an_accepted_run(model, tokenizer) -> None:
+    want = solo(model, tokenizer, [7, 8, 9], SamplingParams(max_tokens=20))
+    eot = want[6]
+    engine = engine_for(model, EndOfTextAt(eot), ModelDrafter(model), 8)
+    ((output, _, _),) = run_checked(
+        engine, [([7, 8, 9], SamplingParams(max_tokens=20))], random.Random(0)
+    ).values()
+    assert output.token_ids == want[: want.index(eot)]
+    assert (output.finish_reason, output.stop_reason) == ("stop", eot)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_and_windowed_pools(tokenizer, kind) -> None:
     """int8 pool: equal to the same engine without drafts. A rotary model with a sliding

@@ -131,6 +131,19 @@ def test_stops_inside_an_accepted_run(target, oracle) -> None:
     assert result.stop_reason == stop
 
 
+def test_end_of_text_inside_an_accepted_run_ends_it(target, oracle) -> None:
+    """End-of-text (here: the id the oracle makes at step 6) among accepted drafts: the
+    request stops there, end-of-text not kept, as the oracle does."""
+    eot = oracle[6]
+    params = SamplingParams(max_tokens=20)
+    want = generate(target, PROMPT, params, use_cache=False, eot_id=eot)
+    got = speculative_generate(
+        target, ModelDrafter(target), PROMPT, params, num_speculative_tokens=8, eot_id=eot
+    )
+    assert got.token_ids == want.token_ids == oracle[: oracle.index(eot)]
+    assert got.finish_reason == "stop" and got.stop_reason == eot
+
+
 def test_a_rotary_model_rolls_back_too() -> None:
     model = make_test_model(3, n_layer=3, block_size=CONTEXT, position_embedding="rotary")
     want = generate(model, PROMPT, GREEDY, use_cache=False).token_ids
