@@ -118,6 +118,7 @@ ORACLE_TEST_FILES = {
     "test_engine.py",
     "test_engine_api.py",
     "test_engine_quant.py",
+    "test_engine_speculative.py",
     "test_exercises.py",
     "test_generate.py",
     "test_hf_generate.py",
@@ -128,6 +129,7 @@ ORACLE_TEST_FILES = {
     "test_quant.py",
     "test_rolling.py",
     "test_rotary.py",
+    "test_speculative.py",
     "test_course.py",
 }
 

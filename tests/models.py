@@ -25,6 +25,7 @@ so a run on another CPU shows how much room the tolerance has there.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,6 +95,17 @@ def write_random_checkpoint(path: Path, config: GPTConfig) -> Path:
     }
     save_checkpoint(path, state)
     return path
+
+
+def perturbed_copy(model: GPT, scale: float, seed: int = 1) -> GPT:
+    """A copy of `model` with noise of `scale` times each weight tensor's spread: a draft
+    model for speculative decoding that agrees with `model` often, not always."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std() * scale)
+    return draft
 
 
 def assert_clear_margins(step_logits: Sequence[torch.Tensor]) -> float:

@@ -8,6 +8,8 @@ and answers the loop's own questions:
 * `reset(pad_lengths)`: forget everything; rows of a batch may start with left padding,
   which is then masked out of attention and not counted in positions;
 * `fork(n)`: n independent copies (for several continuations of one prefix);
+* `truncate(n)`: keep only the first n positions (speculative decoding rolls a cache
+  back past the drafted tokens the target rejected);
 * `nbytes`: the bytes its keys and values take; `filled_kv()`: the keys and values of
   the positions filled so far; `check_rows(n)`: a clear error before a batch of n rows
   that it cannot take; `compilable`: whether its decode steps all have one shape.
@@ -31,6 +33,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
@@ -57,6 +60,8 @@ class DenseKVCache(KVCache, Protocol):
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None: ...
 
     def fork(self, n: int) -> list[DenseKVCache]: ...
+
+    def truncate(self, n: int) -> None: ...
 
     def filled_kv(self) -> list[LayerPast]: ...
 
@@ -122,6 +127,11 @@ class ConcatKVCache:
         self.past_kv = []
         self.pad_lengths = pad_lengths
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions: every layer's keys and values cut along time."""
+        check_truncate(n, self.seq_len)
+        self.past_kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.past_kv]
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for pair in self.past_kv for t in pair)
@@ -131,6 +141,43 @@ class ConcatKVCache:
 
     def check_rows(self, rows: int) -> None:
         """Any number of rows: the first prefill sets it (`prepare` checks later steps)."""
+
+    @classmethod
+    def stacked(cls, caches: list[ConcatKVCache]) -> ConcatKVCache:
+        """One left-padded batch of one-row caches of different lengths (each row's padding
+        masked, its positions its own), to run them in one call; `unstacked` splits it."""
+        if len(caches) == 1:
+            return caches[0]
+        lengths = [cache.seq_len for cache in caches]
+        longest = max(lengths)
+        batch = cls()
+        for layer in range(len(caches[0].past_kv)):
+            # (1, n_head, len, head_dim) each, padded on the left along time to the longest
+            k, v = (
+                torch.cat(
+                    [F.pad(cache.past_kv[layer][i], (0, 0, longest - n, 0)) for cache, n in
+                     zip(caches, lengths, strict=True)]
+                )
+                for i in (0, 1)
+            )  # fmt: skip
+            batch.past_kv.append((k, v))
+        device = batch.past_kv[0][0].device
+        batch.pad_lengths = torch.tensor([longest - n for n in lengths], device=device)
+        return batch
+
+    def unstacked(self) -> list[ConcatKVCache]:
+        """The rows of a `stacked` batch as one-row caches again, without their padding
+        (views: nothing is copied)."""
+        if self.pad_lengths is None:
+            return [self]
+        rows = []
+        for row, pad in enumerate(self.pad_lengths.tolist()):
+            cache = ConcatKVCache()
+            cache.past_kv = [
+                (k[row : row + 1, :, pad:], v[row : row + 1, :, pad:]) for k, v in self.past_kv
+            ]
+            rows.append(cache)
+        return rows
 
     def fork(self, n: int) -> list[ConcatKVCache]:
         """n caches for n continuations. They may share the past tensors: concatenation
@@ -240,6 +287,13 @@ class StaticKVCache:
             slots = torch.arange(self.max_len, device=self.causal_rows.device)
             self.real_slots = slots[None, :] >= pad_lengths[:, None]
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions: only the count moves back. The slots after it keep
+        their stale keys, which no query sees (a query's mask row stops at its own
+        position) until new tokens overwrite them."""
+        check_truncate(n, self.seq_len)
+        self.filled.fill_(n)
+
     # -- what the model asks of a cache (rosetrainer.model.KVCache) --
 
     def prepare(
@@ -278,6 +332,12 @@ class StaticKVCache:
             fork.filled = self.filled.clone()
             forks.append(fork)
         return forks
+
+
+def check_truncate(n: int, held: int) -> None:
+    """A cache can be cut back to 0 .. the positions it holds, never forward."""
+    if not 0 <= n <= held:
+        raise RoseError(f"a cache holding {held} positions cannot be truncated to {n}")
 
 
 def new_cache(model: Blocks, kind: str, rows: int, max_len: int) -> DenseKVCache:

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from roseinfer.cache.dense import StaticKVCache
+from roseinfer.cache.dense import StaticKVCache, check_truncate
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT, LayerPast
@@ -357,6 +357,21 @@ class QuantizedKVCache(StaticKVCache):
     def filled_kv(self) -> list[LayerPast]:
         """The filled positions as attention reads them (dequantized, then exact)."""
         return [layer.read() for layer in self.layers]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions. Only exact tokens can go: a group already in the
+        store was quantized with the later tokens in it (their scale and zero point)."""
+        check_truncate(n, self.seq_len)
+        stored = self.layers[0].n_stored
+        if n < stored:
+            raise RoseError(
+                f"cannot roll the quantized cache back to {n} positions: the first {stored} "
+                f"are quantized already; keep at least as many tokens exact as are drafted "
+                f"(a larger window)"
+            )
+        for layer in self.layers:
+            layer.n_exact = n - layer.n_stored
+        super().truncate(n)
 
     def prepare(
         self, batch: int, q_len: int, device: torch.device

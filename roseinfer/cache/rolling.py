@@ -148,6 +148,14 @@ class RollingKVCache:
         self.v[layer][rows, :, slots] = v[rows, :, cols]
         return keys, values
 
+    def truncate(self, n: int) -> None:
+        """A rolling cache cannot move back: each new key took the slot of the key one
+        window before it, and that key is gone."""
+        raise RoseError(
+            "a rolling cache cannot be rolled back (new keys overwrite the oldest ones): "
+            "speculative decoding of a sliding-window model runs in the engine's paged pool"
+        )
+
     def fork(self, n: int) -> list[RollingKVCache]:
         """n caches for n continuations; the slots are written in place, so each gets a copy."""
         forks = []

@@ -5,6 +5,10 @@ The names are vLLM's where vLLM has one (`--max-num-seqs`, `--max-num-batched-to
 `--kv-block-size` (tokens per KV block: `--block-size` would read as the model's context,
 which is `block_size` everywhere in rose), `--kv-cache-memory` and the quantized pool's
 `--kv-cache-window` / `--kv-cache-group-size`. The defaults are `EngineConfig`'s.
+
+Speculative decoding's flags follow vLLM's older ones (`--speculative-model`,
+`--num-speculative-tokens`, and `--speculative-method` for the drafts without a second
+model); `engine_from_flags` builds the engine with its drafter.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import argparse
 
 from roseinfer.cache.quantized import KV_CACHE_DTYPES
 from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine, speculative_engine
+from roseinfer.speculative.drafters import SpeculativeConfig
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
 
 DEFAULTS = EngineConfig()
 
@@ -94,6 +102,59 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "head size (the engine groups keys by KV block; "
         f"default: {DEFAULTS.kv_cache_group_size})",
     )
+
+    add_speculative_flags(parser)
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group(
+        "speculative decoding",
+        "a drafter proposes the next tokens, the model verifies them in one step; greedy "
+        "requests only (their output is unchanged), sampled ones decode one token a step",
+    )
+    which = spec.add_mutually_exclusive_group()
+    which.add_argument(
+        "--speculative-model",
+        metavar="PATH",
+        help="a smaller draft model sharing the model's tokenizer: a rose .pt, a run "
+        "directory or a Hugging Face GPT-2 directory",
+    )
+    which.add_argument(
+        "--speculative-method",
+        metavar="ngram|self:N",
+        help="drafts without a second model: ngram (prompt lookup: the tokens that followed "
+        "the last n tokens earlier in the prompt and output) or self:N (the model's own "
+        "first N layers through its LM head)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="tokens drafted per step (needed with --speculative-model or --speculative-method)",
+    )
+    spec.add_argument(
+        "--ngram-min", type=int, default=1, help="prompt lookup's shortest n-gram (default: 1)"
+    )
+    spec.add_argument(
+        "--ngram-max", type=int, default=4, help="prompt lookup's longest n-gram (default: 4)"
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative flags, checked (None when none is given)."""
+    return SpeculativeConfig.from_flags(
+        args.speculative_model,
+        args.speculative_method,
+        args.num_speculative_tokens,
+        args.ngram_min,
+        args.ngram_max,
+    )
+
+
+def engine_from_flags(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace) -> LLMEngine:
+    """The engine the flags describe, with its drafter when they ask for one (a draft
+    model is loaded and checked against `model` here)."""
+    return speculative_engine(model, tokenizer, engine_config(args), speculative_config(args))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

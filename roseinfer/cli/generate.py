@@ -15,6 +15,8 @@ Which path runs:
   order, as soon as it and every prompt before it are done;
 * one prompt: a static cache (a rolling one for a model with a sliding window), its
   text streamed as it is made;
+* speculative decoding (--speculative-model or --speculative-method, with
+  --num-speculative-tokens): the engine, for one prompt too (printed once it is done);
 * --no-kv-cache, --cache static|concat|rolling, --compile or --onnx: that path, for
   every prompt, in left-padded batches of --batch-size (each batch printed when it is
   done). --no-kv-cache on a windowed model is its oracle: the whole sequence under the
@@ -44,7 +46,12 @@ import torch
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
 from roseinfer.cache.rolling import RollingKVCache
-from roseinfer.cli.engine_flags import add_engine_flags, engine_config
+from roseinfer.cli.engine_flags import (
+    add_engine_flags,
+    engine_config,
+    engine_from_flags,
+    speculative_config,
+)
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
@@ -305,6 +312,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         )
     if quantized and (args.pipeline_parallel_size != 1 or args.micro_batches is not None):
         raise RoseError("a split model keeps unquantized per-stage caches: drop --kv-cache-dtype")
+    if speculative_config(args) is not None and (
+        other_path(args) or args.pipeline_parallel_size != 1
+    ):
+        raise RoseError(
+            "speculative decoding runs in the engine: drop --no-kv-cache, --cache, --compile, "
+            "--onnx and --pipeline-parallel-size"
+        )
     if args.onnx and (args.device == "cuda" or args.dtype != "float32"):
         raise RoseError("--onnx runs the float32 graph on the CPU: drop --device and --dtype")
     structured = structured_outputs(args)
@@ -569,10 +583,16 @@ def batches(num_prompts: int, args: argparse.Namespace) -> list[slice]:
     return [slice(start, start + size) for start in range(0, num_prompts, size)]
 
 
+def other_path(args: argparse.Namespace) -> bool:
+    """A flag asks for a path other than the engine."""
+    return bool(args.no_kv_cache or args.cache or args.compile or args.onnx)
+
+
 def uses_engine(args: argparse.Namespace, num_prompts: int) -> bool:
-    """Several prompts go through the engine, unless a flag asks for another path."""
-    other_path = args.no_kv_cache or args.cache or args.compile or args.onnx
-    return num_prompts > 1 and not other_path
+    """Several prompts go through the engine, unless a flag asks for another path; so does
+    speculative decoding."""
+    engine_only = num_prompts > 1 or speculative_config(args) is not None
+    return engine_only and not other_path(args)
 
 
 def as_result(output: RequestOutput) -> GenerationResult:
@@ -625,6 +645,14 @@ def run_engine(
         f"{stats.num_preemptions} preemptions, prefix cache {stats.prefix_cache_hits}/"
         f"{stats.prefix_cache_queries} blocks hit",
     )
+    spec = stats.speculative
+    if spec is not None:
+        status(
+            "speculative decoding",
+            f"{spec.num_accepted_tokens}/{spec.num_draft_tokens} drafted tokens accepted "
+            f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per verify "
+            f"step ({spec.num_drafts} steps)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -667,7 +695,7 @@ def run(args: argparse.Namespace) -> int:
             "channel",
         )
         if engine_settings is not None:
-            engine = LLMEngine(model, tokenizer, engine_settings)  # (it packs its own)
+            engine = engine_from_flags(model, tokenizer, args)  # (it packs its own)
         # A cached decode multiplies a few rows by every weight: on a CPU, by weights
         # packed once for oneDNN, as the engine does (roseinfer.engine.packed).
         packing = not (args.no_kv_cache or args.compile or args.no_pack_weights)
@@ -682,6 +710,9 @@ def run(args: argparse.Namespace) -> int:
             status("kv cache", "off (uncached reference)")
         elif engine is not None:
             status("kv cache", "paged (engine)")
+            spec = speculative_config(args)
+            if spec is not None:
+                status("speculative decoding", spec.describe())
         else:
             status("kv cache", kind)
         if args.kv_cache_dtype != "auto":

@@ -25,8 +25,7 @@ from collections.abc import Callable
 import torch
 import uvicorn
 
-from roseinfer.cli.engine_flags import add_engine_flags, engine_config
-from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.cli.engine_flags import add_engine_flags, engine_from_flags, speculative_config
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
@@ -169,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise RoseError(f"--root-path must start with / and not end with one, got {args.root_path}")
+    speculative_config(args)  # (a mistake in the speculative flags: told before loading)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     chat_template = ChatTemplate.from_file(args.chat_template)
@@ -178,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
-    config = engine_config(args)
-    engine = LLMEngine(model, tokenizer, config)
+    engine = engine_from_flags(model, tokenizer, args)
     settings = ServerSettings(
         model_name=args.served_model_name or source,
         max_waiting=args.max_waiting,

@@ -13,10 +13,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from roseinfer.engine.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.llm_engine import speculative_engine
 from roseinfer.engine.outputs import RequestOutput
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.request.sampling import SamplingParams
+from roseinfer.speculative.drafters import SpeculativeConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype
@@ -32,12 +33,17 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         tokenizer: str | None = None,
+        speculative: SpeculativeConfig | dict | None = None,
         **engine_config: object,
     ) -> None:
         """model: a rose .pt, a run directory, or a Hugging Face GPT-2 directory (hf=None
         tells them apart by its config.json); None takes the newest checkpoint.
+        speculative: speculative decoding, a SpeculativeConfig or its fields as a dict, e.g.
+        {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model":
+        "checkpoints/small", "num_speculative_tokens": 4}.
         engine_config: EngineConfig's fields (kv_block_size, num_kv_blocks, kv_cache_memory,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...)."""
+        spec = as_speculative_config(speculative)
         if hf is None:
             hf = model is not None and (Path(model) / "config.json").is_file()
         torch_device = pick_device(device)
@@ -48,14 +54,24 @@ class LLM:
             torch_device,
             pick_dtype(dtype, torch_device),
         )
-        self.engine = LLMEngine(gpt, tok, EngineConfig(**engine_config))
+        self.engine = speculative_engine(gpt, tok, EngineConfig(**engine_config), spec)
 
     @classmethod
-    def from_model(cls, model: GPT, tokenizer: Tokenizer, **engine_config: object) -> LLM:
-        """An LLM around a model already in memory (tests, chapters)."""
+    def from_model(
+        cls,
+        model: GPT,
+        tokenizer: Tokenizer,
+        speculative: SpeculativeConfig | dict | None = None,
+        draft_model: GPT | None = None,
+        **engine_config: object,
+    ) -> LLM:
+        """An LLM around a model already in memory (tests, chapters); draft_model: the
+        draft of a speculative method "draft", in memory too (sharing the tokenizer)."""
         llm = cls.__new__(cls)
         llm.source = "in memory"
-        llm.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_config))
+        spec = as_speculative_config(speculative)
+        config = EngineConfig(**engine_config)
+        llm.engine = speculative_engine(model, tokenizer, config, spec, draft_model)
         return llm
 
     def generate(
@@ -85,3 +101,17 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in ids]
+
+
+def as_speculative_config(speculative: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+    if speculative is None or isinstance(speculative, SpeculativeConfig):
+        return speculative
+    if not isinstance(speculative, dict):
+        raise RoseError(
+            f"speculative is a SpeculativeConfig or a dict of its fields, got "
+            f"{type(speculative).__name__}"
+        )
+    try:
+        return SpeculativeConfig(**speculative)
+    except TypeError as error:  # an unknown or missing field
+        raise RoseError(f"speculative: {error}") from None

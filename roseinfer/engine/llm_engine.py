@@ -13,11 +13,21 @@ Whatever the schedule, a request's tokens are those of its solo run
 (`roseinfer.loops.generate.generate`): its keys and values are exactly the ones it would
 compute alone, its logits depend on nothing else in the batch, and it draws from its
 own generator.
+
+Speculative decoding (a `drafter` and num_speculative_tokens): the scheduler asks
+`_propose` once a step for drafts for the greedy requests about to decode, and each
+one's step feeds its newest token and its drafts as one chunk; `postprocess` verifies them
+(`verify_drafts`, the teaching loop's rule), counts only the accepted tokens as
+computed, and gives back the blocks that held only rejected ones (`BlockManager.trim`).
+A sampled request decodes one token a step: how many drafts a step can carry depends
+on the batch (budget, free blocks), and a seeded request must draw the same tokens
+alone or in any batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections import defaultdict
@@ -35,6 +45,13 @@ from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
 from roseinfer.request.structured import grammar_for
 from roseinfer.request.token_step import ErrorCallback, take_tokens
+from roseinfer.speculative.drafters import (
+    Drafter,
+    SpeculativeConfig,
+    check_speculative_tokens,
+    load_drafter,
+)
+from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -44,9 +61,22 @@ __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "TokenLogprob"]
 
 class LLMEngine:
     def __init__(
-        self, model: GPT, tokenizer: Tokenizer, config: EngineConfig | None = None
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
+        """drafter, num_speculative_tokens: speculative decoding (both, or neither)."""
         config = EngineConfig() if config is None else config  # (frozen: safe to share)
+        if (drafter is None) != (num_speculative_tokens is None):
+            raise RoseError("speculative decoding takes a drafter and num_speculative_tokens")
+        if drafter is not None:
+            check_speculative_tokens(num_speculative_tokens, model, "the model's")
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculative_stats = SpeculativeStats() if drafter is not None else None
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -68,7 +98,8 @@ class LLMEngine:
             model.config.sliding_window,
             model.config.attention_sinks,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        propose = self._propose if drafter is not None else None
+        self.scheduler = Scheduler(config, self.block_manager, propose)
         self.runner = ModelRunner(
             model,
             self.pool,
@@ -157,7 +188,7 @@ class LLMEngine:
         if seq is None:
             return
         seq.finish("abort")
-        self.scheduler.finish(seq)
+        self._finish(seq)
         self.aborted.append(seq)
         if not self.requests:
             self.runner.release()
@@ -194,7 +225,9 @@ class LLMEngine:
         for phase, seconds in self.runner.seconds.items():
             self.step_seconds[phase] += seconds
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            self.block_manager.advance(seq, num_new)
+            # Drafts count as computed only once accepted (postprocess): a block is
+            # registered in the prefix cache only when every token in it is the request's.
+            self.block_manager.advance(seq, num_new - len(seq.draft_ids))
         return sampling, logits
 
     def postprocess(
@@ -209,19 +242,91 @@ class LLMEngine:
             def failed(row: int, error: Exception) -> None:
                 errors.setdefault(row, one_line(error))
 
-            tokens = self._sample(logits, sampling, failed)
-            took = take_tokens(sampling, tokens, max_len=self.length_limit, on_error=failed)
+            # Each sequence's logits rows: one, or one more than its drafts.
+            firsts = list(itertools.accumulate((1 + len(s.draft_ids) for s in sampling), initial=0))
+            plain = [i for i, seq in enumerate(sampling) if not seq.draft_ids]
+
+            def failed_plain(row: int, error: Exception) -> None:
+                failed(plain[row], error)
+
+            plain_seqs = [sampling[i] for i in plain]
+            plain_logits = logits[[firsts[i] for i in plain]]
+            tokens = self._sample(plain_logits, plain_seqs, failed_plain)
+            took = take_tokens(plain_seqs, tokens, max_len=self.length_limit, on_error=failed_plain)
             self.generation_tokens += len(took)
-            self._add_logprobs(sampling, took, logits, failed)
+            self._add_logprobs(plain_seqs, took, plain_logits, failed_plain)
+            for i, seq in enumerate(sampling):
+                if seq.draft_ids:
+                    self._verify(seq, logits[firsts[i] : firsts[i + 1]], i, failed)
             for row, error in errors.items():
                 sampling[row].fail(error)
             for seq in sampling:
                 if seq.is_finished:
-                    self.scheduler.finish(seq)
+                    self._finish(seq)
                     del self.requests[seq.request_id]
             if not self.requests:
                 self.runner.release()
             return [seq.report() for seq in sampling]
+
+    def _finish(self, seq: EngineSequence) -> None:
+        """seq is done: out of the scheduler (its blocks back) and the drafter."""
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    # -- speculative decoding --
+
+    def _propose(self, seqs: list[EngineSequence], rooms: list[int]) -> list[int]:
+        """The scheduler asks: these sequences are about to decode, each with room for
+        that many drafted tokens in this step. Set their drafts (one drafter call for all);
+        return how many each got. Never a draft past what a request may still make (its
+        last token is never fed) or past the context's positions."""
+        with self._timed("draft"):  # (inside "schedule": the scheduler asks)
+            limits = [self._draft_limit(seq, room) for seq, room in zip(seqs, rooms, strict=True)]
+            asked = [i for i, limit in enumerate(limits) if limit > 0]
+            drafts = (
+                self.drafter.propose([seqs[i] for i in asked], [limits[i] for i in asked])
+                if asked
+                else []
+            )
+            for seq in seqs:
+                seq.draft_ids = []
+            for i, draft in zip(asked, drafts, strict=True):
+                seqs[i].draft_ids = draft.tokens[: limits[i]]
+            return [len(seq.draft_ids) for seq in seqs]
+
+    def _draft_limit(self, seq: EngineSequence, room: int) -> int:
+        """How many drafts seq may carry: room, k, what it may still make, the context; 0
+        for a sampled request (see the module's docstring)."""
+        if not seq.params.greedy:
+            return 0
+        limit = min(self.num_speculative_tokens, room)
+        limit = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1)
+        if self.length_limit is not None:
+            limit = min(limit, self.length_limit - seq.num_tokens)
+        return limit
+
+    def _verify(
+        self, seq: EngineSequence, logits: torch.Tensor, row: int, failed: ErrorCallback
+    ) -> None:
+        """seq's verify chunk ran: it takes the tokens the target chose over its drafts
+        (logits: 1 + len(drafts) rows); the accepted drafts count as computed, and blocks
+        that held only rejected ones go back."""
+        drafted, before, taken = len(seq.draft_ids), len(seq.output_ids), len(seq.token_times)
+        accepted = 0
+        try:
+            accepted = verify_drafts(seq, logits, Draft(seq.draft_ids), max_len=self.length_limit)
+            if seq.params.logprobs is not None:
+                for i, token in enumerate(seq.output_ids[before:]):
+                    seq.logprobs.append(token_logprob(logits[i], token, seq.params.logprobs))
+        except Exception as error:
+            failed(row, error)
+        self.generation_tokens += len(seq.token_times) - taken
+        self.speculative_stats.record(drafted, accepted)
+        seq.draft_ids = []
+        if not seq.is_finished:
+            self.block_manager.advance(seq, accepted)
+            self.block_manager.trim(seq)
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[EngineSequence], failed: ErrorCallback
@@ -290,7 +395,24 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             kv_pool_bytes=self.pool.nbytes,
             decode_slot_bytes=self.runner.decode_slot_bytes,
+            speculative=dataclasses.replace(self.speculative_stats)
+            if self.speculative_stats is not None
+            else None,
         )
+
+
+def speculative_engine(
+    model: GPT,
+    tokenizer: Tokenizer,
+    config: EngineConfig,
+    spec: SpeculativeConfig | None,
+    draft_model: GPT | None = None,
+) -> LLMEngine:
+    """The engine, with the drafter `spec` asks for (none without one)."""
+    if spec is None:
+        return LLMEngine(model, tokenizer, config)
+    drafter = load_drafter(spec, model, tokenizer, draft_model)
+    return LLMEngine(model, tokenizer, config, drafter, spec.num_speculative_tokens)
 
 
 def one_line(error: Exception) -> str:

@@ -73,7 +73,9 @@ class ModelRunner:
         self, seqs: list[EngineSequence], num_new: list[int]
     ) -> tuple[list[EngineSequence], torch.Tensor]:
         """Feed each sequence its next num_new tokens; return the sequences that reached
-        their last token (they sample next) and their logits, (len(those), vocab)."""
+        their last token (they sample next) and their logits: one row each, or, for a
+        sequence carrying drafts, 1 + len(draft_ids) rows (after its newest token, then
+        after each draft), consecutive and in the order of the sequences returned."""
         written: list[torch.Tensor] = []
         if self.record_writes:
             self.writer_tables = [list(seq.block_table) for seq in seqs]
@@ -132,14 +134,15 @@ class ModelRunner:
                 layout,
             )
         ids = [
-            seq.all_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
+            seq.fed_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
             for seq, n in zip(seqs, num_new, strict=True)
         ]
-        # A sequence samples after this step if the step feeds its last known token.
+        # A sequence samples after this step if the step feeds its last known token (and
+        # its drafts: a verify chunk is its newest token and the drafts).
         done = [
             i
             for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True))
-            if seq.num_computed_tokens + n == seq.num_tokens
+            if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_ids)
         ]
         if layout == "padded":
             idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
@@ -150,7 +153,11 @@ class ModelRunner:
         else:
             idx = torch.tensor([sum(ids, [])], device=device)  # (1, total new tokens)
             ends = torch.cumsum(torch.tensor(num_new), 0) - 1  # each sequence's last new token
-            at = ends[done].to(device)
+            # Each sampling sequence's last token, or its newest token and every draft.
+            at = torch.cat(
+                [torch.arange(ends[i] - len(seqs[i].draft_ids), ends[i] + 1) for i in done]
+                or [torch.zeros(0, dtype=torch.long)]
+            ).to(device)
             out = self.model(idx, cache=cache, logits_at=at, validate=False)
             logits = out.logits[0]
         return [seqs[i] for i in done], logits, cache.written_slots

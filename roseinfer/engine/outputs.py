@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from roseinfer.speculative.verify import SpeculativeStats
+
 
 @dataclass
 class TokenLogprob:
@@ -52,6 +54,9 @@ class EngineStats:
     # The decode slots now (roseinfer/cache/slots.py): a second copy of the decoding
     # sequences' keys and values, padded to the longest; 0 with attention="gather"
     decode_slot_bytes: int
+    # Speculative decoding's counts (drafts, drafted and accepted tokens; its acceptance
+    # rate and mean accepted length); None when the engine runs without a drafter
+    speculative: SpeculativeStats | None = None
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:

@@ -20,15 +20,23 @@ Each step packs one flat batch under two limits, `max_num_batched_tokens` tokens
 
 A sequence leaves `running` the moment it finishes or is aborted, and its blocks go
 back at once, so the next step already fills its place.
+
+Speculative decoding (`propose`): a running sequence about to decode may carry drafted
+tokens into the step, its verify chunk then being its newest token and the drafts. Room
+for them is reserved as the running sequences are taken (what is left of the token
+budget, and only pool blocks no later running sequence needs for its tokens: a draft
+never preempts anyone), then the drafter is asked once for all of them, and what it did
+not fill goes back before the waiting sequences are taken.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.sequence import EngineSequence
 
@@ -45,9 +53,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        propose: Callable[[list[EngineSequence], list[int]], list[int]] | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # propose(seqs, rooms): set each seq's draft_ids, at most its room; return how many.
+        self.propose = propose
         self.waiting: deque[EngineSequence] = deque()
         self.running: list[EngineSequence] = []  # oldest first
         self.arrival_order: dict[EngineSequence, int] = {}
@@ -63,7 +78,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         manager = self.block_manager
 
-        # 1. Running sequences, oldest first.
+        # 1. Running sequences, oldest first (room reserved for drafts: batch row -> room).
+        rooms: dict[int, int] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -76,11 +92,16 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                room = self._draft_room(seq, num_new, budget, index)
+                if room:
+                    rooms[len(batch.seqs)] = room
+                num_new += room
                 manager.grow(seq, seq.num_computed_tokens + num_new)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 index += 1
+        budget += self._fill_drafts(batch, rooms)
 
         # 2. Waiting sequences, in arrival order, while there is room.
         while (
@@ -104,8 +125,40 @@ class Scheduler:
         self.running.sort(key=self.arrival_order.__getitem__)
         return batch
 
+    def _draft_room(self, seq: EngineSequence, num_new: int, budget: int, index: int) -> int:
+        """How many drafted tokens running[index] may carry into this step (0 unless it
+        decodes and a drafter is set): the budget left after its own token, and the slots
+        its blocks and the spare ones hold, spare being what no later running sequence
+        needs for all of its tokens."""
+        decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+        if self.propose is None or not decoding:
+            return 0
+        manager = self.block_manager
+        size = manager.kv_block_size
+        later = sum(
+            max(0, blocks_for(other.num_tokens, size) - len(other.block_table))
+            for other in self.running[index + 1 :]
+        )
+        slots = (len(seq.block_table) + max(0, manager.num_available - later)) * size
+        return max(0, min(budget - 1, slots - seq.num_tokens))
+
+    def _fill_drafts(self, batch: ScheduledBatch, rooms: dict[int, int]) -> int:
+        """Ask the drafter once for every sequence with room; give back (to the pool, and
+        return to the budget) the room its drafts did not fill."""
+        if not rooms:
+            return 0
+        drafted = self.propose([batch.seqs[row] for row in rooms], list(rooms.values()))
+        unused = 0
+        for (row, room), count in zip(rooms.items(), drafted, strict=True):
+            seq = batch.seqs[row]
+            batch.num_new_tokens[row] -= room - count
+            unused += room - count
+            self.block_manager.trim(seq, seq.num_computed_tokens + batch.num_new_tokens[row])
+        return unused
+
     def _preempt(self, seq: EngineSequence) -> None:
         """Give back all of seq's blocks; it recomputes them when it runs again."""
+        seq.draft_ids = []
         self.block_manager.release(seq)
         self.num_preemptions += 1
         # Back into the waiting queue at its place by arrival: ahead of every newer request.

@@ -22,11 +22,19 @@ class EngineSequence(Sequence):
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)
+    # Scheduler (speculative decoding): the drafted tokens this step feeds after the
+    # sequence's newest token, for the target to verify; [] otherwise.
+    draft_ids: list[int] = field(default_factory=list, init=False, repr=False)
     # LLMEngine: one TokenLogprob per output token (when asked for).
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)
     # report: how much of its output (characters of visible text, token ids) it reported.
     num_reported_chars: int = field(default=0, init=False, repr=False)
     num_reported_tokens: int = field(default=0, init=False, repr=False)
+
+    @property
+    def fed_ids(self) -> list[int]:
+        """The tokens the pool holds once this step runs: its own, then its drafts."""
+        return self.all_ids + self.draft_ids if self.draft_ids else self.all_ids
 
     def output(self) -> RequestOutput:
         """The request's state now (a pure read); its `new_` parts are what it has not

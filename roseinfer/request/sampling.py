@@ -52,18 +52,24 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., vocab) logits -> the float32 distribution a sampled request draws from:
+    temperature, then top-k, then top-p (speculative decoding's accept rule reads it)."""
+    # Shift the maximum to 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    logits = top_k_filter(logits, params.top_k)
+    logits = top_p_filter(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """(B, vocab) logits -> (B,) token ids."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
-    # Shift the maximum to 0 first: a tiny temperature then gives -inf, never inf - inf = nan.
-    logits = logits.float()
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
-    logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
+    probs = sampling_probs(logits, params)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 

@@ -27,7 +27,9 @@ is made once for all of them.
 A block's state in `blocks` is one letter: f (free), u (used: some live sequence holds
 it) or c (cached: nobody holds it, but the prefix cache can still hand it out). The
 `timeline` holds [step, prefill tokens, decode tokens, preemptions] for each step
-since the snapshot before the last one.
+since the snapshot before the last one (a speculative verify chunk counts with the
+prefill tokens: it is fed the same way). `speculative` holds speculative decoding's
+counts, its acceptance rate and mean accepted length, or null without a drafter.
 """
 
 from __future__ import annotations
@@ -115,6 +117,23 @@ def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
         "num_preemptions": scheduler.num_preemptions,
         "pool_bytes": engine.pool.nbytes,
         "decode_slot_bytes": engine.runner.decode_slot_bytes,
+        "speculative": speculative_view(engine),
+    }
+
+
+def speculative_view(engine: LLMEngine) -> dict | None:
+    """Speculative decoding's counts and ratios (None without a drafter; a ratio is None
+    before the first draft)."""
+    stats = engine.speculative_stats
+    if stats is None:
+        return None
+    drafted = stats.num_draft_tokens > 0
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate if drafted else None,
+        "mean_accepted_length": stats.mean_accepted_length if drafted else None,
     }
 
 

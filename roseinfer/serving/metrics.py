@@ -45,6 +45,20 @@ class EngineStatsCollector(Collector):
             "rose_prompt_tokens": ("prompt tokens admitted", s.prompt_tokens),
             "rose_generation_tokens": ("tokens generated", s.generation_tokens),
         }
+        if s.speculative is not None:  # vLLM's names (vllm:spec_decode_*), rose's prefix
+            spec = s.speculative
+            counters["rose_spec_decode_num_drafts"] = (
+                "verify steps that carried drafted tokens",
+                spec.num_drafts,
+            )
+            counters["rose_spec_decode_num_draft_tokens"] = (
+                "tokens drafted",
+                spec.num_draft_tokens,
+            )
+            counters["rose_spec_decode_num_accepted_tokens"] = (
+                "drafted tokens the model accepted",
+                spec.num_accepted_tokens,
+            )
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 

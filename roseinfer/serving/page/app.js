@@ -145,7 +145,14 @@ function drawPool(snapshot) {
   $("pool-summary").textContent =
     `${n} blocks of ${snapshot.kv_block_size} tokens: ${used} used, ${cached} cached, ` +
     `${n - used - cached} free · step ${snapshot.step} · ${snapshot.num_preemptions} preemptions · ` +
-    `pool ${mib(snapshot.pool_bytes)}, decode slots ${mib(snapshot.decode_slot_bytes)}`;
+    `pool ${mib(snapshot.pool_bytes)}, decode slots ${mib(snapshot.decode_slot_bytes)}` +
+    speculativeText(snapshot.speculative);
+}
+
+function speculativeText(spec) {
+  if (!spec || spec.acceptance_rate === null) return "";
+  return ` · drafts ${(100 * spec.acceptance_rate).toFixed(0)}% accepted, ` +
+    `${spec.mean_accepted_length.toFixed(2)} tokens per verify step`;
 }
 
 function mib(bytes) {

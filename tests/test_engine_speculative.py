@@ -1,0 +1,294 @@
+"""Speculative decoding in the engine keeps the oracle's promise on every schedule.
+
+Hypothesis draws the schedules: arrivals between steps, token budgets that cut verify
+chunks short, pools small enough to preempt, shared and repeated prompts, a drafter of
+each kind and k in 1..8. After every step the pool's invariants hold; at the end every
+block is free or cached, every greedy request equals its solo uncached run (a sampled
+one its solo run without drafts), and a second wave of requests that continue the first
+wave's outputs hits the blocks those requests wrote while drafts were being rejected
+(a block registered with a rejected token in it would give another request wrong keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models import make_test_model, perturbed_copy
+
+from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.engine.block_manager import check_pool
+from roseinfer.engine.config import ATTENTIONS
+from roseinfer.loops.generate import generate
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.speculative.drafters import ModelDrafter, NgramDrafter, first_layers
+from rosetrainer.errors import RoseError
+from rosetrainer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONTEXT = 64
+KV_BLOCK = 4
+KINDS = ("draft", "ngram", "self")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_test_model(0, n_layer=3, block_size=CONTEXT)
+
+
+def make_drafter(kind: str, model):
+    if kind == "ngram":
+        return NgramDrafter(1, 3)
+    if kind == "self":
+        return ModelDrafter(first_layers(model, 1))
+    # A separate model that agrees with the target on most tokens, not all (every draft
+    # accepted would never roll anything back).
+    return ModelDrafter(perturbed_copy(model, 0.1))
+
+
+def engine_for(model, tokenizer, drafter, k: int | None, **config) -> LLMEngine:
+    return LLMEngine(model, tokenizer, EngineConfig(kv_block_size=KV_BLOCK, **config), drafter, k)
+
+
+def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The oracle: the request alone, uncached, cut where the engine stops at the window."""
+    room = CONTEXT - len(prompt) + 1
+    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    result = generate(
+        model, prompt, params, use_cache=False, eot_id=tokenizer.eot_id, decode=tokenizer.decode
+    )
+    return result.token_ids
+
+
+def run_checked(engine: LLMEngine, arrivals: list, rng: random.Random) -> dict:
+    """Feed `arrivals` ((prompt, params) pairs) between steps at random, step to the end,
+    the pool checked after every step; the finished outputs by request id, with what
+    each asked for."""
+    pending, requests, finished = list(arrivals), {}, {}
+    while pending or engine.has_unfinished():
+        while pending and rng.random() < 0.5:
+            prompt, params = pending.pop(0)
+            requests[engine.add_request(prompt, params)] = (prompt, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        runner = engine.runner
+        live = list(engine.requests.values())
+        check_pool(engine.block_manager, live, runner.written_slots, runner.writer_tables)
+        assert engine.last_batch.num_tokens <= engine.config.max_num_batched_tokens
+    assert set(finished) == set(requests)
+    manager = engine.block_manager
+    assert manager.num_available == manager.num_blocks  # every block free or cached
+    assert not getattr(engine.drafter, "caches", {})  # every request's draft cache let go
+    return {request_id: (finished[request_id], *asked) for request_id, asked in requests.items()}
+
+
+def workload(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts that repeat themselves (prompt lookup finds drafts), share a prefix or come
+    again whole; mostly greedy, some with a stop string, some sampled with a seed."""
+    shared = [rng.randrange(512) for _ in range(3 * KV_BLOCK)]
+    arrivals = []
+    for _ in range(n):
+        if arrivals and rng.random() < 0.15:
+            prompt = list(rng.choice(arrivals)[0])
+        else:
+            piece = [rng.randrange(512) for _ in range(rng.randrange(1, 8))]
+            prompt = shared[: KV_BLOCK * rng.randrange(4)] + piece * rng.randrange(1, 4)
+        draw = rng.random()
+        if draw < 0.15:
+            params = SamplingParams(
+                max_tokens=rng.randrange(1, 30), temperature=1.0, seed=rng.randrange(99)
+            )
+        elif draw < 0.3:
+            params = SamplingParams(max_tokens=rng.randrange(1, 30), stop=("e",))
+        else:
+            params = SamplingParams(max_tokens=rng.randrange(1, 30))
+        arrivals.append((prompt, params))
+    return arrivals
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 10_000),
+    kind=st.sampled_from(KINDS),
+    k=st.integers(1, 8),
+    budget=st.sampled_from([2, 5, 16, 256]),
+    num_blocks=st.integers(CONTEXT // KV_BLOCK, 48),
+    max_num_seqs=st.integers(1, 6),
+    attention=st.sampled_from(ATTENTIONS),
+)
+def test_random_schedules_equal_solo_runs(
+    model, tokenizer, seed, kind, k, budget, num_blocks, max_num_seqs, attention
+) -> None:
+    rng = random.Random(seed)
+    engine = engine_for(
+        model, tokenizer, make_drafter(kind, model), k, num_kv_blocks=num_blocks,
+        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, attention=attention,
+        shuffle_blocks_seed=seed,
+    )  # fmt: skip
+    first = run_checked(engine, workload(rng, 8), rng)
+    # The second wave continues the first wave's greedy outputs: their full blocks, written
+    # while drafts were rejected, are served from the prefix cache.
+    hits_before = engine.block_manager.prefix_cache_hits
+    continued = [
+        (prompt + output.token_ids, SamplingParams(max_tokens=8))
+        for output, prompt, params in first.values()
+        if params.greedy and len(prompt) + len(output.token_ids) < CONTEXT
+    ]
+    second = run_checked(engine, continued, rng)
+    for output, prompt, params in [*first.values(), *second.values()]:
+        if params.greedy:
+            assert output.token_ids == solo(model, tokenizer, prompt, params)
+        else:  # a sampled request decodes without drafts: its own seeded run
+            assert output.token_ids == generate(model, prompt, params, use_cache=True).token_ids
+    stats = engine.stats().speculative
+    assert stats.num_draft_tokens >= stats.num_accepted_tokens
+    if len(continued) > 1:
+        assert engine.block_manager.prefix_cache_hits > hits_before
+
+
+class RecordingDrafter:
+    """A drafter that remembers each proposal: the request's tokens then, and the draft."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.proposals: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, seqs, ks):
+        drafts = self.drafter.propose(seqs, ks)
+        for seq, draft in zip(seqs, drafts, strict=True):
+            self.proposals.append((list(seq.all_ids), list(draft.tokens)))
+        return drafts
+
+    def release(self, seq) -> None:
+        self.drafter.release(seq)
+
+
+def test_no_rejected_draft_is_ever_served_from_the_prefix_cache(model, tokenizer) -> None:
+    """One request whose drafts are mostly rejected. Then (a) its prompt and output again:
+    every full block is hit, and the tokens are the oracle's; (b) requests whose prompts
+    are the first one's tokens followed by a draft it rejected: a block keyed by the
+    rejected tokens (whose slots the accepted tokens overwrote afterwards) would give them
+    wrong keys, so their tokens must be the oracle's too."""
+    drafter = RecordingDrafter(make_drafter("self", model))
+    engine = engine_for(model, tokenizer, drafter, 4)
+    prompt, params = [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=40)
+    (first,) = run_checked(engine, [(prompt, params)], random.Random(0)).values()
+    stats = engine.stats().speculative
+    assert stats.num_accepted_tokens < stats.num_draft_tokens - 10  # many rejections
+    again = prompt + first[0].token_ids
+    (second,) = run_checked(engine, [(again, params)], random.Random(0)).values()
+    assert second[0].num_cached_tokens == (len(again) - 1) // KV_BLOCK * KV_BLOCK
+    assert second[0].token_ids == solo(model, tokenizer, again, params)
+    rejected = [
+        (tokens + draft, SamplingParams(max_tokens=4))
+        for tokens, draft in drafter.proposals[: len(drafter.proposals) // 2]
+        if draft and tokens + draft != again[: len(tokens) + len(draft)]
+    ]
+    assert len(rejected) > 5
+    for output, prompt, params in run_checked(engine, rejected, random.Random(0)).values():
+        assert output.token_ids == solo(model, tokenizer, prompt, params)
+
+
+def test_stops_inside_an_accepted_run(model, tokenizer) -> None:
+    """Every draft accepted (the target drafting for itself, k = 8): a stop token among
+    them and max_tokens both end the request exactly where the oracle ends."""
+    want = solo(model, tokenizer, [7, 8, 9], SamplingParams(max_tokens=20))
+    engine = engine_for(model, tokenizer, ModelDrafter(model), 8)
+    cases = [SamplingParams(max_tokens=20, stop_token_ids=(want[5],)), SamplingParams(max_tokens=6)]
+    outputs = run_checked(engine, [([7, 8, 9], params) for params in cases], random.Random(1))
+    got = [output.token_ids for output, _, _ in outputs.values()]
+    assert got == [want[: want.index(want[5]) + 1], want[:6]]
+    # Request 1's first verify step drafted tokens 1-8 and kept 1-5: the stop token among
+    # them ended it (the drafts after it were never taken).
+    assert engine.stats().speculative.num_accepted_tokens >= 5
+
+
+def test_logprobs_of_verified_tokens_are_the_plain_steps(model, tokenizer) -> None:
+    """Each token a verify step keeps reports the log-probabilities of its own row."""
+    params = SamplingParams(max_tokens=24, logprobs=3)
+    requests = [([5, 6, 7, 5, 6], params), ([9, 10, 11], params)]
+    plain = run_checked(engine_for(model, tokenizer, None, None), requests, random.Random(0))
+    spec = run_checked(
+        engine_for(model, tokenizer, make_drafter("draft", model), 4), requests, random.Random(0)
+    )
+    for (want, _, _), (got, _, _) in zip(plain.values(), spec.values(), strict=True):
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+class EndOfTextAt(Tokenizer):
+    """GPT-2's tokenizer with end-of-text moved to an id the test model does make."""
+
+    def __init__(self, eot_id: int) -> None:
+        super().__init__("gpt2")
+        self.moved_eot_id = eot_id
+
+    @property
+    def eot_id(self) -> int:
+        return self.moved_eot_id
+
+
+def test_end_of_text_inside_an_accepted_run(model, tokenizer) -> None:
+    want = solo(model, tokenizer, [7, 8, 9], SamplingParams(max_tokens=20))
+    eot = want[6]
+    engine = engine_for(model, EndOfTextAt(eot), ModelDrafter(model), 8)
+    ((output, _, _),) = run_checked(
+        engine, [([7, 8, 9], SamplingParams(max_tokens=20))], random.Random(0)
+    ).values()
+    assert output.token_ids == want[: want.index(eot)]
+    assert (output.finish_reason, output.stop_reason) == ("stop", eot)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_and_windowed_pools(tokenizer, kind) -> None:
+    """int8 pool: equal to the same engine without drafts. A rotary model with a sliding
+    window, far past its context: equal to the uncached banded oracle."""
+    model = make_test_model(0, n_layer=3, block_size=CONTEXT)
+    prompts = [[5, 6, 7] * 4, list(range(100, 130))]
+    params = SamplingParams(max_tokens=30)
+    quant = dict(kv_cache_dtype="int8", kv_cache_group_size=8, kv_cache_window=KV_BLOCK)
+    requests = [(p, params) for p in prompts]
+    plain = run_checked(
+        engine_for(model, tokenizer, None, None, **quant), requests, random.Random(0)
+    )
+    drafter = make_drafter(kind, model)
+    spec = run_checked(
+        engine_for(model, tokenizer, drafter, 4, **quant), requests, random.Random(0)
+    )
+    assert [o.token_ids for o, _, _ in spec.values()] == [o.token_ids for o, _, _ in plain.values()]
+    windowed = make_test_model(
+        0, n_layer=3, block_size=32, position_embedding="rotary", sliding_window=10,
+        attention_sinks=2,
+    )  # fmt: skip
+    long = SamplingParams(max_tokens=80)
+    engine = engine_for(windowed, tokenizer, make_drafter(kind, windowed), 3)
+    for output, prompt, _ in run_checked(
+        engine, [(p, long) for p in prompts], random.Random(0)
+    ).values():
+        assert output.token_ids == generate(windowed, prompt, long, use_cache=False).token_ids
+
+
+def test_bad_speculative_settings(model, tokenizer) -> None:
+    with pytest.raises(RoseError, match="at most 63"):
+        LLMEngine(model, tokenizer, None, NgramDrafter(), CONTEXT)
+    with pytest.raises(RoseError, match="integer >= 1"):
+        LLMEngine(model, tokenizer, None, NgramDrafter(), 0)
+    with pytest.raises(RoseError, match="a drafter and num_speculative_tokens"):
+        LLMEngine(model, tokenizer, None, NgramDrafter())
