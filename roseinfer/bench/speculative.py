@@ -59,7 +59,7 @@ from rosetrainer.tokenizer import Tokenizer
 QUICK_TEXT = "ROMEO: But soft, what light through yonder window breaks? " * 8
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="roseinfer.bench.speculative", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="the target: a rose checkpoint or run directory")
     p.add_argument("--draft-path", help="a smaller draft model sharing the target's tokenizer")
@@ -73,7 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-k", type=int, default=8, help="the k curve runs k = 1 .. this")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--quick", action="store_true", help="tiny random models: a smoke test")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.prompt_tokens, args.new_tokens, args.rounds = 24, 12, 1
         args.batch_sizes, args.max_k = "1,2", 2
