@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import roseinfer.request.sampling
+from rosecourse.demo import PROMPT
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
@@ -82,7 +83,9 @@ class _SmallTokenizer:
     special_token_ids = [SMALL_EOT]
 
     def __call__(self, text: bytes) -> list[int]:
-        return [SMALL_VOCAB.index(bytes([b])) for b in text]  # byte by byte: never asked
+        # Byte by byte (the library calls it once, to learn that it takes bytes; with its
+        # forcing off it tokenizes nothing else).
+        return [SMALL_VOCAB.index(bytes([b])) for b in text]
 
 
 @functools.cache
@@ -192,7 +195,7 @@ def _probe(fn: Callable) -> Probe:
 # The first request's greedy output is "yes", ended by end-of-text where it could go on.
 RUN_REQUESTS = [
     ("Reply:", ["yes", "yes please", "no", "nope"]),
-    ("ROMEO:\nWhat light is that", ["café", "cafe", "日本", "🌹🌹"]),
+    (PROMPT, ["café", "cafe", "日本", "🌹🌹"]),
     ("The city is", CITIES),
 ]
 RUN_MAX_TOKENS = 12
