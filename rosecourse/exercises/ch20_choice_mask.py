@@ -301,7 +301,7 @@ def _overshoots(vocab, choices, prefix, eot_id):
     return _mask(vocab, choices, prefix, eot_id, fits, _complete)
 
 
-def _every_choices_rest(vocab, choices, prefix, eot_id):
+def _rest_of_every_choice(vocab, choices, prefix, eot_id):
     wanted = [c.encode() for c in choices]
     rests = [c[len(prefix) :] for c in wanted]
     allowed = [any(rest.startswith(token) for rest in rests) for token in vocab]
@@ -352,8 +352,8 @@ EXERCISE = Exercise(
             "whole output must stay inside one choice",
         ),
         KnownWrong(
-            "every_choices_rest",
-            _every_choices_rest,
+            "rest_of_every_choice",
+            _rest_of_every_choice,
             "you match the token against the rest of every choice, even of choices the "
             "output so far has already left: only choices that begin with the prefix count",
         ),
