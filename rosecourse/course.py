@@ -49,6 +49,7 @@ from rosecourse.exercises import (
     ch16_stage_forward,
     ch17_quantize,
     ch18_rolling_slot,
+    ch20_choice_mask,
 )
 from rosecourse.exercises.common import CheckResult
 from rosetrainer.errors import RoseError
@@ -177,6 +178,12 @@ LESSONS = [
         "rolling_slot",
         "the rolling cache's slot for each position (sinks kept, the window modulo W)",
         ch18_rolling_slot.check_rolling_slot,
+    ),
+    Lesson(
+        "20",
+        "choice_mask",
+        "the allowed-token mask of a choice constraint",
+        ch20_choice_mask.check_choice_mask,
     ),
 ]
 

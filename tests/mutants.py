@@ -1095,3 +1095,100 @@ def codes_in_int64(x, bits, group_size, dim):
 @alternative("17")
 def quantized_as_written_out(x, bits, group_size, dim):
     return _quantized(x, bits, group_size, dim)
+
+
+# -- 20: choice_mask(vocab, choices, prefix, eot_id) ----------------------------------------
+
+
+def _choice_mask(vocab, choices, prefix, eot_id, fits=None, wanted=None, eot=None):
+    """The contract's mask, with one of its parts swapped: whether the output with a
+    token's bytes added `fits` a choice, the choices `wanted` as bytes, end-of-text."""
+    wanted = wanted or [c.encode() for c in choices]
+    fits = fits or (lambda choice, text: choice.startswith(text))
+    allowed = [any(fits(c, prefix + token) for c in wanted) for token in vocab]
+    allowed[eot_id] = eot(wanted, prefix) if eot else prefix in wanted
+    return torch.tensor(allowed)
+
+
+@mutant("20")
+def end_of_text_id_of_gpt2(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices, prefix, 50256)
+
+
+@mutant("20")
+def first_choice_only(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices[:1], prefix, eot_id)
+
+
+@mutant("20")
+def completing_token_forbidden(vocab, choices, prefix, eot_id):
+    return _choice_mask(
+        vocab, choices, prefix, eot_id, fits=lambda c, t: c.startswith(t) and c != t
+    )
+
+
+@mutant("20")
+def choice_inside_the_output(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices, prefix, eot_id, fits=lambda c, t: t.startswith(c))
+
+
+@mutant("20")
+def end_of_text_whenever_on_a_choice(vocab, choices, prefix, eot_id):
+    return _choice_mask(
+        vocab, choices, prefix, eot_id, eot=lambda wanted, p: any(c.startswith(p) for c in wanted)
+    )
+
+
+@mutant("20")
+def bytes_that_do_not_decode_dropped(vocab, choices, prefix, eot_id):
+    def text(data: bytes) -> bytes:
+        return data.decode("utf-8", errors="ignore").encode()
+
+    return _choice_mask([text(token) for token in vocab], choices, text(prefix), eot_id)
+
+
+@mutant("20")
+def ids_one_off(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices, prefix, eot_id).roll(1)
+
+
+@mutant("20")
+def spaces_stripped(vocab, choices, prefix, eot_id):
+    return _choice_mask([token.strip() for token in vocab], choices, prefix, eot_id)
+
+
+@mutant("20")
+def last_choice_decides(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices[-1:], prefix, eot_id)
+
+
+@mutant("20")
+def choices_encoded_in_latin_1(vocab, choices, prefix, eot_id):
+    wanted = [c.encode("latin-1", errors="replace") for c in choices]
+    return _choice_mask(vocab, choices, prefix, eot_id, wanted=wanted)
+
+
+@alternative("20")
+def choice_mask_by_lookup(vocab, choices, prefix, eot_id):
+    # Each open choice's rest, cut after every byte, looked up among the tokens: no loop
+    # over the vocabulary (the tokens are all different).
+    ids = {token: t for t, token in enumerate(vocab) if t != eot_id}
+    allowed = torch.zeros(len(vocab), dtype=torch.bool)
+    for choice in (c.encode() for c in choices):
+        if choice.startswith(prefix):
+            rest = choice[len(prefix) :]
+            for end in range(1, len(rest) + 1):
+                if rest[:end] in ids:
+                    allowed[ids[rest[:end]]] = True
+            allowed[eot_id] |= not rest
+    return allowed
+
+
+@alternative("20")
+def choice_mask_on_latin_1_text(vocab, choices, prefix, eot_id):
+    # Latin-1 reads every byte as one character: strings compare as the bytes would.
+    wanted = [c.encode().decode("latin-1") for c in choices]
+    text = prefix.decode("latin-1")
+    allowed = [any(c.startswith(text + t.decode("latin-1")) for c in wanted) for t in vocab]
+    allowed[eot_id] = text in wanted
+    return torch.tensor(allowed)

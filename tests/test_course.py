@@ -1,7 +1,7 @@
 """The course: an exercise per chapter, graded by `rose-course` against the oracle.
 
 Every lesson's reference solution passes its check; every known wrong answer of the
-chapters 00, 01 and 10 to 17 is caught with its own diagnosis (chapters 02 to 09:
+chapters 00, 01, 10 to 17 and 20 is caught with its own diagnosis (chapters 02 to 09:
 tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
 yet" line; the reference solutions pass `check all` through the installed console
 script; and no line of a reference solution is printed in its chapter.
@@ -31,6 +31,7 @@ from rosecourse.exercises import (
     ch15_export_prepare,
     ch16_stage_forward,
     ch17_quantize,
+    ch20_choice_mask,
 )
 from rosecourse.exercises.common import check
 
@@ -51,6 +52,7 @@ NEW_EXERCISES = [
         ch15_export_prepare,
         ch16_stage_forward,
         ch17_quantize,
+        ch20_choice_mask,
     )
 ]
 WRONG = [(exercise, wrong) for exercise in NEW_EXERCISES for wrong in exercise.known_wrong]

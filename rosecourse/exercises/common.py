@@ -192,8 +192,14 @@ def _brief(value: object, limit: int = 80) -> str:
     if isinstance(value, torch.Tensor):
         flat = value.detach().cpu().flatten()
         text = f"[{_values(flat[:12])}{', ...' if flat.numel() > 12 else ''}]"
+    elif isinstance(value, frozenset):  # labels a probe wrote to be read as they are
+        text = "{" + ", ".join(sorted(value)) + "}"
     else:
         text = str(value).replace("'", "")
+    return _clip(text, limit)
+
+
+def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -222,6 +228,14 @@ def difference(got: object, want: object) -> str | None:
             f"{_values(want_run.flatten())}{more} is right "
             f"({int(wrong.sum())} of {got.numel()} elements differ)"
         )
+    if isinstance(got, frozenset) and isinstance(want, frozenset):
+        extra, missing = sorted(got - want), sorted(want - got)
+        if not extra and not missing:
+            return None
+        # (the members are labels a probe wrote to be read as they are: quotes kept)
+        told = [f"{len(extra)} too many ({_clip(', '.join(extra))})"] if extra else []
+        told += [f"{len(missing)} missing ({_clip(', '.join(missing))})"] if missing else []
+        return f"it gives {' and '.join(told)}"
     if isinstance(got, dict) and isinstance(want, dict) and got.keys() == want.keys():
         for key in want:
             found = difference(got[key], want[key])

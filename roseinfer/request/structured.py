@@ -47,6 +47,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -101,11 +102,14 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if spec.regex is not None:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
-        # Lark string literals read JSON's escapes, so json.dumps quotes any choice.
-        return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in spec.choice)
-        )
+        return LLMatcher.grammar_from_lark(choice_lark(spec.choice))
     return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def choice_lark(choices: Sequence[str]) -> str:
+    """A choice constraint as a Lark grammar: one alternative per choice."""
+    # Lark string literals read JSON's escapes, so json.dumps quotes any choice.
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
 # ---------------------------------------------------------------------------
