@@ -8,9 +8,11 @@ the cache `pos, mask = cache.prepare(batch, q_len, device)` before any layer run
 `k, v = cache.update(layer, k_new, v_new)` in each layer. Read the `KVCache` protocol
 and `CausalSelfAttention.forward` there for the shapes.
 
-Every cache the verify functions are given holds, when they are called, the keys and
-values of every token of the text but the newest (`cache.seq_len` of them), and keeps
-the first n with `cache.truncate(n)`; so must it when they return.
+The verify functions are given rose's own caches (roseinfer/cache/dense.py) as well as
+your RollbackCache. When they are called, a cache holds the keys and values of every
+token of the text but the newest (`cache.seq_len` of them), and keeps only the first n
+with `cache.truncate(n)`; so must it when they return, the text being the request's
+tokens with the ones they return.
 
 `rose-course check verify` runs rose's GPT on your cache and compares its logits with
 the uncached oracle's (a pass of k + 1 tokens after a past, and after a rollback); runs
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from roseinfer.cache.dense import DenseKVCache
 from rosetrainer.model import GPT
 
 
@@ -69,7 +72,9 @@ class RollbackCache:
         self.past = [(k[:, :, :n], v[:, :, :n]) for k, v in self.past]
 
 
-def score(target: GPT, cache: RollbackCache, last_token: int, drafts: list[int]) -> torch.Tensor:
+def score(
+    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
+) -> torch.Tensor:
     """The target's next-token logits (len(drafts) + 1, vocab) after each of last_token and
     the drafts, from one call of `target` over `cache`; row i is the target's logits
     after draft i - 1 (row 0: after last_token)."""
@@ -79,7 +84,7 @@ def score(target: GPT, cache: RollbackCache, last_token: int, drafts: list[int])
 
 @torch.no_grad()
 def verify_greedy(
-    target: GPT, cache: RollbackCache, last_token: int, drafts: list[int]
+    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
 ) -> list[int]:
     """One greedy verify step: the tokens the request takes, in order. Those are the
     drafts the target agrees with (each the argmax of the target's logits at its place),
@@ -118,7 +123,7 @@ def accept_or_resample(
 @torch.no_grad()
 def verify_sampled(
     target: GPT,
-    cache: RollbackCache,
+    cache: DenseKVCache | RollbackCache,
     last_token: int,
     drafts: list[int],
     draft_probs: torch.Tensor,
