@@ -7,12 +7,13 @@ tolerance rule (rosetrainer/numerics.py). The learner's greedy verify step runs 
 own caches (so it is graded on its own) in a loop the grader drives: with rose's
 prompt-lookup drafter for k = 1..8, with rose's self-draft on a static cache, and with
 drafts scripted to be rejected at every place (and all kept); every token must be the
-uncached greedy run's, and after every call the cache must hold exactly the text but its
-newest token. The sampled rule and the sampled verify step are held to the target's
+uncached greedy run's, each call must return the drafts the target agrees with and one
+token more, and after every call the cache must hold exactly the text but its newest
+token. The sampled rule and the sampled verify step are held to the target's
 distribution: seeded draws of (token, kept) against the exact probabilities of the rule
-(a chi-square test, its p-value above P_VALUE), and verify steps whose outcome the rule
-fixes (q equal to p keeps every draft; a one-hot q on a token p hardly gives is
-rejected).
+(a chi-square test, its p-value at least P_VALUE), and sampled verify steps: those whose
+outcome the rule fixes (q equal to p keeps every draft; a one-hot q on a token p hardly
+gives is rejected), and the bonus token's frequencies against p.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def run(
                 f"{agreed}, it returns {len(got)} token(s) where {agreed + 1} are right"
             )
         for token in got:
-            take_tokens([seq], [token])
+            take_tokens([seq], [int(token)])
 
 
 def drafted(n: int) -> str:
