@@ -271,6 +271,15 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
             (("zip(drafts, choices, strict=False)", "zip(drafts, choices[1:], strict=False)"),),
         ),  # fmt: skip
         (
+            "scored_one_token_a_call",
+            (
+                (
+                    "    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()\n",
+                    "    choices = [int(score(target, cache, t, []).argmax()) for t in [last_token, *drafts]]\n",
+                ),
+            ),
+        ),  # fmt: skip
+        (
             "ratio_inverted",
             (("if u * q[drafted] < p[drafted]:", "if u * p[drafted] < q[drafted]:"),),
         ),

@@ -7,9 +7,9 @@ tolerance rule (rosetrainer/numerics.py). The learner's greedy verify step runs 
 own caches (so it is graded on its own) in a loop the grader drives: with rose's
 prompt-lookup drafter for k = 1..8, with rose's self-draft on a static cache, and with
 drafts scripted to be rejected at every place (and all kept); every token must be the
-uncached greedy run's, each call must return the drafts the target agrees with and one
-token more, and after every call the cache must hold exactly the text but its newest
-token. The sampled rule and the sampled verify step are held to the target's
+uncached greedy run's, each call must run the target once and return the drafts it
+agrees with and one token more, and after every call the cache must hold exactly the
+text but its newest token. The sampled rule and the sampled verify step are held to the target's
 distribution: seeded draws of (token, kept) against the exact probabilities of the rule
 (a chi-square test, its p-value at least P_VALUE), and sampled verify steps: those whose
 outcome the rule fixes (q equal to p keeps every draft; a one-hot q on a token p hardly
@@ -18,9 +18,10 @@ gives is rejected), and the bonus token's frequencies against p.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -142,7 +143,13 @@ def run(
     while len(seq.output_ids) < NEW:
         made = len(seq.output_ids)
         proposed = drafts(seq, min(k, NEW - made - 1), made)
-        got = module.verify_greedy(oracle_model(), cache, seq.all_ids[-1], list(proposed))
+        with target_calls() as calls:
+            got = module.verify_greedy(oracle_model(), cache, seq.all_ids[-1], list(proposed))
+        if calls[0] != 1:
+            raise Mismatch(
+                f"{label}: a call given {drafted(len(proposed))} ran the target {calls[0]} "
+                f"times: one pass over the newest token and the drafts is the point"
+            )
         if not isinstance(got, list) or not 1 <= len(got) <= len(proposed) + 1:
             raise Mismatch(
                 f"{label}: given {drafted(len(proposed))} it returns {got!r}: between 1 and "
@@ -168,6 +175,17 @@ def run(
             )
         for token in got:
             take_tokens([seq], [int(token)])
+
+
+@contextlib.contextmanager
+def target_calls() -> Iterator[list[int]]:
+    """Counts the target's calls while the block runs (in a one-item list)."""
+    calls = [0]
+    hook = oracle_model().register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        hook.remove()
 
 
 def drafted(n: int) -> str:
@@ -280,8 +298,16 @@ def _sampled_verify(module: types.ModuleType) -> None:
         for _ in range(k):
             drafts.append(int(target_probs(text + drafts)[-1].argmax()))
         draft_probs = target_probs(text + drafts)[len(text) - 1 : -1]
-        got = module.verify_sampled(oracle_model(), cache, text[-1], drafts, draft_probs, generator)
+        with target_calls() as calls:
+            got = module.verify_sampled(
+                oracle_model(), cache, text[-1], drafts, draft_probs, generator
+            )
         where = f"{drafted(k)} drawn from the target's own distribution (q = p)"
+        if calls[0] != 1:
+            raise Mismatch(
+                f"{where}: the step ran the target {calls[0]} times: one pass over the newest "
+                f"token and the drafts is the point"
+            )
         if not isinstance(got, list) or got[:k] != drafts or len(got) != k + 1:
             raise Mismatch(
                 f"{where} must all be kept, then one more token: it returns {got!r} for "
