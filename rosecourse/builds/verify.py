@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 from collections.abc import Callable, Iterator
 
@@ -54,6 +55,7 @@ def prompt() -> list[int]:
 
 
 def oracle() -> list[int]:
+    """The uncached greedy run after prompt(): every greedy token must be one of these."""
     return list(reference_tokens(tuple(prompt()), NEW))
 
 
@@ -104,10 +106,10 @@ def _cache_rollback(module: types.ModuleType) -> None:
     fed(cache, text, 0, 12)
     for kept, rejected in ((2, 3), (0, 4), (5, 0)):  # drafts kept, then drafts rejected
         held = cache.seq_len
-        wrong = [(token + 1) % oracle_model().config.vocab_size for token in text[held : held + 1]]
-        with torch.no_grad():  # the kept drafts, then wrong ones: one pass of k + 1
-            chunk = text[held : held + kept] + wrong * rejected
-            oracle_model()(torch.tensor([chunk]), cache=cache)
+        vocab = oracle_model().config.vocab_size
+        wrong = [(t + 1) % vocab for t in text[held + kept : held + kept + rejected]]
+        with torch.no_grad():  # one pass: the text's next tokens, then tokens not in it
+            oracle_model()(torch.tensor([text[held : held + kept] + wrong]), cache=cache)
         cache.truncate(held + kept)
         if cache.seq_len != held + kept:
             raise Mismatch(
@@ -202,7 +204,7 @@ def from_drafter(drafter: Drafter) -> Drafts:
 def scripted(k: int) -> Drafts:
     """The oracle's next k tokens with the one at place j made wrong, j = 0, 1, ..., k in
     turn (j = k: every draft right, so the step ends with the bonus token)."""
-    rounds = iter(range(10**6))
+    rounds = itertools.count()
     vocab = oracle_model().config.vocab_size
 
     def drafts(seq: Sequence, room: int, made: int) -> list[int]:
@@ -220,7 +222,7 @@ def prompt_lookup(module: types.ModuleType) -> None:
 
 
 def self_draft(module: types.ModuleType) -> None:
-    for k in (2, 5, 8):
+    for k in range(1, 9):
         drafts = from_drafter(ModelDrafter(first_layers(oracle_model(), 1)))
         cache = StaticKVCache(oracle_model())
         run(module, cache, drafts, k, f"self-draft on a static cache, k = {k}", lengths=False)
@@ -398,7 +400,7 @@ VERIFY = Build(
         Part("cache, a pass of k + 1 after a past", _cache_pass),
         Part("cache, rollback", _cache_rollback),
         Part("greedy, prompt lookup, k = 1..8", prompt_lookup),
-        Part("greedy, self-draft on a static cache", self_draft),
+        Part("greedy, self-draft on a static cache, k = 1..8", self_draft),
         Part("greedy, the cache's length after every call", cache_length),
         Part("greedy, the run past a rejection", past_rejection),
         Part("sampled rule", _rule),
