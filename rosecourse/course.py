@@ -29,6 +29,7 @@ from rosecourse.builds.cached_loop import CACHED_LOOP
 from rosecourse.builds.grading import Build, check_build
 from rosecourse.builds.model import MODEL
 from rosecourse.builds.training_step import TRAINING_STEP
+from rosecourse.builds.verify import VERIFY
 from rosecourse.exercises import (
     ch00_causal_attention,
     ch01_greedy_decode,
@@ -189,7 +190,7 @@ LESSONS = [
 
 
 # Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
-BUILDS: list[Build] = [MODEL, TRAINING_STEP, CACHED_LOOP, BLOCK_MANAGER]
+BUILDS: list[Build] = [MODEL, TRAINING_STEP, CACHED_LOOP, BLOCK_MANAGER, VERIFY]
 
 
 def lesson(chapter: str) -> Lesson:

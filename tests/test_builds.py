@@ -234,6 +234,82 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
         ("betas_swapped", (("betas=(cfg.beta1, cfg.beta2)", "betas=(cfg.beta2, cfg.beta1)"),)),
         ("last_micro_batch_loss", (("total += loss.item()", "total = loss.item()"),)),
     ],
+    "verify": [
+        (
+            "top_left_mask",
+            (
+                (
+                    "key_pos[None, :] <= query_pos[:, None]",
+                    "key_pos[None, :] <= query_pos[:, None] - past",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "positions_one_late",
+            (
+                (
+                    "torch.arange(past, kv_len, device=device)",
+                    "torch.arange(past + 1, kv_len + 1, device=device)",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "truncate_keeps_one_more",
+            (("(k[:, :, :n], v[:, :, :n])", "(k[:, :, : n + 1], v[:, :, : n + 1])"),),
+        ),  # fmt: skip
+        (
+            "rollback_one_too_far",
+            (
+                (
+                    "    cache.truncate(held + len(tokens))\n    return tokens\n\n\ndef accept",
+                    "    cache.truncate(held + len(tokens) - 1)\n    return tokens\n\n\ndef accept",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "drafts_read_against_the_next_row",
+            (("zip(drafts, choices, strict=False)", "zip(drafts, choices[1:], strict=False)"),),
+        ),  # fmt: skip
+        (
+            "scored_one_token_a_call",
+            (
+                (
+                    "    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()\n",
+                    "    choices = [int(score(target, cache, t, []).argmax()) for t in [last_token, *drafts]]\n",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "ratio_inverted",
+            (("if u * q[drafted] < p[drafted]:", "if u * p[drafted] < q[drafted]:"),),
+        ),
+        (
+            "residual_reversed",
+            (("residual = (p - q).clamp(min=0)", "residual = (q - p).clamp(min=0)"),),
+        ),
+        (
+            "bonus_from_the_last_draft_row",
+            (("torch.multinomial(p[len(drafts)], 1", "torch.multinomial(p[len(drafts) - 1], 1"),),
+        ),  # fmt: skip
+        (
+            "sampled_step_never_rolls_back",
+            (
+                (
+                    "generator=generator)))\n    cache.truncate(held + len(tokens))\n",
+                    "generator=generator)))\n",
+                ),
+            ),
+        ),  # fmt: skip
+        (
+            "sampled_rows_shifted",
+            (
+                (
+                    "accept_or_resample(p[i], draft_probs[i]",
+                    "accept_or_resample(p[i + 1], draft_probs[i]",
+                ),
+            ),
+        ),  # fmt: skip
+    ],
 }
 
 # Answers that meet the contract written another way than the reference: they must pass.
@@ -539,6 +615,77 @@ def train_step(model, optimizer, batches, step, cfg):
     optimizer.step()
     optimizer.zero_grad()
     return mean.item(), norm
+""",
+    "verify": """
+import torch
+
+
+class RollbackCache:
+    def __init__(self):
+        self.keys, self.values, self.length = {}, {}, 0
+
+    @property
+    def seq_len(self):
+        return self.length
+
+    def prepare(self, batch, q_len, device):
+        start = self.length
+        self.length += q_len
+        mask = torch.ones(q_len, self.length, dtype=torch.bool, device=device).tril(start)
+        return (start + torch.arange(q_len, device=device)).unsqueeze(0), mask
+
+    def update(self, layer, k, v):
+        if layer in self.keys:
+            k = torch.cat((self.keys[layer], k), 2)
+            v = torch.cat((self.values[layer], v), 2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def truncate(self, n):
+        self.length = n
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer][..., :n, :]
+            self.values[layer] = self.values[layer][..., :n, :]
+
+
+def score(target, cache, last_token, drafts):
+    ids = torch.tensor([last_token] + drafts).unsqueeze(0)
+    with torch.inference_mode():
+        return target(ids, cache=cache).logits.squeeze(0).float()
+
+
+def verify_greedy(target, cache, last_token, drafts):
+    start = cache.seq_len
+    best = score(target, cache, last_token, drafts).argmax(-1)
+    agree = (torch.tensor(drafts, dtype=torch.long) == best[:-1]).long().cumprod(0)
+    n = int(agree.sum())
+    out = best[: n + 1].tolist()
+    cache.truncate(start + n + 1)
+    return out
+
+
+def accept_or_resample(p, q, drafted, generator):
+    if float(torch.rand(1, generator=generator)) < min(1.0, float(p[drafted] / q[drafted])):
+        return drafted, True
+    left = torch.maximum(p - q, torch.zeros_like(p)).double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * left[-1]
+    return int(torch.searchsorted(left, u, right=True).clamp(max=len(p) - 1)), False
+
+
+def verify_sampled(target, cache, last_token, drafts, draft_probs, generator):
+    start = cache.seq_len
+    probs = score(target, cache, last_token, drafts).softmax(-1)
+    out = []
+    for i in range(len(drafts) + 1):
+        if i == len(drafts):
+            out.append(int(probs[i].multinomial(1, generator=generator)))
+            break
+        token, kept = accept_or_resample(probs[i], draft_probs[i], drafts[i], generator)
+        out.append(token)
+        if not kept:
+            break
+    cache.truncate(start + len(out))
+    return out
 """,
 }
 

@@ -1,0 +1,469 @@
+"""Build (chapter 19): the verify-and-rollback step, graded against the oracle.
+
+Contract: rosecourse/solutions/build_verify.py. The learner's cache runs inside rose's GPT
+(the chapters' random strong-oracle model): a pass of k + 1 tokens after a past, and a
+pass after a rollback, each row's logits held to the uncached oracle's by rose's one
+tolerance rule (rosetrainer/numerics.py). The learner's greedy verify step runs on rose's
+own caches (so it is graded on its own) in a loop the grader drives: with rose's
+prompt-lookup drafter for k = 1..8, with rose's self-draft on a static cache, and with
+drafts scripted to be rejected at every place (and all kept); every token must be the
+uncached greedy run's, each call must run the target once and return the drafts it
+agrees with and one token more, and after every call the cache must hold exactly the
+text but its newest token. The sampled rule and the sampled verify step are held to the target's
+distribution: seeded draws of (token, kept) against the exact probabilities of the rule
+(a chi-square test, its p-value at least P_VALUE), and sampled verify steps: those whose
+outcome the rule fixes (q equal to p keeps every draft; a one-hot q on a token p hardly
+gives is rejected), and the bonus token's frequencies against p.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.demo import PROMPT
+from rosecourse.exercises import encoded, oracle_model, reference_tokens
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.request.rows import make_sequences
+from roseinfer.request.sampling import SamplingParams
+from roseinfer.request.sequence import Sequence
+from roseinfer.request.token_step import take_tokens
+from roseinfer.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, first_layers
+from rosetrainer.numerics import logit_tolerance
+
+NEW = 16  # tokens generated per run
+DRAWS = 4000  # draws of the sampled rule per case
+BONUS_DRAWS = 300  # sampled verify steps whose bonus token is counted
+P_VALUE = 1e-4  # the chi-square test's threshold: a right rule falls below it once in 10,000 seeds
+# The rule's cases: a draft that disagrees with the target, and deterministic drafts (q one-hot).
+RULE_CASES = (
+    (torch.tensor([0.5, 0.3, 0.15, 0.05]), torch.tensor([0.1, 0.2, 0.3, 0.4])),
+    (torch.tensor([0.5, 0.3, 0.15, 0.05]), torch.tensor([0.0, 0.0, 1.0, 0.0])),
+    (torch.tensor([0.05, 0.6, 0.1, 0.25]), torch.tensor([0.3, 0.0, 0.3, 0.4])),
+)
+
+
+def prompt() -> list[int]:
+    """A prompt that repeats itself, so prompt lookup finds matches (kept and rejected)."""
+    return list(encoded(PROMPT)) * 2
+
+
+def oracle() -> list[int]:
+    """The uncached greedy run after prompt(): every greedy token must be one of these."""
+    return list(reference_tokens(tuple(prompt()), NEW))
+
+
+@functools.cache
+def oracle_logits(tokens: tuple[int, ...]) -> torch.Tensor:
+    """(len(tokens), vocab): the uncached model's next-token logits after each token."""
+    with torch.no_grad():
+        return oracle_model()(torch.tensor([tokens])).logits[0]
+
+
+def prefilled(cache: object, tokens: list[int]) -> object:
+    """`cache` after rose's GPT has read `tokens` (the text but its newest token)."""
+    with torch.no_grad():
+        oracle_model()(torch.tensor([tokens]), cache=cache)
+    return cache
+
+
+# ---------------------------------------------------------------------------
+# The learner's cache inside rose's GPT
+# ---------------------------------------------------------------------------
+
+
+def fed(cache: object, text: list[int], start: int, end: int) -> torch.Tensor:
+    """Feed text[start:end] to rose's GPT on `cache`; its logits against the oracle's."""
+    with torch.no_grad():
+        logits = oracle_model()(torch.tensor([text[start:end]]), cache=cache).logits[0]
+    want = oracle_logits(tuple(text[:end]))[start:end]
+    new = "1 new token" if end - start == 1 else f"{end - start} new tokens"
+    where = f"the pass over positions {start}..{end - 1} ({new})"
+    expect_close(where, logits, want, logit_tolerance(want))
+    return logits
+
+
+def _cache_pass(module: types.ModuleType) -> None:
+    text = prompt() + oracle()
+    cache = module.RollbackCache()
+    start = 0
+    for q_len in (10, 1, 2, 4, 9, 5):  # a prefill, then passes of k + 1 for k = 0, 1, 3, 8, 4
+        fed(cache, text, start, start + q_len)
+        start += q_len
+        if cache.seq_len != start:
+            raise Mismatch(f"after reading {start} tokens the cache's seq_len is {cache.seq_len}")
+
+
+def _cache_rollback(module: types.ModuleType) -> None:
+    text = prompt() + oracle()
+    cache = module.RollbackCache()
+    fed(cache, text, 0, 12)
+    for kept, rejected in ((2, 3), (0, 4), (5, 0)):  # drafts kept, then drafts rejected
+        held = cache.seq_len
+        vocab = oracle_model().config.vocab_size
+        wrong = [(t + 1) % vocab for t in text[held + kept : held + kept + rejected]]
+        with torch.no_grad():  # one pass: the text's next tokens, then tokens not in it
+            oracle_model()(torch.tensor([text[held : held + kept] + wrong]), cache=cache)
+        cache.truncate(held + kept)
+        if cache.seq_len != held + kept:
+            raise Mismatch(
+                f"truncate({held + kept}) on a cache of {held + kept + rejected} positions "
+                f"leaves seq_len {cache.seq_len}"
+            )
+        fed(cache, text, held + kept, held + kept + 3)
+
+
+# ---------------------------------------------------------------------------
+# The greedy verify step, in a loop the grader drives
+# ---------------------------------------------------------------------------
+
+
+def new_sequence(prompt_ids: list[int]) -> Sequence:
+    params = SamplingParams(max_tokens=NEW + 9, ignore_eos=True)  # never stops the run itself
+    (seq,) = make_sequences(oracle_model(), [prompt_ids], params, None, None)
+    return seq
+
+
+Drafts = Callable[[Sequence, int, int], list[int]]  # (request, k, tokens made so far) -> drafts
+
+
+def run(
+    module: types.ModuleType, cache: object, drafts: Drafts, k: int, label: str, lengths: bool
+) -> None:
+    """Generate NEW tokens with the learner's verify step, `drafts` proposing up to k a
+    round: each call's tokens against the uncached greedy run's; with `lengths`, the
+    cache's length after each call first."""
+    want = oracle()
+    seq = new_sequence(prompt())
+    prefilled(cache, prompt()[:-1])
+    while len(seq.output_ids) < NEW:
+        made = len(seq.output_ids)
+        proposed = drafts(seq, min(k, NEW - made - 1), made)
+        with target_calls() as calls:
+            got = module.verify_greedy(oracle_model(), cache, seq.all_ids[-1], list(proposed))
+        if calls[0] != 1:
+            raise Mismatch(
+                f"{label}: a call given {drafted(len(proposed))} ran the target {calls[0]} "
+                f"times: one pass over the newest token and the drafts is the point"
+            )
+        if not isinstance(got, list) or not 1 <= len(got) <= len(proposed) + 1:
+            raise Mismatch(
+                f"{label}: given {drafted(len(proposed))} it returns {got!r}: between 1 and "
+                f"{len(proposed) + 1} tokens are right"
+            )
+        if lengths and cache.seq_len != len(seq.all_ids) + len(got) - 1:
+            raise Mismatch(
+                f"{label}: after a call given {drafted(len(proposed))} that returned {len(got)} "
+                f"token(s), the cache holds {cache.seq_len} positions where "
+                f"{len(seq.all_ids) + len(got) - 1} are right (the text but its newest token)"
+            )
+        for i, token in enumerate(got):
+            if token != want[made + i]:
+                raise Mismatch(
+                    f"{label}: token {made + i} is {token} where the uncached oracle gives "
+                    f"{want[made + i]} (a call given the drafts {list(proposed)})"
+                )
+        agreed = next((i for i, t in enumerate(proposed) if t != want[made + i]), len(proposed))
+        if len(got) != agreed + 1:
+            raise Mismatch(
+                f"{label}: given the drafts {list(proposed)}, of which the target agrees with "
+                f"{agreed}, it returns {len(got)} token(s) where {agreed + 1} are right"
+            )
+        for token in got:
+            take_tokens([seq], [int(token)])
+
+
+@contextlib.contextmanager
+def target_calls() -> Iterator[list[int]]:
+    """Counts the target's calls while the block runs (in a one-item list)."""
+    calls = [0]
+    hook = oracle_model().register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        hook.remove()
+
+
+def drafted(n: int) -> str:
+    return "1 draft" if n == 1 else f"{n} drafts"
+
+
+def from_drafter(drafter: Drafter) -> Drafts:
+    def drafts(seq: Sequence, k: int, made: int) -> list[int]:
+        return drafter.propose([seq], [k])[0].tokens if k > 0 else []
+
+    return drafts
+
+
+def scripted(k: int) -> Drafts:
+    """The oracle's next k tokens with the one at place j made wrong, j = 0, 1, ..., k in
+    turn (j = k: every draft right, so the step ends with the bonus token)."""
+    rounds = itertools.count()
+    vocab = oracle_model().config.vocab_size
+
+    def drafts(seq: Sequence, room: int, made: int) -> list[int]:
+        j = next(rounds) % (k + 1)
+        right = oracle()[made : made + room]
+        return [(t + 1) % vocab if i == j else t for i, t in enumerate(right)]
+
+    return drafts
+
+
+def prompt_lookup(module: types.ModuleType) -> None:
+    for k in range(1, 9):
+        drafts = from_drafter(NgramDrafter(1, 3))
+        run(module, ConcatKVCache(), drafts, k, f"prompt lookup, k = {k}", lengths=False)
+
+
+def self_draft(module: types.ModuleType) -> None:
+    for k in range(1, 9):
+        drafts = from_drafter(ModelDrafter(first_layers(oracle_model(), 1)))
+        cache = StaticKVCache(oracle_model())
+        run(module, cache, drafts, k, f"self-draft on a static cache, k = {k}", lengths=False)
+
+
+def cache_length(module: types.ModuleType) -> None:
+    for k in (1, 3, 8):
+        run(module, ConcatKVCache(), scripted(k), k, f"k = {k}", lengths=True)
+
+
+def past_rejection(module: types.ModuleType) -> None:
+    for k in (1, 3, 8):
+        label = f"k = {k}, drafts rejected at each place in turn"
+        run(module, ConcatKVCache(), scripted(k), k, label, lengths=False)
+
+
+# ---------------------------------------------------------------------------
+# The sampled rule and the sampled verify step
+# ---------------------------------------------------------------------------
+
+
+def rule_draws(
+    module: types.ModuleType, p: torch.Tensor, q: torch.Tensor, draws: int
+) -> list[tuple[int, bool]]:
+    """`draws` outcomes of the learner's rule, each draft drawn from q, from one seed."""
+    generator = torch.Generator().manual_seed(0)
+    outcomes = []
+    for _ in range(draws):
+        drafted = int(torch.multinomial(q, 1, generator=generator))
+        token, kept = module.accept_or_resample(p, q, drafted, generator)
+        outcomes.append((int(token), bool(kept)))
+    return outcomes
+
+
+def _rule(module: types.ModuleType) -> None:
+    for p, q in RULE_CASES:
+        # The exact law of (kept, token): kept y with min(p, q)(y); rejected, then y, with
+        # max(0, p - q)(y). Its two rows sum to p: the token is distributed as the target's.
+        expected = torch.stack([(p - q).clamp(min=0), torch.minimum(p, q)]).double() * DRAWS
+        counts = torch.zeros_like(expected)
+        for token, kept in rule_draws(module, p, q, DRAWS):
+            counts[int(kept), token] += 1
+        what = f"p = {rounded(p)}, q = {rounded(q)}"
+        seen, right = counts / DRAWS, expected / DRAWS
+        law = (
+            f"{what}: in {DRAWS} draws, (rejected, kept) frequencies per token "
+            f"{[rounded(row) for row in seen]} where the rule gives "
+            f"{[rounded(row) for row in right]}"
+        )
+        if bool((counts[expected == 0] > 0).any()):
+            raise Mismatch(f"{law} (an outcome of probability 0 occurs)")
+        live = expected > 0
+        statistic = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+        p_value = chi_square_p_value(statistic, int(live.sum()) - 1)
+        if p_value < P_VALUE:
+            raise Mismatch(f"{law} (chi-square p-value {p_value:.2g} < {P_VALUE:g})")
+
+
+def rounded(values: torch.Tensor) -> list[float]:
+    return [round(float(x), 3) for x in values]
+
+
+def target_probs(tokens: list[int]) -> torch.Tensor:
+    """The target's distributions after each token of `tokens` (temperature 1)."""
+    return torch.softmax(oracle_logits(tuple(tokens)).float(), dim=-1)
+
+
+def _sampled_verify(module: types.ModuleType) -> None:
+    generator = torch.Generator().manual_seed(1)
+    text = prompt()
+    cache = prefilled(ConcatKVCache(), text[:-1])
+    for k in (1, 3, 2):
+        # q = the target's own p at each place: every draft is kept, then the bonus.
+        drafts: list[int] = []  # the target's likeliest tokens, so no p is tiny
+        for _ in range(k):
+            drafts.append(int(target_probs(text + drafts)[-1].argmax()))
+        draft_probs = target_probs(text + drafts)[len(text) - 1 : -1]
+        with target_calls() as calls:
+            got = module.verify_sampled(
+                oracle_model(), cache, text[-1], drafts, draft_probs, generator
+            )
+        where = f"{drafted(k)} drawn from the target's own distribution (q = p)"
+        if calls[0] != 1:
+            raise Mismatch(
+                f"{where}: the step ran the target {calls[0]} times: one pass over the newest "
+                f"token and the drafts is the point"
+            )
+        if not isinstance(got, list) or got[:k] != drafts or len(got) != k + 1:
+            raise Mismatch(
+                f"{where} must all be kept, then one more token: it returns {got!r} for "
+                f"drafts {drafts}"
+            )
+        check_length(cache, len(text) + k, where)
+        text = text + got
+    # The bonus is drawn from p after the last draft: its frequencies over many calls.
+    drafts = [int(target_probs(text)[-1].argmax())]
+    p, q = target_probs(text + drafts)[-2:]
+    counts: dict[int, int] = {}
+    for _ in range(BONUS_DRAWS):
+        got = module.verify_sampled(oracle_model(), cache, text[-1], drafts, p[None], generator)
+        check_length(cache, len(text) + 1, f"{drafted(1)} drawn from q = p")
+        counts[got[-1]] = counts.get(got[-1], 0) + 1
+        cache.truncate(len(text) - 1)
+    expect_distributed(counts, q, BONUS_DRAWS, "the bonus token after a kept draft")
+    # A one-hot q on the token p gives least: rejected (but once in ~1e9), one token drawn.
+    least = int(target_probs(text)[-1].argmin())
+    vocab = oracle_model().config.vocab_size
+    draft_probs = torch.nn.functional.one_hot(torch.tensor([least, least]), vocab)
+    got = module.verify_sampled(
+        oracle_model(), cache, text[-1], [least, least], draft_probs.float(), generator
+    )
+    where = f"drafts [{least}, {least}] (q one-hot; p gives {least} almost nothing)"
+    if not isinstance(got, list) or len(got) != 1 or got[0] == least:
+        raise Mismatch(f"{where} are rejected at once, another token drawn: it returns {got!r}")
+    check_length(cache, len(text), where)
+
+
+def expect_distributed(counts: dict[int, int], p: torch.Tensor, draws: int, what: str) -> None:
+    """Tokens counted over `draws` draws against p: a chi-square test over p's likeliest
+    tokens (those expected at least 5 times) and the rest together."""
+    likely = [int(t) for t in torch.nonzero(p * draws >= 5).flatten()]
+    expected = torch.tensor([float(p[t]) for t in likely] + [1 - float(p[likely].sum())]) * draws
+    seen = torch.tensor(
+        [counts.get(t, 0) for t in likely] + [draws - sum(counts.get(t, 0) for t in likely)]
+    )
+    live = expected > 1e-9
+    statistic = float(((seen[live] - expected[live]) ** 2 / expected[live]).sum())
+    p_value = chi_square_p_value(statistic, int(live.sum()) - 1)
+    if p_value < P_VALUE:
+        shown = {t: (counts.get(t, 0) / draws, round(float(p[t]), 3)) for t in likely}
+        raise Mismatch(
+            f"{what}: (frequency, p) per likely token {shown} (chi-square p-value "
+            f"{p_value:.2g} < {P_VALUE:g})"
+        )
+
+
+def chi_square_p_value(statistic: float, dof: int) -> float:
+    """P(chi-square with dof degrees of freedom >= statistic)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+def check_length(cache: object, want: int, where: str) -> None:
+    if cache.seq_len != want:
+        raise Mismatch(
+            f"{where}: the cache holds {cache.seq_len} positions after the call where {want} "
+            f"are right (the text but its newest token)"
+        )
+
+
+def _probe(module: types.ModuleType) -> list[object]:
+    """The learner's cache on a pass after a past, greedy calls with every draft right and
+    with one rejected (their tokens and the cache's length), and the sampled rule's first
+    draws."""
+    text = prompt() + oracle()
+    cache = module.RollbackCache()
+    with torch.no_grad():
+        oracle_model()(torch.tensor([text[:6]]), cache=cache)
+        logits = oracle_model()(torch.tensor([text[6:10]]), cache=cache).logits
+    calls = []
+    cache = prefilled(ConcatKVCache(), prompt()[:-1])
+    at = len(prompt())
+    for drafts in (oracle()[:2], [oracle()[2], 0, 0]):
+        got = module.verify_greedy(oracle_model(), cache, text[at - 1], list(drafts))
+        calls.append((got, cache.seq_len))
+        at += len(got)
+    p, q = RULE_CASES[0]
+    return [logits, calls, rule_draws(module, p, q, 100)]
+
+
+VERIFY = Build(
+    name="verify",
+    chapters="19",
+    task="speculative decoding's verify-and-rollback step, greedy and sampled",
+    parts=(
+        Part("cache, a pass of k + 1 after a past", _cache_pass),
+        Part("cache, rollback", _cache_rollback),
+        Part("greedy, prompt lookup, k = 1..8", prompt_lookup),
+        Part("greedy, self-draft on a static cache, k = 1..8", self_draft),
+        Part("greedy, the cache's length after every call", cache_length),
+        Part("greedy, the run past a rejection", past_rejection),
+        Part("sampled rule", _rule),
+        Part("sampled verify", _sampled_verify),
+    ),
+    probe=_probe,
+    known_wrong=(
+        KnownWrong(
+            "keys_left_in",
+            (
+                (
+                    "    cache.truncate(held + len(tokens))\n    return tokens\n\n\ndef accept",
+                    "    return tokens\n\n\ndef accept",
+                ),
+            ),
+            "the rejected drafts' keys and values stay in the cache: every later query "
+            "attends to tokens that are not in the text, at positions one further for each",
+        ),
+        KnownWrong(
+            "no_bonus",
+            (
+                (
+                    "tokens = drafts[:accepted] + [choices[accepted]]",
+                    "tokens = drafts[:accepted] + [choices[accepted]] * (accepted < len(drafts) or not drafts)",
+                ),
+            ),
+            "when every draft is kept, the target's logits after the last draft give one "
+            "more token (the bonus): the step makes k + 1 tokens, not k",
+        ),
+        KnownWrong(
+            "positions_not_offset",
+            (
+                (
+                    "query_pos = torch.arange(past, kv_len, device=device)",
+                    "query_pos = torch.arange(q_len, device=device)",
+                ),
+            ),
+            "the new tokens stand at positions 0..q_len - 1 as if nothing came before: "
+            "after a past they continue where it ends",
+        ),
+        KnownWrong(
+            "keeps_first_rejected",
+            (
+                (
+                    "        if drafted != chosen:\n            break\n        accepted += 1\n",
+                    "        accepted += 1\n        if drafted != chosen:\n            break\n",
+                ),
+            ),
+            "the first rejected draft is kept: the target's own token takes its place, "
+            "and nothing after it is read",
+        ),
+        KnownWrong(
+            "accept_when_q_gt_p",
+            (("if u * q[drafted] < p[drafted]:", "if q[drafted] > p[drafted]:"),),
+            "a draft is kept when the drafter likes it more than the target does: it must "
+            "be kept with probability min(1, p/q), so the tokens come out distributed as p",
+        ),
+        KnownWrong(
+            "no_residual",
+            (("residual = (p - q).clamp(min=0)", "residual = p"),),
+            "on a rejection the token is drawn from p itself: it must come from what p "
+            "gives beyond q, max(0, p - q) normalised, or the drafts' tokens come out too often",
+        ),
+    ),
+    passed="as rose: the uncached oracle's tokens, the target's distribution",
+)
