@@ -221,11 +221,11 @@ def test_any_non_default_config_field_is_refused() -> None:
 
 @pytest.mark.parametrize("where", ["the run", "a link to the run", "above the run", "in the run"])
 def test_an_out_that_is_holds_or_is_inside_the_source_is_refused(
-    run_dir: Path, tmp_path: Path, capsys, where: str
+    tiny_run_dir: Path, tmp_path: Path, capsys, where: str
 ) -> None:
     run = tmp_path / "parent" / "run"
     run.mkdir(parents=True)
-    (run / "last.pt").write_bytes((run_dir / "last.pt").read_bytes())
+    (run / "last.pt").write_bytes((tiny_run_dir / "last.pt").read_bytes())
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "link").symlink_to(run)
     out = {"the run": run, "a link to the run": tmp_path / "link",
@@ -244,20 +244,22 @@ def test_an_out_that_is_holds_or_is_inside_the_source_is_refused(
 
 
 def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(
-    run_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+    tiny_run_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr("roseinfer.cli.export_hf.save_hf_gpt2", interrupted)
-    assert main(["--checkpoint-path", str(run_dir), "--out", str(tmp_path / "hf")]) == 130
+    assert main(["--checkpoint-path", str(tiny_run_dir), "--out", str(tmp_path / "hf")]) == 130
     err = capsys.readouterr().err
     assert err == "[roseinfer.cli.export_hf] interrupted: stopped by Ctrl-C\n"
     assert list(tmp_path.iterdir()) == []  # no folder, no temporary one
 
 
 @pytest.mark.slow
-def test_a_full_disk_while_safetensors_writes_is_one_line(run_dir: Path, tmp_path: Path) -> None:
+def test_a_full_disk_while_safetensors_writes_is_one_line(
+    tiny_run_dir: Path, tmp_path: Path
+) -> None:
     """safetensors writes the weights itself and fails with its own SafetensorError (not
     an OSError): the process may write files of 8 MB at most, room for the tokenizer's
     files but not for the weights, so the failure is the one the real library raises."""
@@ -267,7 +269,7 @@ def test_a_full_disk_while_safetensors_writes_is_one_line(run_dir: Path, tmp_pat
 
     out = tmp_path / "hf"
     command = [sys.executable, "-m", "roseinfer.cli.export_hf", "--checkpoint-path",
-               str(run_dir), "--out", str(out)]  # fmt: skip
+               str(tiny_run_dir), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, preexec_fn=small_files)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
