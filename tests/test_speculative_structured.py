@@ -37,8 +37,10 @@ from roseinfer.loops import speculative
 from roseinfer.loops.generate import generate
 from roseinfer.loops.speculative import speculative_generate
 from roseinfer.request.rows import make_sequences
+from roseinfer.request.sampling import apply_grammar_masks
 from roseinfer.request.sampling_params import SamplingParams, StructuredOutputs
 from roseinfer.request.structured import GrammarMatcher, allowed_tokens
+from roseinfer.request.token_step import take_tokens
 from roseinfer.speculative.drafters import (
     ModelDrafter,
     NgramDrafter,
@@ -46,6 +48,7 @@ from roseinfer.speculative.drafters import (
     first_layers,
 )
 from roseinfer.speculative.verify import Draft, SpeculativeStats
+from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -226,6 +229,39 @@ def test_forbidden_drafts_are_cut_before_they_are_verified(
         again = spec_run(model, tokenizer, drafter, prompt, params, 8, uncut)
     assert again.token_ids == want
     assert uncut.num_draft_tokens > uncut.num_accepted_tokens == stats.num_accepted_tokens
+
+
+def verify_masked_once(seq, logits, draft, *, max_len=None, on_token=None) -> int:
+    """The wrong depth: every row masked by the grammar as it stands before the drafts
+    (one mask per request per step, as for a plain decode), then greedy verification."""
+    for row in range(len(logits)):
+        apply_grammar_masks(logits[row : row + 1], [seq])
+    for row, drafted in enumerate([*draft.tokens, None]):
+        token = int(logits[row].argmax())
+        take_tokens([seq], [token], on_token=on_token, max_len=max_len)
+        if token != drafted or seq.is_finished:
+            return row + int(token == drafted)
+    raise AssertionError("unreachable: the bonus position never agrees")
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_a_mask_at_the_wrong_depth_breaks_the_grammar(model, tokenizer, oracle, name: str) -> None:
+    """Drafts the target agrees with: verified with every row under the mask of the
+    position before the drafts, a row past the first takes a token the grammar allowed
+    there but forbids where it stands (vLLM #9423's failure); rose's verify gives the
+    oracle."""
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    params = constrained(name)
+    want = oracle(prompt, params)
+    (junk,) = tokenizer.encode("@")
+    assert (
+        spec_run(model, tokenizer, ReplayDrafter(want, junk), prompt, params, 4).token_ids == want
+    )
+    with (
+        mock.patch.object(speculative, "verify_drafts", verify_masked_once),
+        pytest.raises(RoseError, match="breaks the grammar"),
+    ):
+        spec_run(model, tokenizer, ReplayDrafter(want, junk), prompt, params, 4)
 
 
 def test_a_draft_check_leaves_the_matcher_where_it_was(model, tokenizer) -> None:
