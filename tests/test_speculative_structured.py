@@ -39,7 +39,7 @@ from roseinfer.loops.speculative import speculative_generate
 from roseinfer.request.rows import make_sequences
 from roseinfer.request.sampling import apply_grammar_masks
 from roseinfer.request.sampling_params import SamplingParams, StructuredOutputs
-from roseinfer.request.structured import GrammarMatcher, allowed_tokens
+from roseinfer.request.structured import GrammarMatcher, allowed_tokens, grammar_for
 from roseinfer.request.token_step import take_tokens
 from roseinfer.speculative.drafters import (
     ModelDrafter,
@@ -447,3 +447,28 @@ def test_a_preempted_constrained_request_with_drafts_equals_its_solo_run(
     assert engine.scheduler.num_preemptions > 0
     assert engine.stats().speculative.num_accepted_tokens > 0
     assert_solo(model, tokenizer, oracle, outputs)
+
+
+def test_a_failed_look_ahead_fails_its_request_alone(model, tokenizer, oracle) -> None:
+    """The library failing to roll a look-ahead back (its matcher left in error): that
+    request ends as "abort" with the matcher's error, the others in the batch finish with
+    their solo tokens."""
+    real = GrammarMatcher.allowed_prefix
+    victim = constrained("choice")
+
+    def failing(self, tokens):
+        if self.grammar.text != compiled_choice.text:
+            return real(self, tokens)
+        self.matcher.consume_token(tokenizer.encode("@")[0])  # (puts it in error)
+        raise RoseError("cannot roll back 1 looked-ahead tokens")
+
+    compiled_choice = grammar_for(victim.structured_outputs, tokenizer, VOCAB)
+    config = EngineConfig(kv_block_size=KV_BLOCK, num_kv_blocks=120)
+    engine = LLMEngine(model, tokenizer, config, ModelDrafter(first_layers(model, 1)), 3)
+    prompt = tokenizer.encode(PROMPT_TEXT)
+    others = [(prompt, constrained("regex")), (prompt, SamplingParams(max_tokens=12))]
+    with mock.patch.object(GrammarMatcher, "allowed_prefix", failing):
+        outputs = run_checked(engine, [(prompt, victim), *others], random.Random(0))
+    (failed, *fine) = outputs.values()
+    assert failed[0].finish_reason == "abort" and "grammar matcher failed" in failed[0].error
+    assert_solo(model, tokenizer, oracle, dict(enumerate(fine)))

@@ -295,10 +295,19 @@ class LLMEngine:
             for seq in seqs:
                 seq.draft_ids = []
             for i, draft in zip(asked, drafts, strict=True):
-                # (a constrained request's drafts stop where its grammar forbids one: the
-                # room they would have taken goes back to the step)
-                seqs[i].draft_ids = within_grammar(seqs[i], draft).tokens[: limits[i]]
+                seqs[i].draft_ids = self._allowed_drafts(seqs[i], draft)[: limits[i]]
             return [len(seq.draft_ids) for seq in seqs]
+
+    @staticmethod
+    def _allowed_drafts(seq: EngineSequence, draft: Draft) -> list[int]:
+        """A constrained request's drafts stop where its grammar forbids one (the room
+        they would have taken goes back to the step). A look-ahead the library fails
+        costs the request its drafts only: its matcher is then in error, and its own
+        sampling step fails it alone, as any broken matcher does."""
+        try:
+            return within_grammar(seq, draft).tokens
+        except RoseError:
+            return []
 
     def _draft_limit(self, seq: EngineSequence, room: int) -> int:
         """How many drafts seq may carry: room, k, what it may still make, the context; 0
