@@ -47,7 +47,7 @@ from roseinfer.speculative.drafters import (
     SpeculativeConfig,
     first_layers,
 )
-from roseinfer.speculative.verify import Draft, SpeculativeStats
+from roseinfer.speculative.verify import Draft, SpeculativeStats, within_grammar
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
@@ -283,6 +283,21 @@ def test_a_draft_check_leaves_the_matcher_where_it_was(model, tokenizer) -> None
     matcher.closing = [text[3]]  # a plan under way is not forgotten by a look-ahead
     matcher.allowed_prefix(text[3:])
     assert matcher.closing == [text[3]]
+
+
+def test_a_sampled_draft_keeps_its_first_forbidden_token(model, tokenizer) -> None:
+    """A deterministic draft is cut before the first forbidden token; one drawn from q
+    keeps it (the accept rule rejects it and draws from the residual: cutting it would
+    bias the output towards q) and drops what follows."""
+    (seq,) = make_sequences(model, [[1, 2]], constrained("json schema"), None, None, tokenizer)
+    good = tokenizer.encode('{"color"')
+    (junk,) = tokenizer.encode("@")
+    tokens = [*good, junk, *good]
+    assert within_grammar(seq, Draft(tokens)).tokens == good
+    q = torch.full((len(tokens), VOCAB), 1 / VOCAB)
+    sampled = within_grammar(seq, Draft(tokens, q))
+    assert sampled.tokens == [*good, junk] and torch.equal(sampled.probs, q[: len(good) + 1])
+    assert within_grammar(seq, Draft(good, q[: len(good)])).tokens == good
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,7 +13,8 @@ after the tokens taken at rows 0 .. j - 1 (each position masks after the previou
 plain run would choose; a grammar completed inside the run ends the request there. The
 matcher never holds a rejected draft: only taken tokens advance it. Before the target
 spends a row on them, drafts are cut at the first token the grammar forbids
-(`within_grammar`): such a draft could only be rejected.
+(`within_grammar`): such a draft could only be rejected (a sampled draft keeps that
+token, for the accept rule's sake; see there).
 
 Greedy: the token is `sample_rows` on that row (the argmax, exactly as a plain decode
 step chooses it), and a draft is accepted when it is that token. After the first
@@ -105,19 +106,28 @@ def verify_drafts(
 
 
 def within_grammar(seq: Sequence, draft: Draft) -> Draft:
-    """`draft` cut before its first token that seq's grammar forbids from where seq's
-    output stands (or that comes after the grammar is complete); whole without a grammar.
+    """`draft` cut at its first token that seq's grammar forbids from where seq's output
+    stands (or that comes after the grammar is complete); whole without a grammar.
 
     Verifying a forbidden token is wasted work: its row's mask sets its logit to -inf,
     so the target always rejects it, and everything drafted after it. The matcher looks
     ahead and comes back (`GrammarMatcher.allowed_prefix`): it still holds the output.
+
+    A deterministic draft is cut before the forbidden token: the target's draw there is
+    then its own, from p, which is what rejecting it would draw (the residual of a
+    one-hot q at a token p gives no mass is p). A draft drawn from q keeps the forbidden
+    token and drops only what follows it: that the draw landed there is part of what the
+    accept rule's proof averages over, and the rule rejects it and draws from the
+    residual; dropping it would draw from p instead, biased towards where q is large.
     """
     if seq.matcher is None or not draft.tokens:
         return draft
-    allowed = seq.matcher.allowed_prefix(draft.tokens)
-    if allowed == len(draft.tokens):
+    keep = seq.matcher.allowed_prefix(draft.tokens)
+    if draft.probs is not None:
+        keep += 1
+    if keep >= len(draft.tokens):
         return draft
-    return Draft(draft.tokens[:allowed], None if draft.probs is None else draft.probs[:allowed])
+    return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
 
 
 def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
