@@ -2,8 +2,9 @@
 constrained greedy output still the masked oracle's, token for token.
 
 Under a grammar, a verify step masks its row j by the grammar as it stands after the
-tokens taken at rows 0 .. j - 1; drafts the grammar forbids are cut before the target
-scores them; the matcher never holds a rejected draft. Held here, in the teaching loop
+tokens taken at rows 0 .. j - 1; a draft model drafts within the grammar (on a fork of
+the matcher); drafts the grammar forbids are cut before the target scores them; the
+matcher never holds a rejected draft. Held here, in the teaching loop
 and in the engine, for each drafter kind and k in (1, 3, 8): every constrained greedy
 request equals its uncached masked run (so the plain constrained run too), a batch of
 constrained and free requests equals their solo runs on schedules hypothesis draws
@@ -67,7 +68,7 @@ ENUM_SCHEMA = {
     "additionalProperties": False,
 }
 # A number's digits never end by themselves on a random model: the object is closed
-# near max_tokens (GrammarMatcher.closing_token), inside a verify run here.
+# near max_tokens (GrammarMatcher.closing_token), its forced tokens verified like any.
 NUMBER_SCHEMA = {
     "type": "object",
     "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}, "x": {"type": "number"}},
@@ -173,13 +174,16 @@ def test_the_teaching_loop_equals_the_masked_oracle(
     model, draft_model, tokenizer, oracle, kind: str, k: int
 ) -> None:
     prompt = tokenizer.encode(PROMPT_TEXT)
+    stats = SpeculativeStats()
     for name in CONSTRAINTS:
         params = constrained(name)
         drafter = make_drafter(kind, model, draft_model)
-        got = spec_run(model, tokenizer, drafter, prompt, params, k)
+        got = spec_run(model, tokenizer, drafter, prompt, params, k, stats)
         assert got.token_ids == oracle(prompt, params), name
         assert got.finish_reason == "stop", name  # the grammar completed
         check_output(name, tokenizer.decode(got.token_ids))
+    # Both roads were taken: drafts kept, drafts rejected (the cache rolled back).
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 class ReplayDrafter:
@@ -402,7 +406,8 @@ def test_llm_generate_mixed_batch_equals_solo_runs(
     for output, name in zip(outputs, CONSTRAINTS, strict=False):
         assert output.finish_reason == "stop"
         check_output(name, output.text)
-    assert llm.engine.stats().speculative.num_drafts > 0
+    stats = llm.engine.stats().speculative
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 @pytest.mark.oracle

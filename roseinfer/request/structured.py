@@ -281,6 +281,14 @@ class GrammarMatcher:
             raise RoseError(f"cannot roll back {consumed} looked-ahead tokens: {self.error}")
         return consumed
 
+    def fork(self) -> GrammarMatcher:
+        """A copy at this one's state, to write ahead with (a draft model's drafts):
+        advancing it leaves this one, and the request's output, alone."""
+        fork = GrammarMatcher.__new__(GrammarMatcher)
+        fork.grammar, fork.matcher = self.grammar, self.matcher.deep_copy()
+        fork.tokens, fork.closing = list(self.tokens), []
+        return fork
+
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write which tokens may come next into `out`: int32, one bit per token id
         (32 ids a word, the lowest bit first), as wide as the tokenizer's vocabulary."""
