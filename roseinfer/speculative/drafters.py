@@ -14,7 +14,8 @@ tokens a verify step makes. Three kinds:
   keeps its own KV cache per request, synced to the request's tokens by their common
   prefix (what the target rejected is rolled back with `truncate`), then decodes k
   tokens greedily (or, for a sampled request, draws them and hands over their
-  distributions for the accept rule).
+  distributions for the accept rule). A request with structured output drafts within
+  its grammar: the draft logits are masked by a fork of its matcher.
 * `ModelDrafter` over `first_layers(target, n)`: self-drafting, the target's first n
   blocks through its own final LayerNorm and LM head (a view sharing its weights, no
   second model; LayerSkip's draft without the early-exit training).
