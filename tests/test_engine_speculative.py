@@ -15,12 +15,12 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from engine_runs import run_checked, schedules
+from hypothesis import given
 from hypothesis import strategies as st
 from models import make_test_model, perturbed_copy
 
 from roseinfer.engine import EngineConfig, LLMEngine
-from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
@@ -69,29 +69,6 @@ def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[in
     return result.token_ids
 
 
-def run_checked(engine: LLMEngine, arrivals: list, rng: random.Random) -> dict:
-    """Feed `arrivals` ((prompt, params) pairs) between steps at random, step to the end,
-    the pool checked after every step; the finished outputs by request id, with what
-    each asked for."""
-    pending, requests, finished = list(arrivals), {}, {}
-    while pending or engine.has_unfinished():
-        while pending and rng.random() < 0.5:
-            prompt, params = pending.pop(0)
-            requests[engine.add_request(prompt, params)] = (prompt, params)
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        runner = engine.runner
-        live = list(engine.requests.values())
-        check_pool(engine.block_manager, live, runner.written_slots, runner.writer_tables)
-        assert engine.last_batch.num_tokens <= engine.config.max_num_batched_tokens
-    assert set(finished) == set(requests)
-    manager = engine.block_manager
-    assert manager.num_available == manager.num_blocks  # every block free or cached
-    assert not getattr(engine.drafter, "caches", {})  # every request's draft cache let go
-    return {request_id: (finished[request_id], *asked) for request_id, asked in requests.items()}
-
-
 def workload(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams]]:
     """Prompts that repeat themselves (prompt lookup finds drafts), share a prefix or come
     again whole; mostly greedy, some with a stop string, some sampled with a seed."""
@@ -116,12 +93,7 @@ def workload(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams
     return arrivals
 
 
-@settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@schedules(12)
 @given(
     seed=st.integers(0, 10_000),
     kind=st.sampled_from(KINDS),

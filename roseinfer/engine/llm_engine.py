@@ -19,6 +19,9 @@ Speculative decoding (a `drafter` and num_speculative_tokens): the scheduler ask
 one's step feeds its newest token and its drafts as one chunk; `postprocess` verifies them
 (`verify_drafts`, the teaching loop's rule), counts only the accepted tokens as
 computed, and gives back the blocks that held only rejected ones (`BlockManager.trim`).
+A request with structured output is verified under its grammar's mask, position by
+position, and its drafts are cut where the grammar forbids one before they take room
+in the step (`within_grammar`).
 A sampled request decodes one token a step: how many drafts a step can carry depends
 on the batch (budget, free blocks), and a seeded request must draw the same tokens
 alone or in any batch.
@@ -51,7 +54,7 @@ from roseinfer.speculative.drafters import (
     check_speculative_tokens,
     load_drafter,
 )
-from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts
+from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts, within_grammar
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -292,8 +295,19 @@ class LLMEngine:
             for seq in seqs:
                 seq.draft_ids = []
             for i, draft in zip(asked, drafts, strict=True):
-                seqs[i].draft_ids = draft.tokens[: limits[i]]
+                seqs[i].draft_ids = self._allowed_drafts(seqs[i], draft)[: limits[i]]
             return [len(seq.draft_ids) for seq in seqs]
+
+    @staticmethod
+    def _allowed_drafts(seq: EngineSequence, draft: Draft) -> list[int]:
+        """A constrained request's drafts stop where its grammar forbids one (the room
+        they would have taken goes back to the step). A look-ahead the library fails
+        costs the request its drafts only: its matcher is then in error, and its own
+        sampling step fails it alone, as any broken matcher does."""
+        try:
+            return within_grammar(seq, draft).tokens
+        except RoseError:
+            return []
 
     def _draft_limit(self, seq: EngineSequence, room: int) -> int:
         """How many drafts seq may carry: room, k, what it may still make, the context; 0

@@ -12,6 +12,8 @@ output equals the uncached oracle's token for token, whatever the drafter propos
 One round, for a cache holding every token but the newest:
 
 1. the drafter proposes d <= k tokens (fewer near max_tokens or the context's end);
+   a request with structured output has them cut at the first one its grammar forbids
+   (`within_grammar`: the target would reject it anyway);
 2. `verify_and_rollback`: the target reads [newest] + drafts, d + 1 queries over the
    cache. This is the KV cache's sliced causal mask (query i sees the past and the new
    tokens up to itself: rows kv_len - q_len .. kv_len of the full mask) and its
@@ -40,9 +42,16 @@ from roseinfer.request.sampling import SamplingParams
 from roseinfer.request.sequence import GenerationResult, Sequence
 from roseinfer.request.token_step import TokenCallback
 from roseinfer.speculative.drafters import Drafter, check_speculative_tokens
-from roseinfer.speculative.verify import NO_DRAFT, Draft, SpeculativeStats, verify_drafts
+from roseinfer.speculative.verify import (
+    NO_DRAFT,
+    Draft,
+    SpeculativeStats,
+    verify_drafts,
+    within_grammar,
+)
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
 
 
 def verify_and_rollback(
@@ -78,15 +87,18 @@ def speculative_generate(
     cache: DenseKVCache | None = None,
     eot_id: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    tokenizer: Tokenizer | None = None,
     on_token: TokenCallback | None = None,
     window_keep: int | None = None,
     stats: SpeculativeStats | None = None,
 ) -> GenerationResult:
     """Generate after one prompt with drafts from `drafter`, up to num_speculative_tokens
     a round, verified by `target` on `cache` (default: a fresh ConcatKVCache; any cache
-    with `truncate`). eot_id, decode, on_token, window_keep: as in generate_batch; stats:
-    counts drafts, drafted and accepted tokens into it."""
-    (seq,) = make_sequences(target, [prompt_ids], params, eot_id, decode)
+    with `truncate`). eot_id, decode, tokenizer, on_token, window_keep: as in
+    generate_batch (a request with structured_outputs is masked at every verified
+    position as in its plain run); stats: counts drafts, drafted and accepted tokens
+    into it (the drafts verified: after the grammar's cut)."""
+    (seq,) = make_sequences(target, [prompt_ids], params, eot_id, decode, tokenizer)
     keep = checked_keep(target, window_keep)
     k = num_speculative_tokens
     check_speculative_tokens(k, target, "the target's")
@@ -115,6 +127,7 @@ def speculative_generate(
             if context is not None:
                 room = min(room, context - (len(tokens) - start))
             (draft,) = drafter.propose([seq], [room]) if room > 0 else (NO_DRAFT,)
+            draft = within_grammar(seq, draft)
             new_ids = tokens[start + held :]
             accepted = verify_and_rollback(target, cache, held, seq, new_ids, draft, on_token)
             held += len(new_ids) + accepted

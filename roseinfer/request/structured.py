@@ -17,7 +17,9 @@ Reading order:
 * `GrammarMatcher`: one request's position in its grammar. `Sequence.append_token` is
   the only caller of `advance` (so a speculative verify step, which appends only the
   accepted tokens, keeps it in step with the output); `allowed_tokens` fills the masks
-  of a batch of them at once (roseinfer/request/sampling.py applies them).
+  of a batch of them at once (roseinfer/request/sampling.py applies them);
+  `allowed_prefix` looks ahead through a speculative draft and comes back, so drafts
+  the grammar forbids are cut before the target verifies them.
 
 Three traps closed here, all reported against other engines:
 
@@ -267,6 +269,29 @@ class GrammarMatcher:
             )
         del self.tokens[len(self.tokens) - num_tokens :]
         self.closing = []  # planned for a longer output: planned again when needed
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar allows in a row from here
+        (speculative decoding's drafts are cut there); the matcher is left as it was.
+
+        The library's state is advanced through the tokens up to the first one it
+        forbids (or past which the grammar is complete), then rolled back by as many.
+        Neither `tokens` nor the closing plan is touched: this is a look ahead, not
+        output (a plan forgotten here would be made again at another step than the
+        plain run makes it).
+        """
+        consumed = self.matcher.try_consume_tokens(tokens)
+        if consumed and not self.matcher.rollback(consumed):
+            raise RoseError(f"cannot roll back {consumed} looked-ahead tokens: {self.error}")
+        return consumed
+
+    def fork(self) -> GrammarMatcher:
+        """A copy at this one's state, to write ahead with (a draft model's drafts):
+        advancing it leaves this one, and the request's output, alone."""
+        fork = GrammarMatcher.__new__(GrammarMatcher)
+        fork.grammar, fork.matcher = self.grammar, self.matcher.deep_copy()
+        fork.tokens, fork.closing = list(self.tokens), []
+        return fork
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write which tokens may come next into `out`: int32, one bit per token id

@@ -14,7 +14,8 @@ tokens a verify step makes. Three kinds:
   keeps its own KV cache per request, synced to the request's tokens by their common
   prefix (what the target rejected is rolled back with `truncate`), then decodes k
   tokens greedily (or, for a sampled request, draws them and hands over their
-  distributions for the accept rule).
+  distributions for the accept rule). A request with structured output drafts within
+  its grammar: the draft logits are masked by a fork of its matcher.
 * `ModelDrafter` over `first_layers(target, n)`: self-drafting, the target's first n
   blocks through its own final LayerNorm and LM head (a view sharing its weights, no
   second model; LayerSkip's draft without the early-exit training).
@@ -38,6 +39,7 @@ from roseinfer.cache.dense import ConcatKVCache
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.request.sampling import sampling_probs
 from roseinfer.request.sequence import Sequence
+from roseinfer.request.structured import GrammarMatcher, allowed_tokens
 from roseinfer.speculative.verify import Draft
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -118,6 +120,8 @@ class ModelDrafter:
         if not self.model.config.unbounded:  # (k + 1 tokens must fit its context)
             steps = min(steps, self.model.config.block_size - 1)
         states = [self.caches.setdefault(seq, DraftState()) for seq in seqs]
+        # A constrained request drafts within its grammar, on a fork of its matcher.
+        grammars = [None if seq.matcher is None else seq.matcher.fork() for seq in seqs]
         views = [
             self._view(state, seq.all_ids, steps) for state, seq in zip(states, seqs, strict=True)
         ]
@@ -131,7 +135,10 @@ class ModelDrafter:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(steps):
-            chosen = [self._choose(logits[row], seq, probs[row]) for row, seq in enumerate(seqs)]
+            chosen = [
+                self._choose(logits[row], seq, probs[row], grammars[row])
+                for row, seq in enumerate(seqs)
+            ]
             for row, token in enumerate(chosen):
                 tokens[row].append(token)
             if step < steps - 1:  # the last draft is never fed: nothing reads its logits
@@ -153,14 +160,33 @@ class ModelDrafter:
         return self._step(view[held:], state.cache)[0]
 
     @staticmethod
-    def _choose(logits: torch.Tensor, seq: Sequence, probs: list[torch.Tensor]) -> int:
+    def _choose(
+        logits: torch.Tensor,
+        seq: Sequence,
+        probs: list[torch.Tensor],
+        grammar: GrammarMatcher | None,
+    ) -> int:
         """The request's draft from the draft model's logits: the argmax for a greedy
-        request, else drawn from its sampling distribution q (kept in probs for the rule)."""
+        request, else drawn from its sampling distribution q (kept in probs for the rule).
+
+        grammar: a constrained request's matcher fork, where its drafts so far have taken
+        it. The logits are masked by it first, so the draft model proposes only tokens
+        the grammar allows (a draft model knows nothing of the grammar: unmasked, its
+        drafts would mostly be cut before verification); the chosen token advances it.
+        Once the grammar is complete, drafting goes on unmasked (those drafts are cut).
+        """
+        if grammar is not None and not grammar.is_finished:
+            allowed = allowed_tokens([grammar], logits.size(-1))[0]
+            logits = logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -torch.inf)
         if seq.params.greedy:
-            return int(logits.argmax())
-        q = sampling_probs(logits, seq.params)
-        probs.append(q)
-        return int(torch.multinomial(q, 1, generator=seq.generator))
+            token = int(logits.argmax())
+        else:
+            q = sampling_probs(logits, seq.params)
+            probs.append(q)
+            token = int(torch.multinomial(q, 1, generator=seq.generator))
+        if grammar is not None and not grammar.is_finished:
+            grammar.advance(token)
+        return token
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq, None)

@@ -7,6 +7,15 @@ from its row and handed to the request (`take_tokens`, so the request's stop rul
 stop strings and end-of-text apply to every token, and a grammar's matcher moves on
 accepted tokens only); the first disagreement ends the run.
 
+A request with structured output: its row j is masked by its grammar as it stands
+after the tokens taken at rows 0 .. j - 1 (each position masks after the previous one's
+`take_tokens` advanced the matcher), so every kept token is the one its constrained
+plain run would choose; a grammar completed inside the run ends the request there. The
+matcher never holds a rejected draft: only taken tokens advance it. Before the target
+spends a row on them, drafts are cut at the first token the grammar forbids
+(`within_grammar`): such a draft could only be rejected (a sampled draft keeps that
+token, for the accept rule's sake; see there).
+
 Greedy: the token is `sample_rows` on that row (the argmax, exactly as a plain decode
 step chooses it), and a draft is accepted when it is that token. After the first
 rejection the target's own token stands in its place; when all d agree, row d gives a
@@ -19,7 +28,9 @@ P(token = y) = q(y) min(1, p(y)/q(y)) + (1 - sum_x min(p(x), q(x))) * residual(y
              = min(p(y), q(y)) + max(0, p(y) - q(y)) = p(y):
 the target's distribution exactly, whatever the draft. A deterministic drafter (prompt
 lookup, a greedy draft) has q one-hot at its token: x is kept with probability p(x),
-and a rejection draws from p with x removed.
+and a rejection draws from p with x removed. Under a grammar p is the masked
+distribution (a forbidden draft has p(x) = 0: always rejected), so the output is
+distributed as the constrained plain run's.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from roseinfer.request.sampling import sample_rows, sampling_probs
+from roseinfer.request.sampling import apply_grammar_masks, sample_rows, sampling_probs
 from roseinfer.request.sequence import Sequence
 from roseinfer.request.token_step import TokenCallback, take_tokens
 
@@ -81,6 +92,7 @@ def verify_drafts(
             (token,) = sample_rows(logits[row : row + 1], [seq])
             agreed = token == drafted
         else:
+            apply_grammar_masks(logits[row : row + 1], [seq])  # (in place; unconstrained: none)
             p = sampling_probs(logits[row], seq.params)
             if drafted is None:  # the bonus position: the target's own draw
                 token, agreed = int(torch.multinomial(p, 1, generator=seq.generator)), False
@@ -91,6 +103,31 @@ def verify_drafts(
         if not agreed or seq.is_finished:
             return row + int(agreed)
     raise AssertionError("unreachable: the bonus position never agrees")
+
+
+def within_grammar(seq: Sequence, draft: Draft) -> Draft:
+    """`draft` cut at its first token that seq's grammar forbids from where seq's output
+    stands (or that comes after the grammar is complete); whole without a grammar.
+
+    Verifying a forbidden token is wasted work: its row's mask sets its logit to -inf,
+    so the target always rejects it, and everything drafted after it. The matcher looks
+    ahead and comes back (`GrammarMatcher.allowed_prefix`): it still holds the output.
+
+    A deterministic draft is cut before the forbidden token: the target's draw there is
+    then its own, from p, which is what rejecting it would draw (the residual of a
+    one-hot q at a token p gives no mass is p). A draft drawn from q keeps the forbidden
+    token and drops only what follows it: that the draw landed there is part of what the
+    accept rule's proof averages over, and the rule rejects it and draws from the
+    residual; dropping it would draw from p instead, biased towards where q is large.
+    """
+    if seq.matcher is None or not draft.tokens:
+        return draft
+    keep = seq.matcher.allowed_prefix(draft.tokens)
+    if draft.probs is not None:
+        keep += 1
+    if keep >= len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
 
 
 def one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
