@@ -15,9 +15,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("rosetrainer", "roseinfer", "rosecourse")
 CACHE_FOLDER = "roseinfer.cache"
-# The cached-loop build's reference solution is a static cache written as a learner
-# writes it: the course's answer, not one of rose's caches.
-LEARNERS_CACHE = "rosecourse.solutions.build_cached_loop"
+# The builds' reference solutions hold caches written as a learner writes them (the
+# cached loop's static cache, the verify step's cache that rolls back): the course's
+# answers, not rose's caches.
+LEARNERS_CACHES = {"rosecourse.solutions.build_cached_loop", "rosecourse.solutions.build_verify"}
 
 
 @cache
@@ -187,7 +188,7 @@ def test_every_kv_cache_and_pool_is_defined_in_the_cache_folder() -> None:
         for module, node in classes()
         if not in_cache_folder(module)
         and is_kv_cache_or_pool(node, cache_classes)
-        and module != LEARNERS_CACHE
+        and module not in LEARNERS_CACHES
     ]
     assert elsewhere == []
 
