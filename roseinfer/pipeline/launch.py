@@ -225,11 +225,15 @@ def run_pipeline(setup: PipelineSetup, program: StageProgram | list[PipelineJob]
         program = RunJobs(program)
     init_method = f"tcp://127.0.0.1:{free_port()}"  # stage 0 hosts the rendezvous there
     with tempfile.TemporaryDirectory(prefix="rose-pipeline-") as report_dir, signals_stop_the_run():
+        # Daemonic stages: if the launcher leaves by a path that skips the `finally` below
+        # (Ctrl-C while they are still being started), its exit terminates them instead of
+        # waiting for stages that ignore Ctrl-C and would generate on.
         context = mp.start_processes(
             _spawned_stage,
             args=(setup, program, init_method, report_dir, os.getpid()),
             nprocs=setup.n_stages,
             join=False,
+            daemon=True,
             start_method="spawn",
         )
         try:
