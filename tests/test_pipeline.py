@@ -279,13 +279,30 @@ def test_cli_split_over_three_processes_prints_the_oracle_tokens(
 
 
 @pytest.mark.slow
+def describe_processes(processes: list[psutil.Process]) -> str:
+    """Each process's pid, state and, per thread, the kernel function it waits in."""
+    lines = []
+    for process in processes:
+        try:
+            waits = [
+                Path(f"/proc/{process.pid}/task/{t.id}/wchan").read_text()
+                for t in process.threads()
+            ]
+            lines.append(f"{process.pid} {process.status()} {process.cmdline()[-2:]} {waits}")
+        except (psutil.Error, OSError) as err:
+            lines.append(f"{process.pid}: {err!r}")
+    return "\n".join(lines)
+
+
 def test_ctrl_c_stops_the_launcher_and_every_stage(
     gpt2_vocab_checkpoint: tuple[GPT, Path], no_stage_left: None
 ) -> None:
     _, path = gpt2_vocab_checkpoint
     # far past the context window: it runs until stopped
     flags = ["--pipeline-parallel-size", "2", "--max-new-tokens", "1000000", "--no-stop-at-eot"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: should the launcher hang, SIGABRT makes it print where each of
+    # its threads stands, and the failure below shows that
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     launcher = subprocess.Popen(
         cli(path, *flags, "--prompt", "ROMEO:"),
         stdout=subprocess.PIPE,
@@ -297,7 +314,13 @@ def test_ctrl_c_stops_the_launcher_and_every_stage(
         stages = psutil.Process(launcher.pid).children(recursive=True)
         assert len(stages) >= 2, stages
         launcher.send_signal(signal.SIGINT)
-        _, stderr = launcher.communicate(timeout=60)
+        try:
+            _, stderr = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            hung = describe_processes([psutil.Process(launcher.pid), *stages])
+            launcher.send_signal(signal.SIGABRT)
+            _, stderr = launcher.communicate(timeout=30)
+            pytest.fail(f"no exit 60 s after Ctrl-C: {hung}\n{stderr.decode()[-6000:]}")
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -47,6 +47,7 @@ from rosetrainer.runtime import DTYPES
 # A step that takes longer than this on one stage is a hang, not a slow step.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 STOP_GRACE_S = 1.5  # after terminate(), how long a stage may take before it is killed
+JOIN_POLL_S = 0.5  # how often the launcher, waiting on its stages, looks for a signal
 
 
 @dataclass
@@ -237,8 +238,11 @@ def run_pipeline(setup: PipelineSetup, program: StageProgram | list[PipelineJob]
             start_method="spawn",
         )
         try:
-            while not context.join(grace_period=STOP_GRACE_S):
-                pass  # a crashed stage raises here, after torch stopped the others
+            # A crashed stage raises here, after torch stopped the others. The timeout
+            # wakes this thread now and then: a signal the kernel hands to another of its
+            # threads only raises here once this thread runs Python again.
+            while not context.join(timeout=JOIN_POLL_S, grace_period=STOP_GRACE_S):
+                pass
         finally:
             stop_processes(context.processes)  # on Ctrl-C too: none is left running
         reports = [
