@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,18 @@ def tiktoken_cache(shared_dir: Path) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TIKTOKEN_CACHE_DIR", cache)
         yield cache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Tests press Ctrl-C on the programs they start (SIGINT), as a terminal does to a
+    foreground program. A shell without job control starts its `cmd &` with SIGINT
+    ignored, and an ignored signal stays ignored through fork and exec: pytest started
+    that way would hand every program it starts a deaf Ctrl-C, and each of those tests
+    would hang. So SIGINT is Python's default here, whatever the runner was given."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

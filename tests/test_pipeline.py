@@ -280,7 +280,8 @@ def test_cli_split_over_three_processes_prints_the_oracle_tokens(
 
 @pytest.mark.slow
 def describe_processes(processes: list[psutil.Process]) -> str:
-    """Each process's pid, state and, per thread, the kernel function it waits in."""
+    """Each process's pid, state, signal masks (pending, blocked, ignored, caught) and, per
+    thread, the kernel function it waits in."""
     lines = []
     for process in processes:
         try:
@@ -288,7 +289,11 @@ def describe_processes(processes: list[psutil.Process]) -> str:
                 Path(f"/proc/{process.pid}/task/{t.id}/wchan").read_text()
                 for t in process.threads()
             ]
-            lines.append(f"{process.pid} {process.status()} {process.cmdline()[-2:]} {waits}")
+            status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+            masks = [line for line in status if line.startswith(("SigPnd", "ShdPnd", "Sig"))]
+            lines.append(
+                f"{process.pid} {process.status()} {process.cmdline()[-2:]} {waits} {masks}"
+            )
         except (psutil.Error, OSError) as err:
             lines.append(f"{process.pid}: {err!r}")
     return "\n".join(lines)

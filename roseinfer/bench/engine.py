@@ -48,8 +48,11 @@ warm-up, without their startup; vLLM's startup is printed beside. It prints toke
 rose / vLLM, and how many requests got the same tokens from both; in float32, where a
 request's tokens part, the step and rose's margin there between its two best tokens
 (a near-tie, where two implementations' roundings may pick either, or a real difference).
+With --neighbour, each dtype runs again in both while a second process spins on the CPU
+at nice 19, and the table says what share of its idle speed each kept.
 
     python -m roseinfer.bench.engine --vllm
+    python -m roseinfer.bench.engine --vllm --neighbour
     python -m roseinfer.bench.engine --vllm --quick   # a tiny folder, a few requests
 """
 
@@ -57,11 +60,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         ".ci/vllm-venv makes; $ROSE_VLLM_PYTHON names its python)",
     )
     p.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="with --vllm: each dtype once more with a CPU loop at nice 19 running beside both, "
+        "and the share of its idle tokens/s each keeps",
+    )
+    p.add_argument(
         "--model-dir",
         default="checkpoints/hf-gpt2-random",
         help="--vllm's Hugging Face folder (made on first use, as bench.serving_compare makes "
@@ -164,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = pick_device(args.device)
     if args.vllm and args.device.type != "cpu":
         raise RoseError("--vllm compares with vLLM's CPU build: run it with --device cpu")
+    if args.neighbour and not args.vllm:
+        raise RoseError("--neighbour is a mode of --vllm: add --vllm")
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")
     seqs = args.floor_seqs or ("2,4" if args.quick else "32,64")
@@ -587,6 +602,11 @@ def beside_vllm(args: argparse.Namespace) -> int:
             f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}"
         )
         rows = {dtype: vllm_row(folder, requests, dtype, kv_cache_gib) for dtype in VLLM_DTYPES}
+        if args.neighbour:
+            with cpu_loop_beside():
+                loaded = {
+                    dtype: vllm_row(folder, requests, dtype, kv_cache_gib) for dtype in VLLM_DTYPES
+                }
     out_tokens = sum(n for _, n in requests)
     say()
     say(f"{'dtype':<10}{'rose s':>8}{'rose tok/s':>12}{'vLLM s':>8}{'vLLM tok/s':>12}"
@@ -601,7 +621,33 @@ def beside_vllm(args: argparse.Namespace) -> int:
     for dtype, (*_, partings) in rows.items():
         for line in partings:
             say(f"{dtype}: {line}")
+    if args.neighbour:
+        say()
+        say("with a CPU loop at nice 19 beside them (tokens/s, and the share of idle kept)")
+        say(f"{'dtype':<10}{'rose':>8}{'kept':>7}{'vLLM':>8}{'kept':>7}{'rose/vLLM':>11}")
+        for dtype, (rose_s, vllm_run, _) in loaded.items():
+            idle_rose_s, idle_vllm, _ = rows[dtype]
+            say(
+                f"{dtype:<10}{out_tokens / rose_s:>8.1f}{idle_rose_s / rose_s:>7.0%}"
+                f"{out_tokens / vllm_run.generate_s:>8.1f}"
+                f"{idle_vllm.generate_s / vllm_run.generate_s:>7.0%}"
+                f"{vllm_run.generate_s / rose_s:>10.2f}x"
+            )
     return 0
+
+
+@contextmanager
+def cpu_loop_beside() -> Iterator[None]:
+    """A second process spinning on the CPU at nice 19 while the block runs: a laptop's
+    browser, a server's log shipper."""
+    loop = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19)
+    )
+    try:
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
 
 
 def vllm_row(
