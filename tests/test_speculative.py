@@ -262,12 +262,16 @@ def test_stacked_caches_give_each_row_its_own_logits(target) -> None:
     assert lengths == [3, 20, 11]  # each row: its past and the token just fed, no padding
 
 
-def test_prompt_lookup_takes_the_longest_latest_match() -> None:
+def test_prompt_lookup_takes_the_longest_latest_match_with_k_tokens_after() -> None:
     tokens = [1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
     assert prompt_lookup(tokens, 3, 1, 3) == [4, 7, 1]  # "1 2" latest earlier at index 4
     assert prompt_lookup(tokens + [3], 2, 1, 3) == [9, 1]  # "1 2 3" beats the shorter ones
     assert prompt_lookup([1, 2, 3], 4, 1, 2) == []
-    assert prompt_lookup([5, 5, 5], 4, 1, 1) == [5]  # the match may overlap the tail
+    assert prompt_lookup([5, 5, 5], 4, 1, 1) == [5, 5]  # none has 4 after it: the most
+    # Text that repeats: the latest match overlaps the tail and leaves one token; the latest
+    # one with k tokens after it drafts all k
+    assert prompt_lookup([5] * 10, 4, 1, 2) == [5, 5, 5, 5]
+    assert prompt_lookup([1, 2, 3, 1, 2, 3, 1, 2], 3, 1, 2) == [3, 1, 2]
 
 
 # ---------------------------------------------------------------------------

@@ -67,14 +67,22 @@ class Drafter(Protocol):
 
 
 def prompt_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The up to k tokens that followed the latest earlier occurrence of tokens' last n
-    tokens, for the longest n in max_n .. min_n that occurs; [] when none does."""
+    """The up to k tokens that followed an earlier occurrence of tokens' last n tokens,
+    for the longest n in max_n .. min_n that occurs; [] when none does. The occurrence is
+    the latest one with k tokens after it, else the one with the most (the earliest)."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         tail = tokens[-n:]
-        # Latest first; a match must leave at least one token after it (and may overlap the tail).
+        longest: list[int] = []
+        # Latest first; a match must leave at least one token after it and may overlap the
+        # tail. In text that repeats (a line, a run of newlines) the latest match overlaps
+        # the tail and leaves a single token: an earlier one drafts all k.
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
+                longest = tokens[start + n : start + n + k]
+                if len(longest) == k:
+                    break
+        if longest:
+            return longest
     return []
 
 
