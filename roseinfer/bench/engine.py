@@ -49,10 +49,12 @@ rose / vLLM, and how many requests got the same tokens from both; in float32, wh
 request's tokens part, the step and rose's margin there between its two best tokens
 (a near-tie, where two implementations' roundings may pick either, or a real difference).
 With --neighbour, each dtype runs again in both while a second process spins on the CPU
-at nice 19, and the table says what share of its idle speed each kept.
+at nice 19, and the table says what share of its idle speed each kept. With --serving,
+rose-serve and `vllm serve` then take the same load (16 clients, 128 tokens each, float32;
+roseinfer.bench.serving_compare), so one run prints all three comparisons.
 
     python -m roseinfer.bench.engine --vllm
-    python -m roseinfer.bench.engine --vllm --neighbour
+    python -m roseinfer.bench.engine --vllm --neighbour --serving
     python -m roseinfer.bench.engine --vllm --quick   # a tiny folder, a few requests
 """
 
@@ -75,7 +77,7 @@ from pathlib import Path
 import torch
 
 from rosecourse.demo import first_divergence, top2_margins, wide_random_init
-from roseinfer.bench import vllm_venv
+from roseinfer.bench import serving_compare, vllm_venv
 from roseinfer.bench.decode import (
     cache_bytes,
     decode_flops,
@@ -164,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and the share of its idle tokens/s each keeps",
     )
     p.add_argument(
+        "--serving",
+        action="store_true",
+        help="with --vllm: then rose-serve and `vllm serve` on the same folder under one load "
+        "(16 clients, 128 tokens each; roseinfer.bench.serving_compare --servers rose,vllm)",
+    )
+    p.add_argument(
         "--model-dir",
         default="checkpoints/hf-gpt2-random",
         help="--vllm's Hugging Face folder (made on first use, as bench.serving_compare makes "
@@ -177,8 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = pick_device(args.device)
     if args.vllm and args.device.type != "cpu":
         raise RoseError("--vllm compares with vLLM's CPU build: run it with --device cpu")
-    if args.neighbour and not args.vllm:
-        raise RoseError("--neighbour is a mode of --vllm: add --vllm")
+    for flag in ("neighbour", "serving"):
+        if getattr(args, flag) and not args.vllm:
+            raise RoseError(f"--{flag} is a mode of --vllm: add --vllm")
     if args.requests is not None and args.requests < 1:
         raise RoseError(f"--requests must be >= 1, got {args.requests}")
     seqs = args.floor_seqs or ("2,4" if args.quick else "32,64")
@@ -608,11 +617,33 @@ def beside_vllm(args: argparse.Namespace) -> int:
             f"VLLM_CPU_KVCACHE_SPACE={kv_cache_gib}"
         )
         rows = {dtype: vllm_row(folder, requests, dtype, kv_cache_gib) for dtype in VLLM_DTYPES}
+        loaded = None
         if args.neighbour:
             with cpu_loop_beside():
                 loaded = {
                     dtype: vllm_row(folder, requests, dtype, kv_cache_gib) for dtype in VLLM_DTYPES
                 }
+        vllm_tables(requests, rows, loaded)
+        if args.serving:  # the quick folder's context is 64 tokens
+            lengths = ["--input-len", "16", "--output-len", "32"] if args.quick else []
+            served = serving_compare.build_parser().parse_args(
+                ["--servers", "rose,vllm", "--model-dir", str(folder), "--out-dir", tmp,
+                 "--request-rate", "inf", "--max-concurrency", "16", "--output-len", "128",
+                 "--num-prompts", "64", "--ignore-eos", "--quiet", *lengths]
+            )  # fmt: skip
+            say(f"\nserved: rose-serve and vllm serve, float32, 16 clients x "
+                f"{served.output_len} tokens")  # fmt: skip
+            serving_compare.run(served)
+    return 0
+
+
+VllmRow = tuple[float, vllm_venv.VllmRun, list[str]]
+
+
+def vllm_tables(
+    requests: list[Request], rows: dict[str, VllmRow], loaded: dict[str, VllmRow] | None
+) -> None:
+    """rose beside vLLM per dtype; with `loaded`, the same with a neighbour on the cores."""
     out_tokens = sum(n for _, n in requests)
     say()
     say(f"{'dtype':<10}{'rose s':>8}{'rose tok/s':>12}{'vLLM s':>8}{'vLLM tok/s':>12}"
@@ -627,19 +658,19 @@ def beside_vllm(args: argparse.Namespace) -> int:
     for dtype, (*_, partings) in rows.items():
         for line in partings:
             say(f"{dtype}: {line}")
-    if args.neighbour:
-        say()
-        say("with a CPU loop at nice 19 beside them (tokens/s, and the share of idle kept)")
-        say(f"{'dtype':<10}{'rose':>8}{'kept':>7}{'vLLM':>8}{'kept':>7}{'rose/vLLM':>11}")
-        for dtype, (rose_s, vllm_run, _) in loaded.items():
-            idle_rose_s, idle_vllm, _ = rows[dtype]
-            say(
-                f"{dtype:<10}{out_tokens / rose_s:>8.1f}{idle_rose_s / rose_s:>7.0%}"
-                f"{out_tokens / vllm_run.generate_s:>8.1f}"
-                f"{idle_vllm.generate_s / vllm_run.generate_s:>7.0%}"
-                f"{vllm_run.generate_s / rose_s:>10.2f}x"
-            )
-    return 0
+    if loaded is None:
+        return
+    say()
+    say("with a CPU loop at nice 19 beside them (tokens/s, and the share of idle kept)")
+    say(f"{'dtype':<10}{'rose':>8}{'kept':>7}{'vLLM':>8}{'kept':>7}{'rose/vLLM':>11}")
+    for dtype, (rose_s, vllm_run, _) in loaded.items():
+        idle_rose_s, idle_vllm, _ = rows[dtype]
+        say(
+            f"{dtype:<10}{out_tokens / rose_s:>8.1f}{idle_rose_s / rose_s:>7.0%}"
+            f"{out_tokens / vllm_run.generate_s:>8.1f}"
+            f"{idle_vllm.generate_s / vllm_run.generate_s:>7.0%}"
+            f"{vllm_run.generate_s / rose_s:>10.2f}x"
+        )
 
 
 @contextmanager
@@ -656,9 +687,7 @@ def cpu_loop_beside() -> Iterator[None]:
         loop.wait()
 
 
-def vllm_row(
-    folder: Path, requests: list[Request], dtype: str, kv_cache_gib: int
-) -> tuple[float, vllm_venv.VllmRun, list[str]]:
+def vllm_row(folder: Path, requests: list[Request], dtype: str, kv_cache_gib: int) -> VllmRow:
     """One dtype: rose's engine (warmed up, timed) then vLLM on the same requests. Returns
     rose's seconds, vLLM's run, and a line per request whose tokens part (in float32 with
     rose's top-2 margin where they do)."""
