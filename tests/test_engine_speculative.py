@@ -264,3 +264,28 @@ def test_bad_speculative_settings(model, tokenizer) -> None:
         LLMEngine(model, tokenizer, None, NgramDrafter(), 0)
     with pytest.raises(RoseError, match="a drafter and num_speculative_tokens"):
         LLMEngine(model, tokenizer, None, NgramDrafter())
+
+
+def test_every_decoding_sequence_drafts_in_the_same_step(model, tokenizer) -> None:
+    """A sequence's room for drafts is at most k: the first decoding sequence must not
+    take the step's whole token budget (and the pool's spare blocks) for drafts it can
+    never carry, which left the others out of the step and ran them one at a time."""
+    k, batch = 4, 4
+    drafter = NgramDrafter(1, 3)
+    asked: list[list[int]] = []
+    propose = drafter.propose
+
+    def spy(seqs, ks):
+        asked.append(list(ks))
+        return propose(seqs, ks)
+
+    drafter.propose = spy
+    engine = engine_for(model, tokenizer, drafter, k, max_num_batched_tokens=256)
+    rng = random.Random(0)
+    for _ in range(batch):
+        line = [rng.randrange(512) for _ in range(5)]
+        engine.add_request(line * 3, SamplingParams(max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert asked and all(0 < n <= k for ks in asked for n in ks), asked
+    assert max(len(ks) for ks in asked) == batch, asked  # all four drafted at once

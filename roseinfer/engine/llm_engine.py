@@ -102,7 +102,7 @@ class LLMEngine:
             model.config.attention_sinks,
         )
         propose = self._propose if drafter is not None else None
-        self.scheduler = Scheduler(config, self.block_manager, propose)
+        self.scheduler = Scheduler(config, self.block_manager, propose, num_speculative_tokens or 0)
         self.runner = ModelRunner(
             model,
             self.pool,

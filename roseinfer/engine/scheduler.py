@@ -58,11 +58,15 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         propose: Callable[[list[EngineSequence], list[int]], list[int]] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         # propose(seqs, rooms): set each seq's draft_ids, at most its room; return how many.
         self.propose = propose
+        # The most drafts one sequence carries: its room never exceeds it, so the budget and
+        # the pool a step reserves for drafts are shared by every decoding sequence.
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[EngineSequence] = deque()
         self.running: list[EngineSequence] = []  # oldest first
         self.arrival_order: dict[EngineSequence, int] = {}
@@ -127,9 +131,9 @@ class Scheduler:
 
     def _draft_room(self, seq: EngineSequence, num_new: int, budget: int, index: int) -> int:
         """How many drafted tokens running[index] may carry into this step (0 unless it
-        decodes and a drafter is set): the budget left after its own token, and the slots
-        its blocks and the spare ones hold, spare being what no later running sequence
-        needs for all of its tokens."""
+        decodes and a drafter is set): at most num_speculative_tokens, the budget left
+        after its own token, and the slots its blocks and the spare ones hold, spare being
+        what no later running sequence needs for all of its tokens."""
         decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
         if self.propose is None or not decoding:
             return 0
@@ -140,7 +144,7 @@ class Scheduler:
             for other in self.running[index + 1 :]
         )
         slots = (len(seq.block_table) + max(0, manager.num_available - later)) * size
-        return max(0, min(budget - 1, slots - seq.num_tokens))
+        return max(0, min(self.num_speculative_tokens, budget - 1, slots - seq.num_tokens))
 
     def _fill_drafts(self, batch: ScheduledBatch, rooms: dict[int, int]) -> int:
         """Ask the drafter once for every sequence with room; give back (to the pool, and
