@@ -8,8 +8,8 @@ tokens a verify step makes. Three kinds:
 
 * `NgramDrafter` (prompt lookup): the request's last n tokens (n from max_n down to
   min_n) looked up earlier in its prompt and output; the tokens that followed the
-  latest match are the draft. No model at all: it shines where the output copies its
-  input (editing, summarising, code).
+  latest match with k tokens after it are the draft. No model at all: it shines where
+  the output copies its input (editing, summarising, code).
 * `ModelDrafter` with a separate, smaller model sharing the target's tokenizer: it
   keeps its own KV cache per request, synced to the request's tokens by their common
   prefix (what the target rejected is rolled back with `truncate`), then decodes k
