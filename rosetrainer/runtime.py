@@ -85,6 +85,9 @@ def setup_device(device: str = "auto", dtype: str = "float32") -> Runtime:
     torch_device = pick_device(device)
     if torch_device.type == "cuda" and world_size > 1:
         torch_device = torch.device("cuda", local_rank)  # one GPU per process
+    elif torch_device.type == "cuda" and torch_device.index is None:
+        # "cuda" alone is the current GPU: set_device wants its number
+        torch_device = torch.device("cuda", torch.cuda.current_device())
     torch_dtype = pick_dtype(dtype, torch_device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from training import tiny_run, train_losses
 
+from rosetrainer import runtime
 from rosetrainer.checkpoint import load_checkpoint
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.errors import RoseError
@@ -227,6 +228,22 @@ def test_bad_input_is_one_clear_line_and_exit_2(
 def test_asking_for_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
     assert main(["--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_device_cuda_alone_sets_the_current_gpu_by_its_number(monkeypatch) -> None:
+    """torch.cuda.set_device takes a GPU's number, and "cuda" has none: torch 2.11 on an
+    H100 raised ValueError for every training run given --device cuda. (CUDA faked: the
+    check is what set_device is handed; the real run is reported in the issue's note.)"""
+    handed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", handed.append)
+    # (TF32 matmuls are set for CUDA runs: not in this process, whose CPU tests follow)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)
+    rt = runtime.setup_device("cuda", "float32")
+    assert handed == [torch.device("cuda", 0)] and rt.device == torch.device("cuda", 0)
+    assert runtime.setup_device("cuda:1", "float32").device == torch.device("cuda", 1)
+    assert handed[-1] == torch.device("cuda", 1)
 
 
 @pytest.mark.slow
