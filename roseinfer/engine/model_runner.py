@@ -147,7 +147,8 @@ class ModelRunner:
         if layout == "padded":
             idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
             out = self.model(idx, cache=cache, last_only=True, validate=False)
-            logits = out.logits[done, -1, :]
+            # (every row samples, as in most decode steps: a view, not a copy of the logits)
+            logits = out.logits[:, -1] if len(done) == len(seqs) else out.logits[done, -1]
             if slotted:
                 self.slots.advance()
         else:
