@@ -367,12 +367,16 @@ class PagedKVCache:
             )  # fmt: skip
             return positions[None, :], mask[None, None, :, :]
         # Padded: row i reads all of its blocks; key j of a row stands at position j.
-        key_pos = torch.arange(self.tables.size(1) * self.kv_block_size, device=device)
+        key_pos = torch.arange(self.key_width(), device=device)
         rows = torch.arange(num_seqs, device=device)
         mask = paged_causal_mask(
             rows[:, None], positions[:, None], rows[:, None], key_pos[None, :], window, sinks
         )
         return positions[:, None], mask[:, None, None, :]
+
+    def key_width(self) -> int:
+        """The keys each row of the padded layout reads: its blocks, padded to the longest table."""
+        return self.tables.size(1) * self.kv_block_size
 
     def _keys_read(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(sequence, position) of every key the new tokens may read, one sequence after

@@ -10,12 +10,21 @@ of shape (rows, n_head, capacity, head_dim): row r holds one decoding sequence's
 positions 0 .. held - 1. A step writes each sequence's one new key at its position and
 attention reads rows 0 .. n - 1 as a view: no gather, nothing allocated per layer.
 
-The values are stored transposed, (rows, n_head, head_dim, capacity), and handed to
-attention as a transposed view. Attention's last product, the softmax weights times
-the values, is then one matrix-vector product per sequence and head with the matrix's
-rows contiguous, the form CPU BLAS runs near memory speed; over values laid out like
-the keys it runs as many one-row products, 2.2x slower at 32 GPT-2 sequences
-(`one_query_attention` in rosetrainer/model.py picks the form from the layout).
+Attention reads each row whole, all of its capacity (positions past a sequence's
+length are zeros, and the mask hides them): rows 0 .. n - 1 are then one contiguous
+block, which the batched products read in place. A view cut to the step's width is
+not: its rows are strided, and in bfloat16 oneDNN's batched product copies every
+layer's slice before it multiplies (3x slower at 32 GPT-2 sequences). So the capacity
+is kept close to the longest context (see `tight`).
+
+In float32 the values are stored transposed, (rows, n_head, head_dim, capacity), and
+handed to attention as a transposed view: the softmax weights times the values is then
+one matrix-vector product per sequence and head with the matrix's rows contiguous, the
+form CPU BLAS runs near memory speed (over values laid out like the keys it runs as
+many one-row products, 2.2x slower at 32 GPT-2 sequences). In bfloat16 the values are
+laid out like the keys, the form oneDNN's bfloat16 product is fastest on (1.5x the
+transposed one). `one_query_attention` in rosetrainer/model.py picks the form from the
+layout.
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a
@@ -25,9 +34,9 @@ so the rows in use stay 0 .. n - 1, and the batch's row i is buffer row i).
 The price is memory: the rows hold a second copy of the decoding sequences' keys and
 values, padded to the longest of them. So the buffers are sized to the step, not to
 the model's whole window times every sequence: capacity in steps of CAPACITY_STEP
-tokens, rows in steps of ROW_STEP and at least doubled when they grow (a batch that
-ramps up to 64 sequences copies its rows a few times, not eight), reallocated when a
-step needs more and cut when they hold over three times what it needs. Only the rows
+tokens, within two steps of the longest context; rows in steps of ROW_STEP and at
+least doubled when they grow (a batch that ramps up to 64 sequences copies its rows a
+few times, not eight), cut when they hold over three times what the step needs. Only the rows
 in use are written, so rows allocated ahead take no memory from the OS until a
 sequence fills one. `nbytes` is what they hold allocated; the engine reports it
 beside the pool's, and keeps it under a budget (`fits`).
@@ -67,7 +76,9 @@ class DecodeSlots:
         # A full context, in whole blocks (a windowed model's rows never hold more).
         self.max_capacity = -(-config.block_size // bs) * bs
         self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.k, self.v = self._new_buffers(0, 0)  # per layer; the values stored transposed
+        # the values' layout for attention's last product (see the module's docstring)
+        self.values_transposed = pool.k[0].dtype == torch.float32
+        self.k, self.v = self._new_buffers(0, 0)  # per layer
         self.owners: list[DecodingSequence] = []  # row r's sequence
         self.held: list[int] = []  # how many of its tokens row r holds
 
@@ -105,18 +116,26 @@ class DecodeSlots:
         self.owners, self.held = [], []
         self.k, self.v = self._new_buffers(0, 0)
 
+    @property
+    def capacity(self) -> int:
+        """The tokens a row holds room for: every row's keys as attention reads them."""
+        return self.k[0].size(2)
+
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, width: int
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> LayerPast:
         """Write the new key and value of rows 0 .. n - 1 ((n, n_head, 1, head_dim), in row
-        order) at their positions; return the rows' first `width` keys and values (views)."""
+        order) at their positions; return the rows' keys and values, whole (views of shape
+        (n, n_head, capacity, head_dim))."""
         n = k.size(0)
         rows = torch.arange(n, device=k.device)
         self.k[layer][rows, :, positions] = k[:, :, 0]
+        if not self.values_transposed:
+            self.v[layer][rows, :, positions] = v[:, :, 0]
+            return self.k[layer][:n], self.v[layer][:n]
         # (written in the stored layout: through the transposed view it takes longer)
         self.v[layer][rows, :, :, positions] = v[:, :, 0]
-        # the values as (n, n_head, width, head_dim), like the keys: a transposed view
-        return self.k[layer][:n, :, :width], self.v[layer][:n, ..., :width].transpose(-2, -1)
+        return self.k[layer][:n], self.v[layer][:n].transpose(-2, -1)
 
     def advance(self) -> None:
         """After a decode step: every row holds one more token."""
@@ -157,20 +176,23 @@ class DecodeSlots:
         self, rows: int, capacity: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Unwritten buffers for `rows` rows of `capacity` tokens, one per layer: keys
-        (rows, n_head, capacity, head_dim), values (rows, n_head, head_dim, capacity)."""
+        (rows, n_head, capacity, head_dim), values the same or, stored transposed,
+        (rows, n_head, head_dim, capacity)."""
         pool_layer = self.pool.k[0]
-        keys = [
-            pool_layer.new_empty(rows, self.n_head, capacity, self.head_dim) for _ in self.pool.k
-        ]
-        values = [
-            pool_layer.new_empty(rows, self.n_head, self.head_dim, capacity) for _ in self.pool.v
-        ]
+        by_token = (rows, self.n_head, capacity, self.head_dim)
+        keys = [pool_layer.new_empty(by_token) for _ in self.pool.k]
+        stored = (
+            (rows, self.n_head, self.head_dim, capacity) if self.values_transposed else by_token
+        )
+        values = [pool_layer.new_empty(stored) for _ in self.pool.v]
         return keys, values
 
     def _by_token(self) -> list[torch.Tensor]:
         """Every layer's key buffer, then every layer's value buffer, each seen as (rows,
-        n_head, capacity, head_dim) (the values through a transposed view): what writes
-        and copies index, whatever the layout."""
+        n_head, capacity, head_dim) (values stored transposed through a transposed view):
+        what writes and copies index, whatever the layout."""
+        if not self.values_transposed:
+            return self.k + self.v
         return self.k + [values.transpose(-2, -1) for values in self.v]
 
     def _dims(self, rows: int, width: int, grow: bool) -> tuple[int, int]:
@@ -179,7 +201,7 @@ class DecodeSlots:
         old_rows, _, old_capacity, _ = self.k[0].shape
         return (
             fitted(old_rows, rows, self.row_step, self.max_rows, double=grow),
-            fitted(old_capacity, width, self.capacity_step, self.max_capacity, double=False),
+            tight(old_capacity, width, self.capacity_step, self.max_capacity),
         )
 
     def _bytes(self, rows: int, capacity: int) -> int:
@@ -213,6 +235,16 @@ def fitted(size: int, needed: int, step: int, most: int, double: bool) -> int:
     return max(needed, min(most, -(-target // step) * step))
 
 
+def tight(size: int, needed: int, step: int, most: int) -> int:
+    """A row's capacity for a longest context of `needed` tokens: kept while it holds
+    the need with less than two `step`s to spare (attention reads all of it), else the
+    need in multiples of `step` (at most `most`, unless more is needed). The spare step
+    keeps a context that ends just past a multiple from reallocating back and forth."""
+    if needed <= size < needed + 2 * step:
+        return size
+    return max(needed, min(most, -(-needed // step) * step))
+
+
 class SlotKVCache(PagedKVCache):
     """The paged cache's padded layout (one decoding sequence per row, the same positions,
     slots and mask), its sequences given in row order of `slots`: new keys and values go
@@ -229,7 +261,10 @@ class SlotKVCache(PagedKVCache):
         self.slots = slots
         self.positions = self.num_computed.to(slots.pool.device)
 
+    def key_width(self) -> int:
+        # each row's keys as the slots hold them: its whole capacity (see update)
+        return self.slots.capacity
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
         self.write(layer, k, v)
-        width = self.tables.size(1) * self.kv_block_size  # the mask's keys (see prepare)
-        return self.slots.update(layer, k, v, self.positions, width)
+        return self.slots.update(layer, k, v, self.positions)
