@@ -324,19 +324,28 @@ def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
                 assert abs(a.logprob - b.logprob) < 1e-4
 
 
-def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -> None:
+@pytest.mark.parametrize("transposed", [True, False], ids=["values-transposed", "values-as-keys"])
+def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer, transposed) -> None:
     """The fast path's rows are the pool's keys and values, copied in order: after every
     step, row r holds exactly what row r's sequence's blocks hold, in every layer; rows
-    follow the sequences that decode, and nothing else is allocated on the way."""
+    follow the sequences that decode, and nothing else is allocated on the way; every
+    request gets its solo tokens. Both layouts of the values (float32 stores them
+    transposed, bfloat16 like the keys), each here in float32, where tokens are exact."""
     rng = random.Random(3)
-    engine = engine_for(model, tokenizer, num_kv_blocks=80, max_num_seqs=4)
+    layout = (torch.float32,) if transposed else ()
+    with mock.patch.object(slots_module, "TRANSPOSED_VALUES", layout):
+        engine = engine_for(model, tokenizer, num_kv_blocks=80, max_num_seqs=4)
     slots = engine.runner.slots
+    assert slots.values_transposed == transposed
+    requests = {}
     for length in (9, 3, 17, 5, 12):
         prompt = [rng.randrange(512) for _ in range(length)]
-        engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(2, 14)))
+        params = SamplingParams(max_tokens=rng.randrange(2, 14))
+        requests[engine.add_request(prompt, params)] = (prompt, params)
     most_rows = 0
+    finished = {}
     while engine.has_unfinished():
-        engine.step()
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
         decoding = [seq for seq in engine.last_batch.seqs if seq in slots.owners]
         most_rows = max(most_rows, len(slots.owners))
         assert len(decoding) == len(slots.owners)
@@ -354,6 +363,8 @@ def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer) -
     assert most_rows > 1
     assert slots.k[0].size(0) <= 4  # never more rows than running sequences
     assert slots.nbytes == 0 and not slots.owners  # no request left: every row given back
+    for request_id, (prompt, params) in requests.items():
+        assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)
 
 
 def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> None:

@@ -54,6 +54,8 @@ from rosetrainer.model import LayerPast
 
 ROW_STEP = 8  # rows are allocated in multiples of this
 CAPACITY_STEP = 64  # token capacity in multiples of this (and of kv_block_size)
+# The dtypes whose values are stored transposed (see the module's docstring).
+TRANSPOSED_VALUES = (torch.float32,)
 
 
 class DecodingSequence(Protocol):
@@ -77,7 +79,7 @@ class DecodeSlots:
         self.max_capacity = -(-config.block_size // bs) * bs
         self.n_head, self.head_dim = config.n_head, config.head_dim
         # the values' layout for attention's last product (see the module's docstring)
-        self.values_transposed = pool.k[0].dtype == torch.float32
+        self.values_transposed = pool.k[0].dtype in TRANSPOSED_VALUES
         self.k, self.v = self._new_buffers(0, 0)  # per layer
         self.owners: list[DecodingSequence] = []  # row r's sequence
         self.held: list[int] = []  # how many of its tokens row r holds
