@@ -36,9 +36,9 @@ values, padded to the longest of them. So the buffers are sized to the step, not
 the model's whole window times every sequence: capacity in steps of CAPACITY_STEP
 tokens, within two steps of the longest context; rows in steps of ROW_STEP and at
 least doubled when they grow (a batch that ramps up to 64 sequences copies its rows a
-few times, not eight), cut when they hold over three times what the step needs. Only the rows
-in use are written, so rows allocated ahead take no memory from the OS until a
-sequence fills one. `nbytes` is what they hold allocated; the engine reports it
+few times, not eight), cut when they hold over three times what the step needs. Only
+the rows in use are written, so rows allocated ahead take no memory from the OS until
+a sequence fills one. `nbytes` is what they hold allocated; the engine reports it
 beside the pool's, and keeps it under a budget (`fits`).
 """
 

@@ -16,10 +16,10 @@ copied), and beside each linear weight its packed copy (so about one more copy o
 the weights in memory). The MLP's GELU goes into the product before it, which oneDNN
 applies to each tile of the output while it is still in cache: a separate GELU reads
 and writes the whole (tokens, 4 * n_embd) activation once more (fused, that layer took
-22-38% less time on the build machine, float32 and bfloat16, 32 or 500 rows). The sums run in another order than the plain product's, so
-logits differ in their last bits (within the oracle's tolerance,
-rosetrainer.numerics); the tests compare the engine's tokens and logits with the
-uncached oracle with and without packing.
+22-38% less time on the build machine, float32 and bfloat16, 32 or 500 rows). The sums
+run in another order than the plain product's, so logits differ in their last bits
+(within the oracle's tolerance, rosetrainer.numerics); the tests compare the engine's
+tokens and logits with the uncached oracle with and without packing.
 """
 
 from __future__ import annotations
@@ -68,13 +68,16 @@ def packed_linears(model: GPT, rows: int) -> GPT:
     MLP's GELU done by the product before it; every other module (and parameter) shared
     with `model`, which is left as it was."""
 
-    def rebuilt(module: nn.Module) -> nn.Module:
+    def rebuilt(module: nn.Module, gelu: nn.GELU | None = None) -> nn.Module:
         if isinstance(module, nn.Linear):
-            return PackedLinear(module, rows)
+            return PackedLinear(module, rows, gelu)
         clone = copy.copy(module)  # shares parameters and buffers; children are rebuilt
-        clone._modules = {name: rebuilt(child) for name, child in module._modules.items()}
-        if isinstance(module, MLP) and isinstance(module.gelu, nn.GELU):
-            clone.c_fc = PackedLinear(module.c_fc, rows, gelu=module.gelu)
+        fused = isinstance(module, MLP) and isinstance(module.gelu, nn.GELU)
+        clone._modules = {
+            name: rebuilt(child, module.gelu if fused and name == "c_fc" else None)
+            for name, child in module._modules.items()
+        }
+        if fused:
             clone.gelu = nn.Identity()  # (MLP.forward still calls it: now it passes through)
         return clone
 
