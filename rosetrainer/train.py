@@ -22,6 +22,7 @@ import torch
 from rosetrainer.checkpoint import RunFiles, load_checkpoint
 from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.runtime import exit_torchrun_worker, is_torchrun_worker
 from rosetrainer.trainer import train
 
 PROG = "rosetrainer.train"
@@ -185,8 +186,12 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: parse, resolve the configs, train. Returns the exit code."""
-    return run_cli(lambda: _main(argv), PROG)
+    """The command line: parse, resolve the configs, train. Returns the exit code (a
+    torchrun worker exits with it instead: `runtime.exit_torchrun_worker` says why)."""
+    code = run_cli(lambda: _main(argv), PROG)
+    if is_torchrun_worker():
+        exit_torchrun_worker(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
