@@ -10,10 +10,15 @@ order, so a logical block number used as a physical one cannot pass by luck.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -25,6 +30,7 @@ import roseinfer
 from roseinfer.cache import paged as paged_cache
 from roseinfer.cache import slots as slots_module
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine
+from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
 from roseinfer.engine.packed import PackedLinear
@@ -466,6 +472,66 @@ def test_packed_weights_are_a_view_of_the_model_with_the_oracle_tokens(model, to
         assert with_packing.token_ids == without.token_ids == solo(model, tokenizer, prompt, params)
         for a, b in zip(with_packing.logprobs, without.logprobs, strict=True):
             assert abs(a.logprob - b.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("has_bf16_kernels", [True, False])
+def test_bfloat16_packs_only_where_the_processor_can(
+    model, tokenizer, has_bf16_kernels, monkeypatch, caplog
+) -> None:
+    """oneDNN's bfloat16 reorder raises on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2-only EPYC): packing is chosen by what the processor can do, and without it a
+    bfloat16 engine runs on the weights as stored, saying so in one line. The processor's
+    answer is faked both ways here; the real AVX2 path runs in the next test."""
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    monkeypatch.setattr(packed_module, "bfloat16_packing_supported", lambda: has_bf16_kernels)
+    monkeypatch.setattr(packed_module, "_said", set())
+    # On a CPU whose oneDNN truly lacks the kernels, a reorder must never be tried: it raises.
+    if not has_bf16_kernels:
+        monkeypatch.setattr(
+            packed_module.torch.ops.mkldnn,
+            "_reorder_linear_weight",
+            mock.Mock(side_effect=RuntimeError("bf16 path needs the cpu support")),
+        )
+    elif not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU cannot run oneDNN's bfloat16 kernels; the decision is tested below")
+    with caplog.at_level("WARNING", logger=packed_module.__name__):
+        engine = engine_for(bf16, tokenizer, num_kv_blocks=40, pack_weights=True)
+        engine_for(bf16, tokenizer, num_kv_blocks=40, pack_weights=True)  # said once only
+    assert isinstance(engine.runner.model.lm_head, PackedLinear) == has_bf16_kernels
+    notes = [r.getMessage() for r in caplog.records if r.name == packed_module.__name__]
+    assert notes == ([] if has_bf16_kernels else [notes[0]])
+    assert has_bf16_kernels or "bfloat16 weights not packed" in notes[0]
+    # float32 packs either way: only bfloat16 needs the instructions
+    assert packed_module.can_pack(model)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=4)) for p in ([1, 2, 3], [4, 5])]
+    finished = run_to_end(engine)
+    assert all(len(finished[i].token_ids) == 4 for i in ids)
+
+
+@pytest.mark.slow
+def test_bfloat16_runs_where_onednn_is_capped_at_avx2(tmp_path) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN see what an AVX2-only CPU gives it (its
+    bfloat16 reorder then raises, as on a Zen 3): a bfloat16 LLM still starts and generates,
+    and says once that its weights are not packed."""
+    script = (
+        "import torch\n"
+        "from models import make_test_model\n"
+        "from roseinfer.engine import LLM\n"
+        "from roseinfer.request.sampling import SamplingParams\n"
+        "from rosetrainer.tokenizer import Tokenizer\n"
+        "assert not torch.ops.mkldnn._is_mkldnn_bf16_supported()\n"
+        "model = make_test_model(0, block_size=64).to(torch.bfloat16)\n"
+        "llm = LLM.from_model(model, Tokenizer('gpt2'), pack_weights=True)\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), use_tqdm=False)\n"
+        "print(len(out[0].token_ids))\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "5"
+    assert done.stderr.count("bfloat16 weights not packed") == 1, done.stderr
 
 
 # ---------------------------------------------------------------------------

@@ -25,21 +25,49 @@ tokens and logits with the uncached oracle with and without packing.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
 
 from rosetrainer.model import GPT, MLP
 
+logger = logging.getLogger(__name__)
+
+
+def bfloat16_packing_supported() -> bool:
+    """oneDNN lays out and multiplies bfloat16 weights only on a processor with bfloat16
+    conversion instructions (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT); elsewhere, an AVX2-only
+    CPU for one, the reorder raises. PyTorch asks the processor (and honours
+    ONEDNN_MAX_CPU_ISA, which caps what oneDNN may use)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
 
 def can_pack(model: nn.Module) -> bool:
-    """oneDNN packing applies: a CPU model in float32 or bfloat16, PyTorch built with oneDNN."""
+    """oneDNN packing applies: a CPU model in float32, or in bfloat16 on a processor whose
+    oneDNN has bfloat16 kernels, PyTorch built with oneDNN. A bfloat16 model on any other
+    CPU keeps its weights as stored (PyTorch's default product), and says so once."""
     weight = next(model.parameters())
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16 and not bfloat16_packing_supported():
+        _say_once(
+            "bfloat16 weights not packed: this CPU lacks oneDNN's bfloat16 instructions "
+            "(AVX-512 BW/VL/DQ or AVX-NE-CONVERT), so products use PyTorch's default kernel"
+        )
+        return False
+    return weight.dtype in (torch.float32, torch.bfloat16)
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """One line on stderr through logging, the first time only (every engine, CLI run and
+    benchmark asks can_pack; a user needs to read the choice once)."""
+    if message not in _said:
+        _said.add(message)
+        logger.warning(message)
 
 
 class PackedLinear(nn.Module):
