@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from rosecourse.solutions import build_cached_loop as reference_cached_loop
+
 MUTANTS: dict[str, list[Callable]] = {}
 ALTERNATIVES: dict[str, list[Callable]] = {}
 
@@ -1192,3 +1194,241 @@ def choice_mask_on_latin_1_text(vocab, choices, prefix, eot_id):
     allowed = [any(c.startswith(text + t.decode("latin-1")) for c in wanted) for t in vocab]
     allowed[eot_id] = text in wanted
     return torch.tensor(allowed)
+
+
+# == The builds: wrong answers written as code ===============================================
+#
+# Each is the build's reference solution (rosecourse/solutions/build_NAME.py) with one
+# class or function replaced by the code below. A replacing function runs with the
+# learner module's globals (so it builds the StaticCache the check swaps in), a replacing
+# class may subclass the reference's. tests/test_builds.py asserts that each fails a part
+# of its build, and that each alternative passes every part.
+
+BUILD_MUTANTS: dict[str, list[tuple[str, dict[str, object]]]] = {}
+BUILD_ALTERNATIVES: dict[str, list[tuple[str, dict[str, object]]]] = {}
+
+
+def build_mutant(build: str, replaces: str, name: str | None = None) -> Callable:
+    """Register the decorated function or class as a wrong answer: the reference with
+    `replaces` swapped for it."""
+
+    def register(obj: Callable) -> Callable:
+        BUILD_MUTANTS.setdefault(build, []).append((name or obj.__name__, {replaces: obj}))
+        return obj
+
+    return register
+
+
+def build_alternative(build: str, replaces: str, name: str | None = None) -> Callable:
+    """Register the decorated function or class as an answer that meets the contract."""
+
+    def register(obj: Callable) -> Callable:
+        BUILD_ALTERNATIVES.setdefault(build, []).append((name or obj.__name__, {replaces: obj}))
+        return obj
+
+    return register
+
+
+# -- build cached_loop: StaticLayer, StaticCache, generate_cached ---------------------------
+# These functions run with the learner module's globals: StaticCache is whatever the
+# module holds under that name (rose's own static cache while the loop is checked).
+
+END_OF_TEXT = 50256  # GPT-2's <|endoftext|>
+
+
+def _padded(prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    longest = max(map(len, prompts))
+    pads = [longest - len(p) for p in prompts]
+    return torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)]), pads
+
+
+@build_mutant("cached_loop", "generate_cached")
+def loop_without_a_cache(model, prompts, max_new_tokens, prefill_chunk=None):
+    # The whole sequence through the model every step, one prompt at a time: right tokens,
+    # and no cache at all.
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+@build_mutant("cached_loop", "generate_cached")
+def one_prompt_at_a_time(model, prompts, max_new_tokens, prefill_chunk=None):
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            cache = StaticCache(model, 1, len(prompt) + max_new_tokens)  # noqa: F821
+            ids = torch.tensor([prompt])
+            chunk = prefill_chunk or len(prompt)
+            for start in range(0, len(prompt), chunk):
+                logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+            tokens = []
+            for _ in range(max_new_tokens):
+                tokens.append(int(logits.argmax()))
+                logits = model(torch.tensor([[tokens[-1]]]), cache=cache).logits[:, -1]
+            out.append(tokens)
+    return out
+
+
+def _cached_loop(model, prompts, max_new_tokens, chunks, stop=None):
+    """The reference's loop with the prefill split as `chunks(longest)` says and an
+    optional stop(new_tokens) -> bool checked after every step."""
+    ids, pads = _padded(prompts)
+    longest = ids.size(1)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)  # noqa: F821
+    with torch.no_grad():
+        start = 0
+        for size in chunks(longest):
+            logits = model(ids[:, start : start + size], cache=cache).logits[:, -1]
+            start += size
+        new_tokens = [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            next_ids = logits.argmax(dim=-1)
+            for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+                row.append(token)
+            if stop is not None and stop(new_tokens):
+                break
+            if step + 1 < max_new_tokens:
+                logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
+@build_mutant("cached_loop", "generate_cached")
+def prefill_ignores_the_chunk(model, prompts, max_new_tokens, prefill_chunk=None):
+    return _cached_loop(model, prompts, max_new_tokens, lambda n: [n])
+
+
+@build_mutant("cached_loop", "generate_cached")
+def stops_at_end_of_text(model, prompts, max_new_tokens, prefill_chunk=None):
+    def chunks(n):
+        size = prefill_chunk or n
+        return [min(size, n - s) for s in range(0, n, size)]
+
+    return _cached_loop(
+        model, prompts, max_new_tokens, chunks, lambda rows: END_OF_TEXT in rows[0][-1:]
+    )
+
+
+@build_mutant("cached_loop", "generate_cached")
+def prefill_leaves_the_last_token(model, prompts, max_new_tokens, prefill_chunk=None):
+    # All but the last prompt token in one call, the last fed as a first decode step.
+    return _cached_loop(model, prompts, max_new_tokens, lambda n: [n - 1, 1])
+
+
+@build_mutant("cached_loop", "generate_cached")
+def a_fresh_cache_every_step(model, prompts, max_new_tokens, prefill_chunk=None):
+    # A cache, but rebuilt and refilled with the whole sequence every step.
+    ids, pads = _padded(prompts)
+    new_tokens = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            cache = StaticCache(model, len(prompts), ids.size(1), pads)  # noqa: F821
+            next_ids = model(ids, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            new_tokens.append(next_ids)
+            ids = torch.cat([ids, next_ids], dim=1)
+    return torch.cat(new_tokens, dim=1).tolist()
+
+
+@build_mutant("cached_loop", "generate_cached")
+def cache_for_the_prefill_alone(model, prompts, max_new_tokens, prefill_chunk=None):
+    # The prompts through the cache, then every decode step over each whole sequence.
+    ids, pads = _padded(prompts)
+    cache = StaticCache(model, len(prompts), ids.size(1), pads)  # noqa: F821
+    with torch.no_grad():
+        first = model(ids, cache=cache).logits[:, -1].argmax(-1).tolist()
+    out = []
+    for prompt, token in zip(prompts, first, strict=True):
+        seq = [*prompt, token]
+        with torch.no_grad():
+            for _ in range(max_new_tokens - 1):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        out.append(seq[len(prompt) :])
+    return out
+
+
+@build_mutant("cached_loop", "generate_cached")
+def each_row_stops_at_end_of_text(model, prompts, max_new_tokens, prefill_chunk=None):
+    def chunks(n):
+        size = prefill_chunk or n
+        return [min(size, n - s) for s in range(0, n, size)]
+
+    rows = _cached_loop(model, prompts, max_new_tokens, chunks)
+    return [row[: row.index(END_OF_TEXT) + 1] if END_OF_TEXT in row else row for row in rows]
+
+
+@build_mutant("cached_loop", "generate_cached")
+def the_last_prompt_tokens_alone_when_chunked(model, prompts, max_new_tokens, prefill_chunk=None):
+    # Chunks of prefill_chunk, but a remainder shorter than a chunk fed a token a call.
+    def chunks(n):
+        size = prefill_chunk or n
+        whole = [size] * (n // size)
+        return whole + [1] * (n - sum(whole))
+
+    return _cached_loop(model, prompts, max_new_tokens, chunks)
+
+
+@build_mutant("cached_loop", "StaticCache", name="buffers_in_the_default_dtype")
+class DefaultDtypeCache(reference_cached_loop.StaticCache):
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        super().__init__(model, batch_size, max_len, pad_lengths)
+        for layer in self.layers:  # torch.zeros(shape): float32 whatever the model's dtype
+            layer.k, layer.v = torch.zeros(layer.k.shape), torch.zeros(layer.v.shape)
+
+
+@build_mutant("cached_loop", "StaticCache", name="values_in_the_default_dtype")
+class DefaultDtypeValues(reference_cached_loop.StaticCache):
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        super().__init__(model, batch_size, max_len, pad_lengths)
+        for layer in self.layers:
+            layer.v = torch.zeros(layer.v.shape)
+
+
+@build_mutant("cached_loop", "StaticCache", name="padding_queries_see_nothing")
+class PaddingQueriesSeeNothing(reference_cached_loop.StaticCache):
+    def prepare(self, batch, q_len, device):
+        self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+        self.filled += q_len
+        slots = torch.arange(self.max_len, device=device)
+        causal = slots[None, :] <= self.input_pos[:, None]
+        mask = causal[None, None, :, :] & self.real[:, None, None, :]  # all False: NaN rows
+        pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
+        return pos, mask
+
+
+@build_alternative("cached_loop", "generate_cached")
+def loop_that_feeds_the_last_token_too(model, prompts, max_new_tokens, prefill_chunk=None):
+    # Remainder first, logits of the last position alone, and one decode call a token
+    # (the last one's logits unused): a cached loop all the same.
+    ids, pads = _padded(prompts)
+    longest = ids.size(1)
+    size = prefill_chunk or longest
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)  # noqa: F821
+    cuts = [0, *range(longest % size or size, longest + 1, size)]
+    out = []
+    with torch.inference_mode():
+        for start, end in zip(cuts, cuts[1:], strict=False):
+            logits = model.forward(idx=ids[:, start:end], cache=cache, last_only=True).logits
+        for _ in range(max_new_tokens):
+            out.append(logits[:, -1].argmax(-1, keepdim=True))
+            logits = model(out[-1], cache=cache, last_only=True).logits
+    return torch.cat(out, dim=1).tolist()
+
+
+@build_alternative("cached_loop", "StaticCache", name="padding_queries_see_themselves")
+class PaddingQueriesSeeThemselves(reference_cached_loop.StaticCache):
+    def prepare(self, batch, q_len, device):
+        self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+        self.filled += q_len
+        slots = torch.arange(self.max_len, device=device)
+        causal = slots[None, :] <= self.input_pos[:, None]
+        mask = causal[None, None, :, :] & self.real[:, None, None, :]
+        # A padding slot's query sees its own slot alone (no NaN, and nothing real).
+        own = slots[None, :] == self.input_pos[:, None]  # (q_len, max_len)
+        padding_query = self.input_pos[None, :] < self.pads[:, None]  # (B, q_len)
+        mask = mask | (own[None, None] & padding_query[:, None, :, None])
+        pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
+        return pos, mask

@@ -16,9 +16,17 @@ import inspect
 from pathlib import Path
 
 import pytest
+from mutants import BUILD_ALTERNATIVES, BUILD_MUTANTS
 
 from rosecourse import cli
-from rosecourse.builds.grading import Build, check_build, edited, known_probes, module_from_source
+from rosecourse.builds.grading import (
+    Build,
+    check_build,
+    edited,
+    known_probes,
+    module_from_source,
+    replaced,
+)
 from rosecourse.course import BUILDS, stub_source
 from rosecourse.exercises import same
 
@@ -748,6 +756,30 @@ def test_mutant_fails(build: Build, mutant) -> None:
     # None of the known mistakes, so none of their diagnoses.
     named = [w.name for w in build.known_wrong for r in results if w.explanation in r.explanation]
     assert not named, f"the mutant {name} is told it is {named[0]}"
+
+
+CODED = [(BUILD[name], m) for name, mutants in BUILD_MUTANTS.items() for m in mutants]
+
+
+@pytest.mark.parametrize(("build", "mutant"), CODED, ids=[f"{b.name}-{m[0]}" for b, m in CODED])
+def test_mutant_written_as_code_fails(build: Build, mutant) -> None:
+    name, replacements = mutant
+    results = check_build(build, replaced(build, replacements, name))
+    assert not all(r.passed for r in results), f"the mutant {name} passes every part"
+    named = [w.name for w in build.known_wrong for r in results if w.explanation in r.explanation]
+    assert not named, f"the mutant {name} is told it is {named[0]}"
+
+
+CODED_RIGHT = [(BUILD[name], a) for name, alts in BUILD_ALTERNATIVES.items() for a in alts]
+
+
+@pytest.mark.parametrize(
+    ("build", "answer"), CODED_RIGHT, ids=[f"{b.name}-{a[0]}" for b, a in CODED_RIGHT]
+)
+def test_alternative_written_as_code_passes(build: Build, answer) -> None:
+    name, replacements = answer
+    results = check_build(build, replaced(build, replacements, name))
+    assert all(r.passed for r in results), "\n".join(map(str, results))
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)

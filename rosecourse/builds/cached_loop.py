@@ -4,18 +4,28 @@ Contract: rosecourse/solutions/build_cached_loop.py. The learner's cache runs in
 rose's GPT (the chapters' random strong-oracle model): the prompts go in, then the
 oracle's own tokens one at a time, and at every step each row's logits are held to the
 uncached oracle's by rose's one tolerance rule (rosetrainer/numerics.py), for one row, a
-ragged batch of three (left padding, as rose batches) and a prefill in chunks of
-CHUNK. Its memory must stay flat while it decodes: the bytes of every tensor it holds,
-and the storage each layer's keys and values come back in. The learner's loop runs on
-rose's own StaticKVCache, swapped in for the learner's class, and each row's tokens must
-be the uncached greedy run of its prompt, token for token.
+ragged batch of three (left padding, as rose batches), a prefill in chunks of CHUNK and
+one a token a call (where a padding slot's query may see no slot at all); then the same
+in bfloat16, where the keys and values it hands back must be in the model's dtype. Its
+memory must stay flat while it decodes: the bytes of every tensor it holds, and the
+storage each layer's keys and values come back in.
+
+The learner's loop runs on rose's own StaticKVCache, swapped in for the learner's class,
+and on rose's GPT watched: every call is recorded (the rows and tokens fed, the cache
+passed), and the vocabulary is relabelled so that end-of-text comes up mid-run (the loop
+must go on). Each row's tokens must be the uncached greedy run of its prompt, token for
+token, and the calls must be a cached loop's: one StaticCache for every prompt, every
+call on it with every row, the prefill in `prefill_chunk` pieces, then one token a row
+per decode step.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -29,6 +39,12 @@ from rosetrainer.numerics import logit_tolerance
 
 NEW = 12  # tokens decoded per run
 CHUNK = 3  # a prefill in chunks of this many tokens: every chunk after the first has a past
+END_OF_TEXT = 50256  # GPT-2's <|endoftext|>, the oracle model's last token
+EOT_STEP = 3  # the loop's runs meet end-of-text at this step of row 0
+# bfloat16 keeps 8 bits of a number: a cached run's logits leave the uncached bfloat16
+# run's by up to 2**-7 of the largest (rounding measured on the reference: 0.8%), so
+# the bfloat16 part holds them to 2**-5 of it, a sanity bound (float32 is the strict one).
+BF16_RTOL = 2**-5
 
 
 def prompts(batch: int) -> list[tuple[int, ...]]:
@@ -52,10 +68,27 @@ def left_padded(rows: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor([[0] * pad + list(row) for pad, row in zip(pads, rows, strict=True)]), pads
 
 
-def cached_steps(cache: object, rows: list[tuple[int, ...]], chunk: int | None) -> Iterator:
+@functools.cache
+def bfloat16_model() -> GPT:
+    """The oracle model in bfloat16 (a copy: the float32 one stays as it is)."""
+    return copy.deepcopy(oracle_model()).to(torch.bfloat16)
+
+
+@functools.cache
+def bfloat16_logits(prompt: tuple[int, ...]) -> torch.Tensor:
+    """oracle_logits for the bfloat16 model, uncached, fed the float32 oracle's tokens."""
+    tokens = list(prompt) + list(reference_tokens(prompt, NEW))
+    with torch.no_grad():
+        logits = bfloat16_model()(torch.tensor([tokens[:-1]])).logits[0]
+    return logits[len(prompt) - 1 :].float()
+
+
+def cached_steps(
+    cache: object, rows: list[tuple[int, ...]], chunk: int | None, model: GPT | None = None
+) -> Iterator:
     """rose's GPT on `cache`: each row's prompt, then the oracle's tokens one at a time;
     yields (step, logits of every row's newest token)."""
-    model = oracle_model()
+    model = model or oracle_model()
     ids, _ = left_padded(rows)
     chunk = chunk or ids.size(1)
     with torch.no_grad():
@@ -67,23 +100,81 @@ def cached_steps(cache: object, rows: list[tuple[int, ...]], chunk: int | None) 
             yield step, model(fed, cache=cache).logits[:, -1]
 
 
-def new_cache(module: types.ModuleType, rows: list[tuple[int, ...]]) -> object:
+def new_cache(
+    module: types.ModuleType, rows: list[tuple[int, ...]], model: GPT | None = None
+) -> object:
     _, pads = left_padded(rows)
     longest = max(map(len, rows))
-    return module.StaticCache(oracle_model(), len(rows), longest + NEW, pads)
+    return module.StaticCache(model or oracle_model(), len(rows), longest + NEW, pads)
 
 
-def cache_in_model(batch: int, chunk: int | None):
+def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
+    """Hold what `cache.update` hands the model to the contract before the model reads it:
+    the model's dtype, every row, no NaN (a NaN there reaches every query: a weight of 0
+    times NaN is NaN)."""
+    update = cache.update
+    calls = [0]
+
+    def checked(layer: int, k: torch.Tensor, v: torch.Tensor):
+        calls[0] += layer == 0
+        try:
+            out = update(layer, k, v)
+        except RuntimeError as error:
+            held = {t.dtype for t in held_tensors(cache).values() if t.is_floating_point()}
+            if dtype == torch.float32 or held <= {dtype}:
+                raise
+            first = str(error).splitlines()[0]
+            raise Mismatch(
+                f"writing layer {layer}'s {dtype} keys and values raised RuntimeError ({first}) with "
+                f"the cache holding {', '.join(sorted(map(str, held)))} tensors: the "
+                "buffers are zeros in the dtype (and on the device) of the model's "
+                "weights, as the contract says"
+            ) from None
+        for name, got in zip(("keys", "values"), out, strict=False):
+            if not isinstance(got, torch.Tensor):
+                raise Mismatch(f"update returns a {type(got).__name__} for the {name}")
+            if got.dtype != dtype:
+                raise Mismatch(
+                    f"layer {layer}'s {name} come back as {got.dtype} in a {dtype} model: "
+                    "the buffers are zeros in the dtype (and on the device) of the model's "
+                    "weights, as the contract says"
+                )
+            if got.size(0) != rows:
+                raise Mismatch(
+                    f"layer {layer}'s {name} come back with {got.size(0)} rows of {rows}"
+                )
+            if got.isnan().any():
+                raise Mismatch(
+                    f"layer {layer}'s {name} hold NaN after call {calls[0]}: a query that may "
+                    "see no slot (a padding slot's, before any real token) takes a softmax "
+                    "over nothing, NaN, and its values carry it into the next layer, where "
+                    "a weight of 0 times NaN is NaN for every query: let such a query see "
+                    "some slot (rose lets it see every slot)"
+                )
+        return out
+
+    cache.update = checked
+
+
+def cache_in_model(batch: int, chunk: int | None, dtype: torch.dtype = torch.float32):
     """A part: rose's GPT on the learner's cache, every step's logits against the oracle's."""
 
     def run(module: types.ModuleType) -> None:
         rows = prompts(batch)
-        for step, logits in cached_steps(new_cache(module, rows), rows, chunk):
+        model = oracle_model() if dtype == torch.float32 else bfloat16_model()
+        cache = new_cache(module, rows, model)
+        watched_updates(cache, len(rows), dtype)
+        for step, logits in cached_steps(cache, rows, chunk, model):
             for row, prompt in enumerate(rows):
-                want = oracle_logits(prompt)[step]
                 which = f", row {row}" if batch > 1 else ""
                 where = "the prefill's logits" if step == 0 else f"decode step {step}"
-                expect_close(f"{where}{which}", logits[row], want, logit_tolerance(want))
+                if dtype == torch.float32:
+                    want = oracle_logits(prompt)[step]
+                    expect_close(f"{where}{which}", logits[row], want, logit_tolerance(want))
+                else:
+                    want = bfloat16_logits(prompt)[step]
+                    tolerance = BF16_RTOL * float(want.abs().max())
+                    expect_close(f"{where}{which} ({dtype})", logits[row], want, tolerance)
 
     return run
 
@@ -165,31 +256,162 @@ def roses_static_cache(
     return cache
 
 
+@dataclass
+class Call:
+    """One call of the watched model: the ids' shape, the cache passed, and how many
+    positions that cache held after it."""
+
+    rows: int
+    q_len: int
+    cache: object
+    held_after: int | None = None
+
+
+class Watched:
+    """rose's GPT as a learner's loop sees it: every call recorded, and its vocabulary
+    relabelled by swapping two token ids (`swap`), in the ids it is fed and in the logits
+    it returns. The relabelled model is a model like any other: its greedy run of a
+    relabelled prompt is the oracle's run relabelled, so end-of-text can be made to come
+    up mid-run. Everything else is the model's own (config, weights, eval, ...)."""
+
+    def __init__(self, model: GPT, swap: tuple[int, int]) -> None:
+        self.model = model
+        self.calls: list[Call] = []
+        self.relabel = torch.arange(model.config.vocab_size)
+        self.relabel[list(swap)] = torch.tensor(swap[::-1])
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+    def __call__(self, idx: torch.Tensor, targets=None, cache=None, **options):
+        call = Call(int(idx.size(0)), int(idx.size(-1)), cache)
+        self.calls.append(call)
+        out = self.model(self.relabel[idx], targets, cache, **options)
+        if isinstance(cache, StaticKVCache):
+            call.held_after = cache.seq_len
+        return out._replace(logits=out.logits[..., self.relabel])
+
+    forward = __call__
+
+
+def end_of_text_swap(rows: list[tuple[int, ...]]) -> tuple[int, int]:
+    """The relabelling that makes row 0's greedy token at EOT_STEP end-of-text."""
+    return (reference_tokens(rows[0], NEW)[EOT_STEP], END_OF_TEXT)
+
+
+def prefill_pieces(longest: int, chunk: int | None) -> list[int]:
+    size = chunk or longest
+    return [min(size, longest - start) for start in range(0, longest, size)]
+
+
+def expect_cached_calls(
+    calls: list[Call], built: list[StaticKVCache], rows: int, longest: int, chunk: int | None
+) -> None:
+    """The calls of a cached loop: one StaticCache, every call on it with every row, the
+    prefill in prefill_chunk pieces, then one token a row per decode step."""
+    if len(built) != 1:
+        raise Mismatch(
+            f"StaticCache is built {len(built)} times in one run: the loop builds one "
+            "StaticCache, for every prompt at once, and feeds each token through it once"
+        )
+    (cache,) = built
+    if cache.batch_size != rows:
+        raise Mismatch(
+            f"the StaticCache holds {cache.batch_size} row(s) for {rows} prompts: one cache "
+            "holds every prompt, a row each"
+        )
+    fed = 0
+    for number, call in enumerate(calls, 1):
+        if call.cache is not cache:
+            what = "without a cache" if call.cache is None else "on another cache"
+            raise Mismatch(
+                f"model call {number} runs {what}: every call goes through the one "
+                "StaticCache (model(ids, cache=cache)), so no token is run twice"
+            )
+        if call.rows != rows:
+            raise Mismatch(
+                f"model call {number} feeds {call.rows} row(s) of {rows}: every prompt goes "
+                "through every call at once, a row each"
+            )
+        fed += call.q_len
+        if call.held_after != fed:
+            raise Mismatch(
+                f"after model call {number} the cache holds {call.held_after} positions "
+                f"where {fed} tokens were fed"
+            )
+    sizes = [call.q_len for call in calls]
+    prefill, total = [], 0
+    while total < longest and len(prefill) < len(sizes):
+        prefill.append(sizes[len(prefill)])
+        total += prefill[-1]
+    want = prefill_pieces(longest, chunk)
+    too_big = max(prefill) > (chunk or longest) or total != longest
+    if too_big or len(prefill) != len(want):
+        how = "at once" if chunk is None else "prefill_chunk tokens a call"
+        raise Mismatch(
+            f"the prefill feeds the {longest} padded prompt tokens as {prefill} with "
+            f"prefill_chunk={chunk}: the padded prompts go through the model {how} "
+            f"({want})"
+        )
+    decode = sizes[len(prefill) :]
+    if any(size != 1 for size in decode):
+        raise Mismatch(
+            f"after the prefill the model is fed {decode} tokens a call: every decode step "
+            "feeds each row's newest token alone"
+        )
+    if len(decode) not in (NEW - 1, NEW):
+        raise Mismatch(
+            f"{len(decode)} decode calls for {NEW} new tokens: one call a token after the "
+            f"first ({NEW - 1}; the last token need not be fed)"
+        )
+
+
 def loop(batch: int, chunk: int | None):
-    """A part: the learner's loop on rose's static cache, each row against its oracle run."""
+    """A part: the learner's loop on rose's static cache, each row against its oracle run,
+    and its calls against a cached loop's."""
 
     def run(module: types.ModuleType) -> None:
         rows = prompts(batch)
-        with mock.patch.object(module, "StaticCache", roses_static_cache):
-            got = module.generate_cached(oracle_model(), [list(r) for r in rows], NEW, chunk)
+        swap = end_of_text_swap(rows)
+        model = Watched(oracle_model(), swap)
+        built: list[StaticKVCache] = []
+
+        def static_cache(*args, **kwargs) -> StaticKVCache:
+            built.append(roses_static_cache(*args, **kwargs))
+            return built[-1]
+
+        fed = [model.relabel[torch.tensor(row)].tolist() for row in rows]
+        with mock.patch.object(module, "StaticCache", static_cache):
+            got = module.generate_cached(model, fed, NEW, chunk)
         if not isinstance(got, list) or len(got) != len(rows):
             raise Mismatch(f"it returns {type(got).__name__} where {len(rows)} lists are right")
         for row, prompt in enumerate(rows):
-            want = list(reference_tokens(prompt, NEW))
-            tokens = list(got[row])
+            want = model.relabel[torch.tensor(reference_tokens(prompt, NEW))].tolist()
+            tokens = [int(t) for t in got[row]]
             if tokens != want:
-                step = next(
-                    (i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None
-                )
                 which = f"row {row}: " if batch > 1 else ""
-                if step is None:
-                    raise Mismatch(f"{which}{len(tokens)} new tokens where {NEW} are right")
-                raise Mismatch(
-                    f"{which}step {step} (token {step + 1} of {NEW}) is {tokens[step]} where "
-                    f"the uncached oracle gives {want[step]}"
-                )
+                raise Mismatch(which + token_gap(tokens, want))
+        expect_cached_calls(model.calls, built, len(rows), max(map(len, rows)), chunk)
 
     return run
+
+
+def token_gap(tokens: list[int], want: list[int]) -> str:
+    """Where a row's tokens leave the oracle's, in words (end-of-text named)."""
+    step = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None)
+    if step is not None:
+        return (
+            f"step {step} (token {step + 1} of {NEW}) is {tokens[step]} where the uncached "
+            f"oracle gives {want[step]}"
+        )
+    said = f"{len(tokens)} new tokens where {NEW} are right"
+    if len(tokens) < NEW and END_OF_TEXT in tokens:
+        said += (
+            f": it stops after end-of-text ({END_OF_TEXT}, step {tokens.index(END_OF_TEXT)}), "
+            "where the contract decodes max_new_tokens tokens whatever they are (no "
+            "stopping early)"
+        )
+    return said
 
 
 def _probe(module: types.ModuleType) -> list[object]:
@@ -215,10 +437,14 @@ CACHED_LOOP = Build(
         Part("cache, one row", cache_in_model(1, None)),
         Part("cache, ragged batch of 3", cache_in_model(3, None)),
         Part(f"cache, prefill in chunks of {CHUNK}", cache_in_model(3, CHUNK)),
+        Part("cache, prefill a token a call", cache_in_model(3, 1)),
+        Part("cache, bfloat16 model", cache_in_model(3, CHUNK, torch.bfloat16)),
         Part("cache memory", _memory),
         Part("loop, one row", loop(1, None)),
         Part("loop, ragged batch of 3", loop(3, None)),
         Part(f"loop, prefill in chunks of {CHUNK}", loop(3, CHUNK)),
+        Part("loop, prefill a token a call", loop(3, 1)),
+        Part("loop, prefill_chunk past the prompts", loop(3, 40)),
     ),
     probe=_probe,
     known_wrong=(

@@ -107,6 +107,43 @@ def edited(build: Build, edits: tuple[Edit, ...], name: str = "edited") -> types
     return module_from_source(source, f"rose_build_{build.name}_{name}")
 
 
+def replaced(
+    build: Build, replacements: dict[str, object], name: str = "replaced"
+) -> types.ModuleType:
+    """The reference solution with some of its classes or functions replaced: a wrong
+    answer (or another right one) written as code. A replacing function is rebound to the
+    new module's globals, so it calls the module's own names (what a check swaps in); the
+    helpers it calls that the module lacks come along, rebound the same way."""
+    module = module_from_source(
+        inspect.getsource(build.solution_module()), f"rose_build_{build.name}_{name}"
+    )
+    for attribute, value in replacements.items():
+        assert hasattr(module, attribute), f"{build.file_name} has no {attribute}"
+        setattr(module, attribute, _rebound(value, module.__dict__))
+    return module
+
+
+def _rebound(value: object, namespace: dict[str, object]) -> object:
+    """`value`, a function, reading `namespace` as its globals; whatever else, as it is."""
+    if not isinstance(value, types.FunctionType):
+        return value
+    for needed in _global_names(value.__code__):
+        if needed not in namespace and needed in value.__globals__:
+            namespace[needed] = None  # taken: a helper that calls itself stops here
+            namespace[needed] = _rebound(value.__globals__[needed], namespace)
+    return types.FunctionType(
+        value.__code__, namespace, value.__name__, value.__defaults__, value.__closure__
+    )
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:  # nested functions and lambdas
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
 @functools.cache
 def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object] | None], ...]:
     """Each known wrong answer of `build` with its probe's outcomes (computed once)."""

@@ -13,9 +13,14 @@ real token of every row stands at position 0).
 
 `rose-course check cached_loop` runs rose's GPT on your cache and compares its logits
 at every step with the uncached oracle's (one row, a ragged batch of three, a prefill in
-chunks), checks that your cache's memory stays flat while it decodes, and runs your loop
-(on rose's own static cache, so the loop is graded on its own) token for token against
-the uncached greedy run of each prompt.
+chunks of 3 and of 1 token, and a bfloat16 model, where the keys and values your cache
+hands back must be in the model's dtype and never NaN), checks that your cache's memory
+stays flat while it decodes, and runs your loop (on rose's own static cache, so the loop
+is graded on its own) token for token against the uncached greedy run of each prompt,
+with an end-of-text token generated mid-run (the loop goes on). It also counts your
+loop's model calls: one StaticCache for all the prompts, every call on it with every
+row, the prefill in `prefill_chunk` pieces (1, 3, more than the prompt), then one token
+a row per decode step.
 """
 
 from __future__ import annotations
