@@ -10,6 +10,10 @@ becomes a link to the chapter's page on the site, any other file that exists its
 in the text. A link to a file that does not exist is left alone, for the strict build
 to fail on.
 
+The hooks need what `pip install -e ".[docs]"` installs and nothing more: the exercise
+list is read from rosecourse/course.py's source, never imported (the course's checks
+need its own dependencies and the tokenizer's files).
+
 A notebook page is also kept offline: nbconvert's template loads MathJax, Mermaid and
 the widgets' renderer from CDNs (none of which a chapter needs: no maths, no diagrams,
 and the only widgets are progress bars), so those scripts are dropped.
@@ -17,6 +21,7 @@ and the only widgets are progress bars), so those scripts are dropped.
 
 from __future__ import annotations
 
+import ast
 import json
 import posixpath
 import re
@@ -29,6 +34,7 @@ from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parent.parent
+COURSE = ROOT / "rosecourse" / "course.py"  # the lessons' table, read (see `lessons`)
 COURSE_SECTION = "The course"
 EXERCISES_MARKER = "<!-- exercises -->"
 SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.DOTALL)
@@ -77,10 +83,42 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     return files
 
 
-def exercise_table() -> str:
-    from rosecourse.course import LESSONS  # imported at build time only
+def lessons(source: Path = COURSE) -> list[tuple[str, str, str]]:
+    """(chapter, name, task) of each lesson `rose-course` grades, read from its source.
 
-    rows = [f"| {lesson.chapter} | `{lesson.file_name}` | {lesson.task} |" for lesson in LESSONS]
+    Read, not imported: importing rosecourse.course imports every check and build, which
+    need the course's own dependencies (hypothesis, llguidance, ...) and tiktoken's files,
+    none of which the site's venv (`pip install -e ".[docs]"`) holds. The table is the
+    literal `LESSONS = [Lesson("02", "concat_kv", "keep the past ...", check), ...]`;
+    tests/test_site_hooks.py holds what is read here to what the module holds.
+    """
+    tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == "LESSONS":
+            break
+    else:
+        raise ValueError(f"{source}: no LESSONS table for the site's exercise list")
+    table = []
+    for entry in getattr(node.value, "elts", None) or [node.value]:
+        fields = entry.args[:3] if isinstance(entry, ast.Call) else []
+        if len(fields) < 3 or not all(
+            isinstance(f, ast.Constant) and isinstance(f.value, str) for f in fields
+        ):
+            raise ValueError(
+                f"{source}:{entry.lineno}: the site reads each lesson as "
+                'Lesson("NN", "name", "task", check) with three string literals first'
+            )
+        table.append(tuple(field.value for field in fields))
+    return table
+
+
+def exercise_table() -> str:
+    rows = [
+        f"| {chapter} | `ch{chapter}_{name}.py` | {task} |" for chapter, name, task in lessons()
+    ]
     return "\n".join(["| chapter | your file | what you write |", "|---|---|---|", *rows])
 
 
