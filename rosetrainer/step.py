@@ -58,7 +58,12 @@ def rank_batch(
     """This process's batch_size rows of one global batch of world_size * batch_size windows."""
     x, y = get_batch(tokens, batch_size * rt.world_size, block_size, generator)
     rows = slice(rt.rank * batch_size, (rt.rank + 1) * batch_size)
-    return x[rows].to(rt.device, non_blocking=True), y[rows].to(rt.device, non_blocking=True)
+    x, y = x[rows], y[rows]
+    if rt.device.type == "cuda":
+        # Page-locked memory lets the copy to the GPU run while the CPU goes on (from
+        # pageable memory a "non-blocking" copy waits).
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
 
 
 def build_model(
@@ -92,7 +97,10 @@ def train_step(
         sync = model.no_sync() if rt.distributed and not last else contextlib.nullcontext()
         with sync:
             with rt.autocast():
-                loss = model(x, y).loss / cfg.grad_accum_steps
+                # validate=False: the ids come from the tokenizer, checked against the
+                # model's vocabulary when the run started, and every window fits the
+                # context; the checks would wait on the GPU and split a compiled graph.
+                loss = model(x, y, validate=False).loss / cfg.grad_accum_steps
             scaler.scale(loss).backward()
         total_loss += loss.detach()
     scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
@@ -119,7 +127,7 @@ def evaluate(
         for _ in range(cfg.eval_iters):
             x, y = rank_batch(tokens, cfg.batch_size, block_size, generator, rt)
             with rt.autocast():
-                total += model(x, y).loss.float()
+                total += model(x, y, validate=False).loss.float()
         losses[name] = mean_over_ranks(total / cfg.eval_iters, rt).item()
     model.train()
     return losses

@@ -16,12 +16,39 @@ from rosetrainer.bench import bench
 def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFixture) -> None:
     assert bench(["--quick"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
-    assert [row[1] for row in rows] == ["off", "on"]
+    rows = [line.split() for line in out.splitlines() if line.startswith("rose ")]
+    assert [row[3] for row in rows] == ["off", "on"]
     for row in rows:
-        tokens_per_s, total_mib = float(row[5].replace(",", "")), float(row[-1].replace(",", ""))
+        tokens_per_s, total_mib = float(row[7].replace(",", "")), float(row[-1].replace(",", ""))
         assert tokens_per_s > 0 and total_mib > 0
-    assert "tiny: checkpointing saves" in out
+    assert "tiny 2 x 128: checkpointing saves" in out
+
+
+FAKE_NANOGPT = """
+import sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+assert args["batch_size"] == "3" and args["block_size"] == "16" and args["dataset"] == "rose_bench"
+assert args["gradient_accumulation_steps"] == "1" and args["max_iters"] == "2"
+# the warm-up iteration is slow (compiling); the timed ones take 100 and 300 ms
+for i, ms in enumerate([5000.0, 100.0, 300.0]):
+    print(f"iter {i}: loss 10.9876, time {ms:.2f}ms, mfu -100.00%")
+"""
+
+
+def test_nanogpt_runs_with_the_same_shapes_and_its_own_times_are_read(tmp_path) -> None:
+    """The peer's tokens/s comes from nanoGPT's own per-iteration times after the
+    warm-up (here a stand-in train.py that checks the settings it is given)."""
+    from rosetrainer.bench import run_nanogpt
+
+    for name, text in (("train.py", FAKE_NANOGPT), ("model.py", ""), ("configurator.py", "")):
+        (tmp_path / name).write_text(text)
+    spec = {"preset": "tiny", "batch_size": 3, "block_size": 16, "steps": 2, "warmup_steps": 1,
+            "device": "cpu", "dtype": "float32", "compile": False, "peak_tflops": None}  # fmt: skip
+    result = run_nanogpt(tmp_path, spec, matched=True)
+    # iteration 0 is the warm-up; 1 and 2 average 200 ms for 48 tokens
+    assert result["ms_per_step"] == pytest.approx(200.0)
+    assert result["tokens_per_s"] == pytest.approx(3 * 16 / 0.2)
+    assert result["vocab_size"] == 50257 and result["peer"] == "nanoGPT (rose's model)"
 
 
 @pytest.mark.slow
