@@ -75,6 +75,36 @@ def test_cli_generate_equals_the_uncached_oracle(checkpoints, capsys, flags) -> 
     assert run_json(capsys, *common, *flags) == want
 
 
+def test_a_sampled_run_is_told_it_gets_no_drafts_in_one_line(checkpoints, capsys) -> None:
+    """At the default temperature (0.8) the engine drafts nothing (its documented limit):
+    one line says so, and no 0/0 rate (nan) is printed."""
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "4", "--seed", "1"]
+    common = ["--checkpoint-path", str(checkpoints["target"]), "--prompt", PROMPT]
+    code = cli_generate.main([*common, "--max-new-tokens", "8", *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "speculative decoding" in line]
+    assert said == [
+        "[roseinfer] speculative decoding: off: --temperature 0.8 samples, and the engine "
+        "drafts for greedy requests only (temperature 0); a sampled request decodes one "
+        "token a step, as without speculative decoding"
+    ], err
+    assert "nan" not in err.lower()
+
+
+def test_no_step_with_a_draft_is_said_without_a_rate() -> None:
+    """The summary of a greedy run whose drafter never proposed anything: no 0/0."""
+    from roseinfer.cli.generate import speculative_summary
+    from roseinfer.speculative.verify import SpeculativeStats
+
+    assert speculative_summary(SpeculativeStats()) == (
+        "no step had a draft to verify (0 tokens drafted)"
+    )
+    assert speculative_summary(SpeculativeStats(2, 6, 3)) == (
+        "3/6 drafted tokens accepted (50.0%), 2.50 tokens per verify step (2 steps)"
+    )
+
+
 # The speculative flags (R50K, SMALL: the drafts of another tokenizer, another vocabulary)
 # -> what the one line says.
 BAD = {
@@ -161,6 +191,15 @@ def test_the_server_speculates_and_counts_drafts_as_vllm_names_them(
         assert "".join(chunk.choices[0].text for chunk in stream) == text
         after = wait_idle(server)
         live = httpx.get(server.url + "/live/snapshot").json()["speculative"]
+        # A sampled request (the API's default temperature, 1) gets no drafts: the log
+        # says so once, at the first one.
+        told = "speculative decoding: a request with temperature 1.0 gets no drafts"
+        assert told not in server.log()
+        for _ in range(2):
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, seed=1)
+        assert server.log().count(told) == 1, server.log()
+        drafted_now = wait_idle(server)["rose_spec_decode_num_draft_tokens_total"]
+        assert drafted_now == after["rose_spec_decode_num_draft_tokens_total"]
     drafted = after["rose_spec_decode_num_draft_tokens_total"]
     assert live["num_draft_tokens"] == drafted and live["acceptance_rate"] == pytest.approx(
         after["rose_spec_decode_num_accepted_tokens_total"] / drafted

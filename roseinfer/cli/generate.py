@@ -70,6 +70,8 @@ from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
 from roseinfer.request.sampling_params import StructuredOutputs
 from roseinfer.request.structured import grammar_for
+from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
+from roseinfer.speculative.verify import SpeculativeStats
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -646,13 +648,19 @@ def run_engine(
         f"{stats.prefix_cache_queries} blocks hit",
     )
     spec = stats.speculative
-    if spec is not None:
-        status(
-            "speculative decoding",
-            f"{spec.num_accepted_tokens}/{spec.num_draft_tokens} drafted tokens accepted "
-            f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per verify "
-            f"step ({spec.num_drafts} steps)",
-        )
+    if spec is not None and params.greedy:  # (a sampled run was told it drafts nothing)
+        status("speculative decoding", speculative_summary(spec))
+
+
+def speculative_summary(spec: SpeculativeStats) -> str:
+    """What the drafts did, in one line; no step with a draft is said so (no rate of 0/0)."""
+    if not spec.num_drafts:
+        return "no step had a draft to verify (0 tokens drafted)"
+    return (
+        f"{spec.num_accepted_tokens}/{spec.num_draft_tokens} drafted tokens accepted "
+        f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per verify "
+        f"step ({spec.num_drafts} steps)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -711,8 +719,13 @@ def run(args: argparse.Namespace) -> int:
         elif engine is not None:
             status("kv cache", "paged (engine)")
             spec = speculative_config(args)
-            if spec is not None:
+            if spec is not None and params.greedy:
                 status("speculative decoding", spec.describe())
+            elif spec is not None:  # the engine's documented limit, told (never a nan)
+                status(
+                    "speculative decoding",
+                    f"off: --temperature {args.temperature} samples, and {SAMPLED_NOT_DRAFTED}",
+                )
         else:
             status("kv cache", kind)
         if args.kv_cache_dtype != "auto":

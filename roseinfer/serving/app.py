@@ -70,7 +70,12 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
     chat_template = settings.chat_template or ChatTemplate()
     config = engine.model.config
     checks = RequestChecks(
-        tokenizer, settings.model_name, config.block_size, config.vocab_size, settings.max_waiting
+        tokenizer,
+        settings.model_name,
+        config.block_size,
+        config.vocab_size,
+        settings.max_waiting,
+        speculative=engine.num_speculative_tokens is not None,
     )
 
     @asynccontextmanager

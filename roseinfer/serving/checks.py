@@ -9,6 +9,7 @@ failure a BadRequest naming the field.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from roseinfer.request.sampling_params import (
     MAX_SEED,
@@ -19,10 +20,12 @@ from roseinfer.request.sampling_params import (
 from roseinfer.request.structured import Grammar, grammar_for
 from roseinfer.serving.errors import BadRequest
 from roseinfer.serving.protocol import SamplingFields
+from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
 Job = tuple[list[int], SamplingParams]  # one engine request: prompt ids and its params
+log = logging.getLogger("roseinfer.cli.serve")
 
 
 class RequestChecks:
@@ -35,9 +38,13 @@ class RequestChecks:
         block_size: int,
         vocab_size: int,
         max_waiting: int,
+        speculative: bool = False,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.block_size, self.vocab_size, self.max_waiting = block_size, vocab_size, max_waiting
+        # Speculative decoding drafts for greedy requests only: the log says so at the
+        # first sampled request (once: every request of a default client samples).
+        self.speculative, self.told_sampled = speculative, False
 
     def model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -147,4 +154,12 @@ class RequestChecks:
             except InvalidParam as err:
                 raise BadRequest(str(err), err.param) from None
             per_choice.append(params)
+        if self.speculative and not per_choice[0].greedy and not self.told_sampled:
+            self.told_sampled = True
+            log.warning(
+                "speculative decoding: a request with temperature %s gets no drafts: %s "
+                "(said for the first sampled request only)",
+                body.temperature,
+                SAMPLED_NOT_DRAFTED,
+            )
         return [(ids, params) for ids in prompts for params in per_choice]

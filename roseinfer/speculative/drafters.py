@@ -46,6 +46,12 @@ from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
 METHODS = ("draft", "ngram", "self")
+# The engine's documented limit, as rose-generate and rose-serve tell it when speculative
+# decoding is asked for and a request samples (see docs/speculative-decoding.md, Limits).
+SAMPLED_NOT_DRAFTED = (
+    "the engine drafts for greedy requests only (temperature 0); a sampled request "
+    "decodes one token a step, as without speculative decoding"
+)
 
 
 class Drafter(Protocol):
