@@ -1432,3 +1432,161 @@ class PaddingQueriesSeeThemselves(reference_cached_loop.StaticCache):
         mask = mask | (own[None, None] & padding_query[:, None, :, None])
         pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
         return pos, mask
+
+
+# -- build verify: accept_or_resample, verify_sampled (chapter 19) ---------------------------
+# These run with the learner module's globals: score, accept_or_resample.
+
+
+@build_mutant("verify", "accept_or_resample")
+def rule_draws_from_the_global_rng(p, q, drafted, generator):
+    if torch.rand(()) * q[drafted] < p[drafted]:  # no generator: the global RNG
+        return drafted, True
+    residual = (p - q).clamp(min=0)
+    return int(torch.multinomial(residual, 1)), False
+
+
+def _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus):
+    """The reference's verify_sampled with the rule at each place replaced by
+    judge(p_i, q_i, drafted, i) -> (token, kept) and the bonus by bonus(p, q) -> token."""
+    with torch.no_grad():
+        held = cache.seq_len
+        p = torch.softmax(score(target, cache, last_token, drafts), dim=-1)  # noqa: F821
+        tokens = []
+        for i, drafted in enumerate(drafts):
+            token, kept = judge(p[i], draft_probs[i].float(), drafted, i)
+            tokens.append(token)
+            if not kept:
+                break
+        else:
+            tokens.append(bonus(p[len(drafts)], draft_probs[-1] if drafts else None))
+        cache.truncate(held + len(tokens))
+    return tokens
+
+
+@build_mutant("verify", "verify_sampled")
+def bonus_from_the_global_rng(target, cache, last_token, drafts, draft_probs, generator):
+    def judge(p, q, drafted, i):
+        return accept_or_resample(p, q, drafted, generator)  # noqa: F821
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1))  # no generator: the global RNG
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def one_uniform_for_the_step(target, cache, last_token, drafts, draft_probs, generator):
+    u = torch.rand((), generator=generator)  # drawn once, read at every place
+
+    def judge(p, q, drafted, i):
+        if u * q[drafted] < p[drafted]:
+            return drafted, True
+        residual = (p - q).clamp(min=0)
+        return int(torch.multinomial(residual, 1, generator=generator)), False
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def residual_drawn_from_p(target, cache, last_token, drafts, draft_probs, generator):
+    # The rule written inline, a rejection drawing its token from p itself.
+    def judge(p, q, drafted, i):
+        if torch.rand((), generator=generator) * q[drafted] < p[drafted]:
+            return drafted, True
+        return int(torch.multinomial(p, 1, generator=generator)), False
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def sampled_step_judged_greedily(target, cache, last_token, drafts, draft_probs, generator):
+    # A draft kept when it is p's argmax, the argmax taken in place of one that is not;
+    # only the bonus sampled.
+    def judge(p, q, drafted, i):
+        best = int(p.argmax())
+        return best, best == drafted
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def bonus_from_the_draft_distribution(target, cache, last_token, drafts, draft_probs, generator):
+    def judge(p, q, drafted, i):
+        return accept_or_resample(p, q, drafted, generator)  # noqa: F821
+
+    def bonus(p, q):  # q: the last draft's distribution, not the target's after it
+        return int(torch.multinomial(p if q is None else q.float(), 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def global_rng_seeded_from_the_generator(target, cache, last_token, drafts, draft_probs, generator):
+    # Reproducible under one seed, but it draws from (and reseeds) the global RNG.
+    torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+
+    def judge(p, q, drafted, i):
+        if torch.rand(()) * q[drafted] < p[drafted]:
+            return drafted, True
+        residual = (p - q).clamp(min=0)
+        return int(torch.multinomial(residual, 1)), False
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_mutant("verify", "verify_sampled")
+def rejected_place_keeps_its_draft_distribution(
+    target, cache, last_token, drafts, draft_probs, generator
+):
+    # On a rejection, the token is drawn from max(0, q - p): what the drafter over-offers.
+    def judge(p, q, drafted, i):
+        if torch.rand((), generator=generator) * q[drafted] < p[drafted]:
+            return drafted, True
+        residual = (q - p).clamp(min=0)
+        return int(torch.multinomial(residual, 1, generator=generator)), False
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_alternative("verify", "verify_sampled")
+def every_uniform_drawn_at_once(target, cache, last_token, drafts, draft_probs, generator):
+    # One uniform per draft, all drawn together before any is read: right.
+    uniforms = torch.rand(len(drafts), generator=generator)
+
+    def judge(p, q, drafted, i):
+        if uniforms[i] * q[drafted] < p[drafted]:
+            return drafted, True
+        residual = (p - q).clamp(min=0)
+        return int(torch.multinomial(residual, 1, generator=generator)), False
+
+    def bonus(p, q):
+        return int(torch.multinomial(p, 1, generator=generator))
+
+    return _sampled_step(target, cache, last_token, drafts, draft_probs, generator, judge, bonus)
+
+
+@build_alternative("verify", "accept_or_resample")
+def uniform_drawn_only_when_needed(p, q, drafted, generator):
+    # p >= q keeps the draft for sure: no draw then; the residual by inverse CDF.
+    ratio = float(p[drafted]) / float(q[drafted]) if float(q[drafted]) > 0 else 1.0
+    if ratio >= 1 or float(torch.rand(1, generator=generator, dtype=torch.float64)) < ratio:
+        return drafted, True
+    cdf = (p - q).clamp(min=0).double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=len(p) - 1)), False

@@ -13,7 +13,11 @@ text but its newest token. The sampled rule and the sampled verify step are held
 distribution: seeded draws of (token, kept) against the exact probabilities of the rule
 (a chi-square test, its p-value at least P_VALUE), and sampled verify steps: those whose
 outcome the rule fixes (q equal to p keeps every draft; a one-hot q on a token p hardly
-gives is rejected), and the bonus token's frequencies against p.
+gives is rejected), the bonus token's frequencies against p, and on a target with a
+five-token vocabulary the step's whole outcome (which drafts are kept, which token is
+drawn) against its exact law, computed from the rule's acceptance probabilities with q
+neither p nor one-hot. Both are held to their `generator`: the same seed twice gives the
+same draws, and the global RNG's state is left as it was.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from roseinfer.request.sampling import SamplingParams
 from roseinfer.request.sequence import Sequence
 from roseinfer.request.token_step import take_tokens
 from roseinfer.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, first_layers
+from rosetrainer.config import GPTConfig
+from rosetrainer.model import GPT
 from rosetrainer.numerics import logit_tolerance
 
 NEW = 16  # tokens generated per run
@@ -281,6 +287,43 @@ def _rule(module: types.ModuleType) -> None:
             raise Mismatch(f"{law} (chi-square p-value {p_value:.2g} < {P_VALUE:g})")
 
 
+@contextlib.contextmanager
+def own_generator(what: str) -> Iterator[None]:
+    """Fails the block when it moves the global RNG's state: every random draw of the
+    contract comes from the `generator` it is given."""
+    before = torch.get_rng_state()
+    yield
+    if not torch.equal(torch.get_rng_state(), before):
+        raise Mismatch(
+            f"{what} move(s) the global RNG's state (torch.rand or torch.multinomial without "
+            "generator=, or torch.manual_seed): every random draw comes from `generator`, so "
+            "a seeded request samples the same alone or beside others"
+        )
+
+
+def expect_reproducible(what: str, draws: Callable[[torch.Generator], list[object]]) -> None:
+    """The same seed of `generator` twice: the same draws."""
+    first = draws(torch.Generator().manual_seed(11))
+    again = draws(torch.Generator().manual_seed(11))
+    if first != again:
+        at = next(i for i, (a, b) in enumerate(zip(first, again, strict=False)) if a != b)
+        raise Mismatch(
+            f"{what}, run twice from one seed of `generator`, differ at draw {at} ({first[at]} "
+            f"then {again[at]}): every random draw comes from `generator`"
+        )
+
+
+def _rule_generator(module: types.ModuleType) -> None:
+    p, q = RULE_CASES[0]
+    with own_generator("the sampled rule's draws"):
+        expect_reproducible(
+            "the sampled rule's draws",
+            lambda generator: [
+                module.accept_or_resample(p, q, drafted, generator) for drafted in (0, 1, 2, 3) * 25
+            ],
+        )
+
+
 def rounded(values: torch.Tensor) -> list[float]:
     return [round(float(x), 3) for x in values]
 
@@ -340,7 +383,148 @@ def _sampled_verify(module: types.ModuleType) -> None:
     check_length(cache, len(text), where)
 
 
-def expect_distributed(counts: dict[int, int], p: torch.Tensor, draws: int, what: str) -> None:
+# A target with a five-token vocabulary, so a verify step's every outcome can be listed.
+SMALL_CONFIG = GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_embd=8)
+SMALL_TEXT = [0, 1, 2, 3]  # the text: the cache holds all but its newest token
+SMALL_DRAFTS = [1, 2]  # k = 2 drafts, and what they were drawn from (neither p nor one-hot)
+SMALL_Q = torch.tensor([[0.1, 0.4, 0.2, 0.2, 0.1], [0.1, 0.1, 0.5, 0.2, 0.1]])
+SMALL_STEPS = 1500  # sampled verify steps counted
+
+
+@functools.cache
+def small_target() -> GPT:
+    """A random GPT over five tokens whose distributions are spread (none near one-hot)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(SMALL_CONFIG).eval()
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.normal_(0, 0.4)
+    return model
+
+
+def exact_law() -> tuple[dict[tuple[int, ...], float], list[torch.Tensor]]:
+    """The sampled verify step's outcome law on the small target: the tokens it returns
+    -> their probability, from the rule (draft i kept with min(1, p_i/q_i); in place of
+    the first rejected one a token from max(0, p_i - q_i) normalised; after every kept
+    draft, the bonus from the target's p). Also the target's p at each place."""
+    with torch.no_grad():
+        logits = small_target()(torch.tensor([SMALL_TEXT + SMALL_DRAFTS])).logits[0]
+    p = list(torch.softmax(logits.double(), dim=-1)[len(SMALL_TEXT) - 1 :])
+    law: dict[tuple[int, ...], float] = {}
+    reach = 1.0  # the probability that every draft so far was kept
+    for i, drafted in enumerate(SMALL_DRAFTS):
+        q = SMALL_Q[i].double()
+        keep = min(1.0, float(p[i][drafted] / q[drafted]))
+        residual = (p[i] - q).clamp(min=0)
+        for token, share in enumerate((residual / residual.sum()).tolist()):
+            if share > 0:
+                law[(*SMALL_DRAFTS[:i], token)] = reach * (1 - keep) * share
+        reach *= keep
+    for token, share in enumerate(p[-1].tolist()):
+        law[(*SMALL_DRAFTS, token)] = reach * share
+    return law, p
+
+
+def small_steps(module: types.ModuleType, generator: torch.Generator, n: int) -> list[tuple]:
+    """n sampled verify steps of the learner's on the small target, from one place."""
+    cache = ConcatKVCache()
+    with torch.no_grad():
+        small_target()(torch.tensor([SMALL_TEXT[:-1]]), cache=cache)
+    held = cache.seq_len
+    outcomes = []
+    for _ in range(n):
+        got = module.verify_sampled(
+            small_target(), cache, SMALL_TEXT[-1], list(SMALL_DRAFTS), SMALL_Q.clone(), generator
+        )
+        outcomes.append(tuple(int(t) for t in got))
+        check_length(cache, held + len(got), "a sampled step on the 5-token target")
+        cache.truncate(held)
+    return outcomes
+
+
+def _sampled_law(module: types.ModuleType) -> None:
+    with own_generator("sampled verify steps"):
+        expect_reproducible("sampled verify steps", lambda g: small_steps(module, g, 20))
+        outcomes = small_steps(module, torch.Generator().manual_seed(2), SMALL_STEPS)
+    law, p = exact_law()
+    where = (
+        f"drafts {SMALL_DRAFTS} drawn from q = {[rounded(row) for row in SMALL_Q]} on a "
+        f"5-token target (p = {[rounded(row) for row in p]})"
+    )
+    impossible = sorted({o for o in outcomes if o not in law})
+    if impossible:
+        raise Mismatch(f"{where}: {never(impossible[0])}")
+    # What a mistake shows first: the first place's token (the draft kept with min(1, p/q),
+    # else a token from max(0, p - q) normalised), then the second draft kept given the
+    # first was (min(1, p/q) there, its own draw), then the whole law.
+    first_law = torch.zeros(SMALL_CONFIG.vocab_size)
+    for outcome, share in law.items():
+        first_law[outcome[0]] += share
+    first = [o[0] for o in outcomes]
+    expect_distributed(
+        {t: first.count(t) for t in set(first)}, first_law, len(first),
+        f"{where}: the first token the step returns, where the rule keeps draft "
+        f"{SMALL_DRAFTS[0]} with min(1, p/q) = {float(first_law[SMALL_DRAFTS[0]]):.3f} and "
+        "else draws from max(0, p - q) normalised",
+        "frequency, probability",
+    )  # fmt: skip
+    kept_first = [o for o in outcomes if o[0] == SMALL_DRAFTS[0] and len(o) > 1]
+    keep_second = min(1.0, float(p[1][SMALL_DRAFTS[1]] / SMALL_Q[1][SMALL_DRAFTS[1]]))
+    kept_both = sum(len(o) == 3 for o in kept_first)
+    if kept_first and binomial_p_value(kept_both, len(kept_first), keep_second) < P_VALUE:
+        raise Mismatch(
+            f"{where}: after the first draft is kept, the second is kept in "
+            f"{kept_both} of {len(kept_first)} steps where the rule keeps it with probability "
+            f"min(1, p/q) = {keep_second:.3f}: each draft gets its own uniform draw"
+        )
+    counts = {o: outcomes.count(o) for o in law}
+    expected = torch.tensor([law[o] for o in law]) * len(outcomes)
+    seen = torch.tensor([float(counts[o]) for o in law])
+    live = expected >= 5  # the rare outcomes pooled
+    expected = torch.cat([expected[live], expected[~live].sum()[None]])
+    seen = torch.cat([seen[live], seen[~live].sum()[None]])
+    statistic = float(((seen - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    p_value = chi_square_p_value(statistic, len(seen) - 1)
+    if p_value < P_VALUE:
+        shown = {
+            str(list(o)): (round(counts[o] / len(outcomes), 3), round(law[o], 3))
+            for o in law
+            if law[o] * len(outcomes) >= 5
+        }
+        raise Mismatch(
+            f"{where}: (frequency, probability) per outcome {shown} in {len(outcomes)} steps "
+            f"(chi-square p-value {p_value:.2g} < {P_VALUE:g}): each draft in turn through "
+            "the rule, the bonus from p after the last"
+        )
+
+
+def never(outcome: tuple[int, ...]) -> str:
+    """Why the rule never returns `outcome` on the small target, in words."""
+    place = len(outcome) - 1
+    if place > len(SMALL_DRAFTS) or list(outcome[:place]) != SMALL_DRAFTS[:place]:
+        return (
+            f"it returns {list(outcome)}: the kept drafts (a prefix of {SMALL_DRAFTS}), then "
+            "one token, is all a step returns"
+        )
+    return (
+        f"it returns {list(outcome)}, draft {SMALL_DRAFTS[place]} rejected and "
+        f"{outcome[-1]} drawn in its place, where the token comes from max(0, p - q) "
+        f"normalised, which gives {outcome[-1]} nothing (q >= p there)"
+    )
+
+
+def binomial_p_value(successes: int, trials: int, probability: float) -> float:
+    """Two-sided, by the normal approximation: how unlikely `successes` in `trials` is."""
+    mean = trials * probability
+    spread = max((trials * probability * (1 - probability)) ** 0.5, 1e-9)
+    z = abs(successes - mean) / spread
+    return float(torch.special.erfc(torch.tensor(z / 2**0.5)))
+
+
+def expect_distributed(
+    counts: dict[int, int], p: torch.Tensor, draws: int, what: str, shown: str = "frequency, p"
+) -> None:
     """Tokens counted over `draws` draws against p: a chi-square test over p's likeliest
     tokens (those expected at least 5 times) and the rest together."""
     likely = [int(t) for t in torch.nonzero(p * draws >= 5).flatten()]
@@ -352,9 +536,9 @@ def expect_distributed(counts: dict[int, int], p: torch.Tensor, draws: int, what
     statistic = float(((seen[live] - expected[live]) ** 2 / expected[live]).sum())
     p_value = chi_square_p_value(statistic, int(live.sum()) - 1)
     if p_value < P_VALUE:
-        shown = {t: (counts.get(t, 0) / draws, round(float(p[t]), 3)) for t in likely}
+        pairs = {t: (round(counts.get(t, 0) / draws, 3), round(float(p[t]), 3)) for t in likely}
         raise Mismatch(
-            f"{what}: (frequency, p) per likely token {shown} (chi-square p-value "
+            f"{what}: ({shown}) per likely token {pairs} (chi-square p-value "
             f"{p_value:.2g} < {P_VALUE:g})"
         )
 
@@ -404,7 +588,9 @@ VERIFY = Build(
         Part("greedy, the cache's length after every call", cache_length),
         Part("greedy, the run past a rejection", past_rejection),
         Part("sampled rule", _rule),
+        Part("sampled rule, its generator", _rule_generator),
         Part("sampled verify", _sampled_verify),
+        Part("sampled verify, the exact law on a 5-token vocabulary", _sampled_law),
     ),
     probe=_probe,
     known_wrong=(

@@ -20,7 +20,10 @@ your greedy verify step, on rose's own caches and with rose's drafters (prompt l
 the self-draft) and with drafts scripted to be rejected at every place, for k = 1..8,
 checking the cache's length after every call and every token against the uncached
 greedy run; and holds your sampled rule and sampled verify step to the target's
-distribution (a chi-square test on seeded draws).
+distribution (a chi-square test on seeded draws), on a five-token target to the exact
+law of the step's outcomes (which drafts are kept, which token comes after), and to
+their `generator`: the same seed twice gives the same draws, and the global RNG's state
+is left as it was.
 """
 
 from __future__ import annotations
