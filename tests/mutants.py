@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from rosecourse.solutions import build_cached_loop as reference_cached_loop
+from rosecourse.solutions import build_training_step as reference_training_step
 
 MUTANTS: dict[str, list[Callable]] = {}
 ALTERNATIVES: dict[str, list[Callable]] = {}
@@ -1590,3 +1591,116 @@ def uniform_drawn_only_when_needed(p, q, drafted, generator):
     cdf = (p - q).clamp(min=0).double().cumsum(0)
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     return int(torch.searchsorted(cdf, u, right=True).clamp(max=len(p) - 1)), False
+
+
+# -- build training_step: AdamW, train_step (chapter 00) -------------------------------------
+# These run with the learner module's globals: learning_rate, clip_gradients, math, torch.
+
+
+def _train_step(model, optimizer, batches, step, cfg, norm_of):
+    """The reference's train_step, its returned norm norm_of(norm before clipping,
+    max_norm, model)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)  # noqa: F821
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)  # noqa: F821
+    returned = norm_of(norm, max_norm, model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, returned
+
+
+@build_mutant("training_step", "train_step")
+def norm_zero_when_not_clipped(model, optimizer, batches, step, cfg):
+    return _train_step(
+        model,
+        optimizer,
+        batches,
+        step,
+        cfg,
+        lambda norm, max_norm, m: norm if cfg.grad_clip else 0.0,
+    )
+
+
+@build_mutant("training_step", "train_step")
+def norm_measured_after_clipping(model, optimizer, batches, step, cfg):
+    def after(norm, max_norm, m):
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        return float(torch.stack([g.norm() for g in grads]).norm())
+
+    return _train_step(model, optimizer, batches, step, cfg, after)
+
+
+@build_mutant("training_step", "train_step")
+def norm_capped_at_the_threshold(model, optimizer, batches, step, cfg):
+    return _train_step(
+        model, optimizer, batches, step, cfg, lambda norm, max_norm, m: min(norm, max_norm)
+    )
+
+
+@build_mutant("training_step", "train_step")
+def norm_per_micro_batch(model, optimizer, batches, step, cfg):
+    return _train_step(
+        model, optimizer, batches, step, cfg,
+        lambda norm, max_norm, m: norm / cfg.grad_accum_steps,
+    )  # fmt: skip
+
+
+class _AdamReading(reference_training_step.AdamW):
+    """The reference's AdamW with each group's settings read through `setting`."""
+
+    def setting(self, group, name):
+        return group[name]
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr = group["lr"]
+            beta1, beta2 = self.setting(group, "betas")
+            eps = self.setting(group, "eps")
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+                p.mul_(1 - lr * group["weight_decay"])
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                p.sub_(lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps))
+
+
+@build_mutant("training_step", "AdamW", name="betas_from_the_constructor")
+class BetasFromTheConstructor(_AdamReading):
+    def setting(self, group, name):
+        return self.defaults[name] if name == "betas" else group[name]
+
+
+@build_mutant("training_step", "AdamW", name="eps_from_the_constructor")
+class EpsFromTheConstructor(_AdamReading):
+    def setting(self, group, name):
+        return self.defaults[name] if name == "eps" else group[name]
+
+
+@build_mutant("training_step", "AdamW", name="settings_kept_from_the_constructor")
+class SettingsKeptFromTheConstructor(_AdamReading):
+    # betas and eps copied onto the optimizer when it is built, as plain attributes.
+    def __init__(self, params, lr, betas, eps=1e-8, weight_decay=0.0):
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self.betas, self.eps = betas, eps
+
+    def setting(self, group, name):
+        return getattr(self, name)
+
+
+@build_alternative("training_step", "AdamW", name="adam_reading_every_group_setting")
+class AdamReadingEveryGroupSetting(_AdamReading):
+    pass

@@ -2,8 +2,9 @@
 
 Contract: rosecourse/solutions/build_training_step.py. The parts:
 
-* AdamW: a few updates of parameters in two groups, learning rate changed between steps,
-  one parameter without a gradient, against torch.optim.AdamW's;
+* AdamW: a few updates of parameters in three groups (one with betas and eps of its
+  own, which override the optimizer's), learning rate changed between steps, one
+  parameter without a gradient, against torch.optim.AdamW's;
 * the parameter groups: each of rose's GPT's parameters in one group, with the weight
   decay rose's `configure_optimizer` gives it;
 * the schedule: every step's learning rate equal to `learning_rate_at`'s, for a run with
@@ -15,7 +16,8 @@ Contract: rosecourse/solutions/build_training_step.py. The parts:
   `learning_rate_at`, `rosetrainer.step.train_step`) on the same batches: once with one
   micro-batch a step, once with three and a clipping threshold that some steps cross.
   Every step's loss and every final parameter agree within LOSS_RTOL and PARAM_RTOL of
-  their scale.
+  their scale, and every step's returned gradient norm (before clipping, measured when
+  nothing is clipped too) within NORM_RTOL of rose's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ BATCH = 4
 # and the weights by 2e-2 or more.
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-3
+# The returned gradient norms part as the weights do (measured: under 1e-5 of the norm);
+# a norm taken after clipping, per micro-batch or left at 0 is off by 10% or more.
+NORM_RTOL = 1e-3
 # The run: a warmup, a cosine that ends three steps early (the floor is reached), a weight
 # decay large enough to show, and a learning rate high enough that every step counts.
 RUN = dict(learning_rate=1e-2, min_lr=1e-3, warmup_steps=4, max_steps=STEPS,
@@ -79,9 +84,9 @@ def fresh_model() -> GPT:
 
 
 @functools.cache
-def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """rose's trainer's pieces, STEPS steps of RUNS[run]: each step's loss and the final
-    parameters."""
+def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """rose's trainer's pieces, STEPS steps of RUNS[run]: each step's loss, the final
+    parameters and each step's gradient norm before clipping."""
     cfg = RUNS[run]
     model, stream = fresh_model(), batches()
     optimizer = model.configure_optimizer(
@@ -89,35 +94,46 @@ def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     runtime = Runtime(torch.device("cpu"), torch.float32)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, cfg)
-        loss, _ = train_step(model, optimizer, scaler, stream, cfg, runtime)
+        loss, norm = train_step(model, optimizer, scaler, stream, cfg, runtime)
         losses.append(float(loss))
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+        norms.append(float(norm))
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
 
 
 def learners_run(module: types.ModuleType, cfg: TrainConfig, steps: int = STEPS) -> tuple:
     model, stream = fresh_model(), batches()
     optimizer = module.make_optimizer(model, cfg)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
-        loss, _ = module.train_step(model, optimizer, stream, step, cfg)
+        loss, norm = module.train_step(model, optimizer, stream, step, cfg)
         losses.append(float(loss))
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+        norms.append(float(norm))
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
 
 
 def training(run: str):
     """A part: STEPS steps of the learner's training beside rose's, RUNS[run]."""
 
     def run_part(module: types.ModuleType) -> None:
-        want_losses, want_params = roses_run(run)
-        losses, params = learners_run(module, RUNS[run])
+        want_losses, want_params, want_norms = roses_run(run)
+        losses, params, norms = learners_run(module, RUNS[run])
         for step, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
             if not abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
                 raise Mismatch(
                     f"step {step}'s loss is {got:.7g} where rose's trainer has {want:.7g}"
+                )
+        cfg = RUNS[run]
+        clip = f"clipped at {cfg.grad_clip}" if cfg.grad_clip else "not clipped"
+        for step, (got, want) in enumerate(zip(norms, want_norms, strict=True)):
+            if not abs(got - want) <= NORM_RTOL * want:
+                raise Mismatch(
+                    f"step {step} ({clip}) returns the gradient norm {got:.6g} where rose's "
+                    f"trainer has {want:.6g}: train_step returns the norm of the mean loss's "
+                    "gradients before clipping, measured when nothing is clipped too"
                 )
         for name, want in want_params.items():
             tolerance = PARAM_RTOL * max(1.0, float(want.abs().max()))
@@ -169,12 +185,18 @@ def _schedule(module: types.ModuleType) -> None:
 
 
 def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
-    """`steps` updates of three parameters in two groups (decay 0.3 and 0) by
-    `optimizer_cls`, with fresh gradients and a new learning rate each step; the last
-    parameter gets no gradient at steps 1 and 3. Returns the parameters after each step."""
+    """`steps` updates of four parameters in three groups (decay 0.3 and 0, and one with
+    betas and eps of its own) by `optimizer_cls`, with fresh gradients and a new learning
+    rate each step; the third parameter gets no gradient at steps 1 and 3. Returns the
+    parameters after each step."""
     generator = torch.Generator().manual_seed(4)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((3, 4), (4,), (2,))]  # fmt: skip
-    groups = [{"params": params[:1], "weight_decay": 0.3}, {"params": params[1:], "weight_decay": 0.0}]  # fmt: skip
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((3, 4), (4,), (2,), (3,))]  # fmt: skip
+    groups = [
+        {"params": params[:1], "weight_decay": 0.3},
+        {"params": params[1:3], "weight_decay": 0.0},
+        # Its own betas and eps, which override the optimizer's (eps large enough to show).
+        {"params": params[3:], "weight_decay": 0.1, "betas": (0.5, 0.7), "eps": 0.05},
+    ]
     optimizer = optimizer_cls(groups, lr=0.1, betas=(0.9, 0.95))
     seen = []
     for step in range(steps):
@@ -193,6 +215,8 @@ def _adamw(module: types.ModuleType) -> None:
     for step, (got, right) in enumerate(zip(adam_run(module.AdamW), want, strict=True)):
         for i, (a, b) in enumerate(zip(got, right, strict=True)):
             what = f"after update {step + 1}, parameter {i}"
+            if i == 3:
+                what += " (its group's own betas and eps override the optimizer's)"
             expect_close(what, a, b, 1e-6 * max(1.0, float(b.abs().max())))
 
 
@@ -225,9 +249,9 @@ def _probe(module: types.ModuleType) -> list[object]:
         for p in group["params"]
     ]
     rates = [module.learning_rate(step, ONE_MICRO_BATCH) for step in range(STEPS + 1)]
-    losses, params = learners_run(module, ACCUMULATED, steps=6)
+    losses, params, norms = learners_run(module, ACCUMULATED, steps=6)
     adam = adam_run(module.AdamW, steps=2)
-    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam]
+    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms]
 
 
 TRAINING_STEP = Build(

@@ -11,10 +11,11 @@ process.
 min_lr, warmup_steps, max_steps, lr_decay_steps, weight_decay, beta1, beta2,
 grad_accum_steps and grad_clip.
 
-`rose-course check training_step` compares your AdamW and clipping with PyTorch's,
-your groups and schedule with rose's, and then trains rose's GPT (a tiny one) for 20
-steps from one seed with your pieces beside rose's trainer doing the same: every step's
-loss and the final parameters must agree within the check's tolerance.
+`rose-course check training_step` compares your AdamW (a group with betas and eps of
+its own among them) and clipping with PyTorch's, your groups and schedule with rose's,
+and then trains rose's GPT (a tiny one) for 20 steps from one seed with your pieces
+beside rose's trainer doing the same: every step's loss, every step's returned gradient
+norm and the final parameters must agree within the check's tolerance.
 """
 
 from __future__ import annotations
