@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,27 @@ def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -
     attention = 2 * (2 * 8 * 10)  # 2 layers x (q.k and weights.v: 8 x 10 each)
     assert infer_bench.decode_flops(model, kv_len=10) == 2 * (matrices + attention)
     assert infer_bench.decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)
+
+
+def test_tiny_offload_bench_prints_one_table_with_equal_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture, one_torch_thread: None
+) -> None:
+    from roseinfer.bench import offload
+
+    path = tmp_path / "offload.json"
+    assert offload.main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    kinds = ("concat", "static", "offloaded")
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(kinds)]
+    assert rows == list(kinds)
+    assert "tokens equal: yes" in out.splitlines()
+    results = {r["kind"]: r for r in json.loads(path.read_text())["results"]}
+    assert all(r["tokens_equal_oracle"] and r["tokens_equal_concat"] for r in results.values())
+    assert all(r["new_tokens"] == 128 - 16 and r["tokens_per_s"] > 0 for r in results.values())
+    # Two of the tiny model's four layers on the device, all four on the host; the
+    # others copy nothing in.
+    offloaded, static = results["offloaded"], results["static"]
+    assert offloaded["device_cache_bytes"] * 2 == offloaded["host_cache_bytes"]
+    assert offloaded["host_cache_bytes"] == static["device_cache_bytes"]
+    assert offloaded["to_device_bytes_per_step"] > 0 == static["to_device_bytes_per_step"]
+    assert offloaded["peak_device_bytes"] is None  # no CUDA here

@@ -229,6 +229,19 @@ BAD_INPUTS = {
         ["--compile", "--cache", "concat"],
         "--compile compiles the static cache's decode step",
     ),
+    "compile with the offloaded cache": (
+        ["--compile", "--cache", "offloaded"],
+        "--compile compiles the static cache's decode step: drop --no-kv-cache and --cache "
+        "offloaded",
+    ),
+    "offloaded cache quantized": (
+        ["--cache", "offloaded", "--kv-cache-dtype", "int8"],
+        "--kv-cache-dtype int8 quantizes the static cache .* drop .*--cache offloaded",
+    ),
+    "offloaded cache on a split model": (
+        ["--cache", "offloaded", "--pipeline-parallel-size", "2"],
+        "a split model keeps a static or concat cache per stage: drop --cache offloaded",
+    ),
     "compile mode that does not exist": (
         ["--compile", "fast"],
         r"argument --compile: invalid choice: 'fast' \(choose from .*'max-autotune'",
@@ -376,6 +389,22 @@ def test_a_ragged_batch_equals_each_prompt_alone(
             )
             assert_clear_margins(expected.step_logits)
             assert result["token_ids"] == expected.token_ids
+
+
+def test_the_offloaded_cache_gives_each_row_of_a_ragged_batch_the_oracles_tokens(
+    hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--cache offloaded: keys and values in host memory (on a CPU, one device), the
+    ragged batch left-padded; the same tokens as the uncached path (the greedy test above
+    holds these prompts' oracles to clear margins)."""
+    common = ["--hf-model", hf_gpt2_dir, "--temperature", "0", "--max-new-tokens", "12"]
+    prompts = [arg for prompt in RAGGED_PROMPTS for arg in ("--prompt", prompt)]
+    code, out, err = main(capsys, "--json", *common, *prompts, "--cache", "offloaded")
+    assert code == 0, err
+    assert "[roseinfer] kv cache: offloaded" in err.splitlines()
+    offloaded = [r["token_ids"] for r in json_lines(out)]
+    oracle = [r["token_ids"] for r in run_json(capsys, *common, *prompts, "--no-kv-cache")]
+    assert offloaded == oracle and all(len(ids) == 12 for ids in offloaded)
 
 
 def test_batch_size_only_changes_how_the_text_is_printed(

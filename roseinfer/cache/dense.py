@@ -45,7 +45,7 @@ CACHE_KINDS = ("static", "concat")  # what `new_cache` builds (the split model's
 
 class DenseKVCache(KVCache, Protocol):
     """A model cache (rosetrainer.model.KVCache) as the generation loops hold it: one
-    row of positions per sequence (concat, static, quantized)."""
+    row of positions per sequence (concat, static, quantized, offloaded)."""
 
     compilable: bool
     windowed: bool  # honours the model's sliding window (the rolling caches)
@@ -99,22 +99,12 @@ class ConcatKVCache:
                     f"the cache holds {self.past_kv[0][0].size(0)} row(s), but {batch} row(s) "
                     f"of ids were given: continue the batch the cache was filled with"
                 )
-        past_len, kv_len = self.seq_len, self.seq_len + q_len
-        if self.pad_lengths is None:
-            pos = gpt.position_ids(past_len, q_len, device)[None, :]
-            mask = None if past_len == 0 else gpt.causal_mask(q_len, kv_len, device)
-            return pos, mask
-        if self.pad_lengths.shape != (batch,):
+        if self.pad_lengths is not None and self.pad_lengths.shape != (batch,):
             raise RoseError(
                 f"pad_lengths has shape {tuple(self.pad_lengths.shape)}, but {batch} row(s) "
                 f"of ids were given: give one left-padding length per row"
             )
-        # A slot is real once past the row's padding; positions count real tokens only.
-        slots = torch.arange(kv_len, device=device)
-        attention_mask = slots[None, :] >= self.pad_lengths[:, None]
-        pos = gpt.padded_position_ids(attention_mask)[:, past_len:]
-        mask = gpt.padding_mask(gpt.causal_mask(q_len, kv_len, device), attention_mask)
-        return pos, mask
+        return filled_positions_and_mask(self.seq_len, q_len, self.pad_lengths, device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
         if layer < len(self.past_kv):
@@ -332,6 +322,27 @@ class StaticKVCache:
             fork.filled = self.filled.clone()
             forks.append(fork)
         return forks
+
+
+def filled_positions_and_mask(
+    past_len: int, q_len: int, pad_lengths: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Positions and mask of q_len new tokens after past_len held ones, for a cache whose
+    attention reads exactly the past_len + q_len filled positions (the concatenating and
+    the offloaded caches): the bottom-right rows of the causal mask, positions after the
+    past, and with left padding (pad_lengths, one per row) the padding masked and not
+    counted in positions."""
+    kv_len = past_len + q_len
+    if pad_lengths is None:
+        pos = gpt.position_ids(past_len, q_len, device)[None, :]
+        mask = None if past_len == 0 else gpt.causal_mask(q_len, kv_len, device)
+        return pos, mask
+    # A slot is real once past the row's padding; positions count real tokens only.
+    slots = torch.arange(kv_len, device=device)
+    attention_mask = slots[None, :] >= pad_lengths[:, None]
+    pos = gpt.padded_position_ids(attention_mask)[:, past_len:]
+    mask = gpt.padding_mask(gpt.causal_mask(q_len, kv_len, device), attention_mask)
+    return pos, mask
 
 
 def check_truncate(n: int, held: int) -> None:

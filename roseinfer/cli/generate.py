@@ -17,7 +17,7 @@ Which path runs:
   text streamed as it is made;
 * speculative decoding (--speculative-model or --speculative-method, with
   --num-speculative-tokens): the engine, for one prompt too (printed once it is done);
-* --no-kv-cache, --cache static|concat|rolling, --compile or --onnx: that path, for
+* --no-kv-cache, --cache static|concat|rolling|offloaded, --compile or --onnx: that path, for
   every prompt, in left-padded batches of --batch-size (each batch printed when it is
   done). --no-kv-cache on a windowed model is its oracle: the whole sequence under the
   banded mask.
@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.cache.dense import CACHE_KINDS, ConcatKVCache, StaticKVCache
+from roseinfer.cache.offloaded import OffloadedKVCache
 from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
 from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.cli.engine_flags import (
@@ -209,11 +210,13 @@ def add_path_flags(p: argparse.ArgumentParser) -> None:
     )
     path.add_argument(
         "--cache",
-        choices=["static", "concat", "rolling"],
+        choices=["static", "concat", "rolling", "offloaded"],
         help="run every prompt on this cache in left-padded batches instead of the engine: "
         "static: buffers preallocated for the whole context (what one prompt uses anyway); "
         "concat: grown by concatenation each step; rolling: the sliding window's slots "
-        "only (the default for a model with a sliding window, and its only cache)",
+        "only (the default for a model with a sliding window, and its only cache); "
+        "offloaded: every layer's keys and values in host memory, two layers' on the GPU, "
+        "copied in one layer ahead (a long context on a small card, at PCIe speed)",
     )
     path.add_argument(
         "--batch-size",
@@ -291,10 +294,10 @@ def report_seed_and_prompts(
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    if args.compile and (args.no_kv_cache or args.cache == "concat"):
+    if args.compile and (args.no_kv_cache or args.cache in ("concat", "offloaded")):
         raise RoseError(
             "--compile compiles the static cache's decode step: drop --no-kv-cache "
-            "and --cache concat, or drop --compile"
+            f"and --cache {args.cache or 'concat'}, or drop --compile"
         )
     if args.onnx and (args.no_kv_cache or args.cache or args.compile):
         raise RoseError(
@@ -302,10 +305,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
             "--no-kv-cache, --cache and --compile"
         )
     quantized = args.kv_cache_dtype != "auto"
-    if quantized and (args.no_kv_cache or args.cache == "concat" or args.onnx):
+    if quantized and (args.no_kv_cache or args.cache in ("concat", "offloaded") or args.onnx):
         raise RoseError(
             f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache or the "
-            "engine's pool: drop --no-kv-cache, --cache concat and --onnx"
+            f"engine's pool: drop --no-kv-cache, --cache {args.cache or 'concat'} and --onnx"
         )
     if quantized and args.compile:
         raise RoseError(
@@ -413,7 +416,7 @@ def write(text: str) -> None:
 
 
 def cache_kind(args: argparse.Namespace, config: GPTConfig) -> str:
-    """static, concat or rolling, checked against the model: a sliding window needs the
+    """static, concat, rolling or offloaded, checked against the model: a sliding window needs the
     rolling cache (the others keep every key), and only a window can roll."""
     windowed = config.sliding_window is not None
     kind = args.cache or ("rolling" if windowed else "static")
@@ -424,7 +427,7 @@ def cache_kind(args: argparse.Namespace, config: GPTConfig) -> str:
         )
     if kind == "rolling" and not windowed:
         raise RoseError(
-            "--cache rolling needs a model with a sliding window: pick static or concat"
+            "--cache rolling needs a model with a sliding window: pick static, concat or offloaded"
         )
     if kind == "rolling" and (args.kv_cache_dtype != "auto" or args.compile):
         raise RoseError("the rolling cache is not quantized or compiled: drop --kv-cache-dtype "
@@ -434,7 +437,7 @@ def cache_kind(args: argparse.Namespace, config: GPTConfig) -> str:
 
 def make_cache(
     args: argparse.Namespace, model: GPT, batch: list[list[int]]
-) -> StaticKVCache | ConcatKVCache | RollingKVCache | None:
+) -> StaticKVCache | ConcatKVCache | RollingKVCache | OffloadedKVCache | None:
     """A fresh cache for one batch (None: the uncached reference path)."""
     if args.no_kv_cache:
         return None
@@ -451,6 +454,8 @@ def make_cache(
     max_len = min(model.config.block_size, longest + args.max_new_tokens)
     if args.compile:
         max_len = model.config.block_size
+    if kind == "offloaded":
+        return OffloadedKVCache(model, batch_size=len(batch), max_len=max_len)
     return make_kv_cache(
         model,
         batch_size=len(batch),
@@ -794,6 +799,10 @@ def run_split(args: argparse.Namespace, params: SamplingParams) -> int:
             "--no-kv-cache, --compile and --onnx"
         )
     cache = args.cache or "static"
+    if cache not in CACHE_KINDS:
+        raise RoseError(
+            f"a split model keeps a {' or '.join(CACHE_KINDS)} cache per stage: drop --cache {cache}"
+        )
     if args.micro_batches is not None and args.micro_batches < 1:
         raise RoseError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     prompts, blank_lines = read_prompts(args)
