@@ -13,8 +13,10 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from rosecourse.solutions import build_cached_loop as reference_cached_loop
+from rosecourse.solutions import build_model as reference_model
 from rosecourse.solutions import build_training_step as reference_training_step
 
 MUTANTS: dict[str, list[Callable]] = {}
@@ -1704,3 +1706,68 @@ class SettingsKeptFromTheConstructor(_AdamReading):
 @build_alternative("training_step", "AdamW", name="adam_reading_every_group_setting")
 class AdamReadingEveryGroupSetting(_AdamReading):
     pass
+
+
+# -- build model: CausalSelfAttention, MLP, Block, GPT (chapter 00) --------------------------
+# The contract: the model runs without dropout (config.dropout is 0 here), in train mode too.
+
+
+@build_mutant("model", "Block", name="dropout_hard_coded_on")
+class DropoutHardCodedOn(reference_model.Block):
+    def __init__(self, config):
+        super().__init__(config)
+        self.dropout = nn.Dropout(0.1)  # nanoGPT's value, whatever the config says
+
+    def forward(self, x):
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+@build_mutant("model", "CausalSelfAttention", name="attention_weights_dropped")
+class AttentionWeightsDropped(reference_model.CausalSelfAttention):
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(C, dim=2)
+        )
+        y = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=0.1 if self.training else 0.0
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+@build_mutant("model", "GPT", name="embeddings_dropped")
+class EmbeddingsDropped(reference_model.GPT):
+    def __init__(self, config):
+        super().__init__(config)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, idx):
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+@build_mutant("model", "MLP", name="dropout_defaulted_when_zero")
+class DropoutDefaultedWhenZero(reference_model.MLP):
+    def __init__(self, config):
+        super().__init__(config)
+        self.dropout = nn.Dropout(config.dropout or 0.1)
+
+    def forward(self, x):
+        return self.dropout(super().forward(x))
+
+
+@build_alternative("model", "Block", name="dropout_read_from_the_config")
+class DropoutReadFromTheConfig(reference_model.Block):
+    # Dropout as rose's model has it, at config.dropout (0 here): right.
+    def __init__(self, config):
+        super().__init__(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))

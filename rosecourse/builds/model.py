@@ -4,8 +4,10 @@ Contract: rosecourse/solutions/build_model.py (its docstrings are the stub). Eac
 loads rose's weights into the learner's module (strict: the names and shapes must be
 rose's) and compares what it computes with rose's own module on the same input:
 attention, MLP and block on hidden states of lengths 1, 7 and block_size, the whole
-model's logits on batches of those lengths (with and without biases), and every
-parameter's gradient after a cross-entropy loss. Logits and hidden states are held to
+model's logits on batches of those lengths (with and without biases), the logits in
+train mode (the model runs without dropout: train mode computes what eval mode does),
+and every parameter's gradient after a cross-entropy loss, in train mode as a trainer
+takes it. Logits and hidden states are held to
 rose's one tolerance rule (rosetrainer/numerics.py); gradients to GRAD_RTOL.
 
 The weights are the chapters' wide ones (`wide_random_init`: embeddings of std 1,
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, first_gap
 from rosecourse.demo import wide_random_init
 from rosetrainer import model as rose
 from rosetrainer.config import GPTConfig
@@ -106,9 +108,34 @@ def _logits(module: types.ModuleType) -> None:
                 expect_close(what, mine(idx), want, logit_tolerance(want))
 
 
-def _gradients(module: types.ModuleType) -> None:
+def _train_mode(module: types.ModuleType) -> None:
+    """The learner's GPT in train mode beside rose's: with config.dropout 0, train mode
+    computes what eval mode does (twice, so a random drop cannot pass by luck)."""
     reference = rose_model()
     mine = loaded(module.GPT, reference)
+    idx = token_ids(2, CONFIG.block_size, 13)
+    with torch.no_grad():
+        want = reference(idx).logits
+        tolerance = logit_tolerance(want)
+        in_eval = first_gap(mine(idx), want, tolerance)
+        mine.train()
+        for _ in range(2):
+            gap = first_gap(mine(idx), want, tolerance)
+            if gap is None:
+                continue
+            what = f"in train mode (model.train()) the logits of a (2, {CONFIG.block_size}) batch"
+            if in_eval is not None:
+                raise Mismatch(f"{what}: {gap}")
+            raise Mismatch(
+                f"{what} leave rose's: {gap}; in eval mode they do not: the model runs "
+                "without dropout (config.dropout is 0 here), so train mode computes what "
+                "eval mode does: is a dropout of your own switched on by train mode?"
+            )
+
+
+def _gradients(module: types.ModuleType) -> None:
+    reference = rose_model().train()
+    mine = loaded(module.GPT, reference).train()  # as a trainer runs it
     idx, targets = token_ids(2, CONFIG.block_size, 7), token_ids(2, CONFIG.block_size, 8)
     reference(idx, targets).loss.backward()
     logits = mine(idx)
@@ -161,7 +188,8 @@ MODEL = Build(
         Part("mlp", compare_layer("MLP", lambda gpt: gpt.transformer.h[0].mlp, _call)),
         Part("block", compare_layer("Block", lambda gpt: gpt.transformer.h[1], _attention)),
         Part("logits", _logits),
-        Part("gradients", _gradients),
+        Part("train mode", _train_mode),
+        Part("gradients, in train mode", _gradients),
     ),
     probe=_probe,
     known_wrong=(

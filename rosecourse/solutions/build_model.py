@@ -5,13 +5,15 @@ Four modules, each an `nn.Module`, whose parameters carry rose's names and shape
 `load_state_dict(strict=True)` and the two compute the same function. Create no other
 parameters and no buffers (a mask you keep must be registered with `persistent=False`,
 or built in `forward`). Every Linear and LayerNorm has a bias exactly when
-`config.bias` is True; the model runs without dropout (`config.dropout` is 0 here).
+`config.bias` is True; the model runs without dropout (`config.dropout` is 0 here), in
+train mode as in eval mode.
 `config` is a `rosetrainer.config.GPTConfig`; read only vocab_size, block_size,
 n_layer, n_head, n_embd and bias.
 
 `rose-course check model` loads rose's weights into each of your modules and compares
 them with rose's: attention, MLP and block on hidden states of several lengths, the
-whole model's logits on batches of several lengths, and its gradients after a loss.
+whole model's logits on batches of several lengths (in eval mode and in train mode), and
+its gradients after a loss (in train mode).
 """
 
 from __future__ import annotations
