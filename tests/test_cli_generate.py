@@ -574,3 +574,28 @@ def test_a_cache_that_does_not_fit_the_window_is_one_line(
     code, out, err = main(capsys, "--checkpoint-path", path, "--prompt", "a", *extra)
     assert code == 2 and out == ""
     assert complaint in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_engine_says_when_it_stops_prompts_at_the_context(
+    run_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Offline, as vLLM's LLM does, the engine stops a request at the context window
+    (finish reason length) rather than refuse it, and says so in one line (the server
+    answers 400 instead: test_serve.py)."""
+    short, long = "ROMEO:", " ".join(["word"] * 40)  # 3 and 40 tokens; the context is 64
+    base = ["--checkpoint-path", run_dir, "--prompt", short, "--prompt", long, "--json",
+            "--temperature", "0", "--no-stop-at-eot"]  # fmt: skip
+    code, out, err = main(capsys, *base, "--max-new-tokens", "30")
+    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("[roseinfer] context:")]
+    assert said == [
+        "[roseinfer] context: 1 of 2 prompts + --max-new-tokens 30 do not fit the model's "
+        "64-token context: the engine stops each when the context is full (finish reason length)"
+    ]
+    rows = json_lines(out)
+    assert [len(row["prompt_token_ids"]) for row in rows] == [3, 40]
+    # It feeds 64 tokens; the last one sampled needs no position: 40 + 25 - 1 = 64.
+    assert [len(row["token_ids"]) for row in rows] == [30, 25]
+    assert [row["finish_reason"] for row in rows] == ["length", "length"]
+    code, out, err = main(capsys, *base, "--max-new-tokens", "25")  # fits: nothing said
+    assert code == 0 and "context:" not in err

@@ -366,6 +366,48 @@ def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Ser
 
 
 @pytest.mark.slow
+def test_max_tokens_past_the_context_is_a_400_naming_the_numbers(
+    client: openai.OpenAI, server: Server
+) -> None:
+    """vLLM's answer, not a silent cap: prompt tokens + max_tokens over the window is a
+    400 (OpenAI's context_length_exceeded); exactly the window is served in full."""
+    import openai
+
+    prompt = [11] * (WINDOW - 4)  # token ids: the count is exact
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=200)
+    error = refused.value
+    assert (error.status_code, error.param, error.code) == (
+        400, "max_tokens", "context_length_exceeded"
+    )  # fmt: skip
+    assert f"{WINDOW - 4} + 200 = {WINDOW + 196} > {WINDOW}" in error.message
+    assert "lower max_tokens to 4 or less" in error.message
+    with pytest.raises(openai.BadRequestError, match=f"{WINDOW - 4} \\+ 5 = {WINDOW + 1}"):
+        stream = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=5, stream=True
+        )
+        list(stream)
+    # The chat endpoint counts the rendered messages, and names the field it was given.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Who art thou?"}],
+            max_completion_tokens=WINDOW,
+        )
+    assert refused.value.param == "max_completion_tokens"
+    assert "the messages take" in refused.value.message
+    fits = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert fits.usage.completion_tokens == 4 and fits.choices[0].finish_reason == "length"
+    assert wait_idle(server)["rose_kv_blocks_used"] == 0
+
+
+@pytest.mark.slow
 def test_bench_serving_reports_every_rate_against_the_server(
     server: Server, tmp_path: Path, tinyshakespeare_path: Path
 ) -> None:

@@ -625,6 +625,7 @@ def run_engine(
 ) -> None:
     """Every prompt through the engine; each printed, in prompt order, once it and every
     prompt before it are done."""
+    report_context_cap(prompt_ids, params.max_tokens, engine.length_limit)
     request_ids = [engine.add_request(ids, params) for ids in prompt_ids]
     done: dict[str, GenerationResult] = {}
     printed = 0
@@ -666,6 +667,23 @@ def speculative_summary(spec: SpeculativeStats) -> str:
         f"({spec.acceptance_rate:.1%}), {spec.mean_accepted_length:.2f} tokens per verify "
         f"step ({spec.num_drafts} steps)"
     )
+
+
+def report_context_cap(prompt_ids: list[list[int]], max_tokens: int, limit: int | None) -> None:
+    """One line when the engine will stop prompts before --max-new-tokens: a request's
+    last token is sampled, never fed, so it runs until it has fed `limit` tokens (finish
+    reason length), as vLLM's offline LLM stops at its context. The server refuses such a
+    request instead (roseinfer/serving/checks.py)."""
+    over = [ids for ids in prompt_ids if limit is not None and len(ids) + max_tokens - 1 > limit]
+    if over:
+        which = (
+            "the prompt" if len(prompt_ids) == 1 else f"{len(over)} of {len(prompt_ids)} prompts"
+        )
+        status(
+            "context",
+            f"{which} + --max-new-tokens {max_tokens} do not fit the model's {limit}-token "
+            "context: the engine stops each when the context is full (finish reason length)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -80,7 +80,11 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order."""
+        """One finished output per prompt, in the prompts' order.
+
+        A request whose prompt and max_tokens do not fit the context stops when the context
+        is full (finish_reason "length"), as vLLM's offline LLM stops at max_model_len;
+        rose-serve refuses such a request with a 400, as vLLM's server does."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = SamplingParams() if params is None else params

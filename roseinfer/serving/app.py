@@ -76,6 +76,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         config.vocab_size,
         settings.max_waiting,
         speculative=engine.num_speculative_tokens is not None,
+        length_limit=engine.length_limit,
     )
 
     @asynccontextmanager

@@ -38,10 +38,15 @@ class RequestChecks:
         block_size: int,
         vocab_size: int,
         max_waiting: int,
-        speculative: bool = False,
+        *,
+        speculative: bool,
+        length_limit: int | None,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.block_size, self.vocab_size, self.max_waiting = block_size, vocab_size, max_waiting
+        # The most tokens a request may hold, prompt and completion (the engine's
+        # length_limit: None for a model whose positions never run out).
+        self.length_limit = length_limit
         # Speculative decoding drafts for greedy requests only: the log says so at the
         # first sampled request (once: every request of a default client samples).
         self.speculative, self.told_sampled = speculative, False
@@ -118,6 +123,31 @@ class RequestChecks:
             raise BadRequest(str(err), param) from None
         return spec, grammar
 
+    def fits(self, ids: list[int], max_tokens: int, body: SamplingFields) -> None:
+        """A completion that cannot fit beside its prompt in the context is refused, as
+        vLLM's server refuses it (400), never cut short with finish_reason "length"."""
+        limit = self.length_limit
+        if limit is None or len(ids) + max_tokens <= limit:
+            return
+        name = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else "max_tokens"
+        )
+        prompt = "the messages" if hasattr(body, "messages") else "the prompt"
+        fix = (
+            f"lower {name} to {limit - len(ids)} or less, or shorten {prompt}"
+            if len(ids) < limit
+            else f"shorten {prompt}: it leaves no room for a token"
+        )
+        raise BadRequest(
+            f"this model's context window is {limit} tokens, but {prompt} takes {len(ids)} "
+            f"and {name} asks for {max_tokens}: {len(ids)} + {max_tokens} = "
+            f"{len(ids) + max_tokens} > {limit}; {fix}",
+            param=name,
+            code="context_length_exceeded",
+        )
+
     def jobs(
         self,
         body: SamplingFields,
@@ -136,6 +166,8 @@ class RequestChecks:
                 param="n" if body.n > 1 else "prompt",
             )
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        for ids in prompts:
+            self.fits(ids, max_tokens, body)
         per_choice = []
         for choice in range(body.n):
             seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
