@@ -74,10 +74,14 @@ class Server:
 
 
 @contextmanager
-def running_server(checkpoint: Path, log_path: Path, *flags: str) -> Iterator[Server]:
+def running_server(
+    checkpoint: Path, log_path: Path, *flags: str, name: str | None = MODEL_NAME
+) -> Iterator[Server]:
+    """name: --served-model-name (None: the server's own default)."""
+    named = ["--served-model-name", name] if name is not None else []
     command = [
         sys.executable, "-m", "roseinfer.cli.serve", "--checkpoint-path", str(checkpoint),
-        "--port", "0", "--device", "cpu", "--served-model-name", MODEL_NAME, *flags,
+        "--port", "0", "--device", "cpu", *named, *flags,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread is fastest
     with open(log_path, "wb") as log:

@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -253,6 +254,26 @@ def test_models_health_tokenize_detokenize(server: Server, tokenizer: Tokenizer)
         server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=headers
     ).json()
     assert text == {"prompt": PROMPT}
+
+
+@pytest.mark.slow
+def test_the_served_model_is_named_as_given(
+    checkpoint: tuple[Path, GPT], tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """Without --served-model-name the id is the --checkpoint-path the user gave (a run
+    directory), as vLLM names a model by its --model, not the best.pt it resolved to."""
+    import openai
+
+    run = tmp_path / "tiny"
+    run.mkdir()
+    shutil.copyfile(checkpoint[0], run / "best.pt")
+    with running_server(run, tmp_path / "server.log", name=None) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        assert [model.id for model in client.models.list().data] == [str(run)]
+        answer = client.completions.create(model=str(run), prompt=PROMPT, max_tokens=2)
+        assert answer.model == str(run)
+        with pytest.raises(openai.NotFoundError, match="best.pt"):
+            client.completions.create(model=str(run / "best.pt"), prompt=PROMPT, max_tokens=2)
 
 
 @pytest.mark.slow

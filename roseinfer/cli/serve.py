@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request body larger than this gets 413 before it is parsed (default: 1 MiB)",
     )
     p.add_argument(
-        "--served-model-name", help="the model's name in the API (default: the source's path)"
+        "--served-model-name",
+        help="the model's name in the API (default: --checkpoint-path or --hf-model as given, "
+        "as vLLM names a model by its --model; the checkpoint's path when neither is given)",
     )
     p.add_argument(
         "--api-key",
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine = engine_from_flags(model, tokenizer, args)
     settings = ServerSettings(
-        model_name=args.served_model_name or source,
+        model_name=served_model_name(args, source),
         max_waiting=args.max_waiting,
         api_key=args.api_key,
         chat_template=chat_template,
@@ -221,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(sockets=[sock])
     return 0
+
+
+def served_model_name(args: argparse.Namespace, source: str) -> str:
+    """The model's id in the API: --served-model-name, else the path as the user gave it
+    (`checkpoints/tiny`, not the `checkpoints/tiny/best.pt` it resolved to), else the
+    newest checkpoint's path, found."""
+    return args.served_model_name or args.hf_model or args.checkpoint_path or source
 
 
 class ReadyServer(uvicorn.Server):
