@@ -9,6 +9,8 @@ as importing the packages `a` and `a.b` too (Python runs their `__init__` first)
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +21,7 @@ CACHE_FOLDER = "roseinfer.cache"
 # cached loop's static cache, the verify step's cache that rolls back): the course's
 # answers, not rose's caches.
 LEARNERS_CACHES = {"rosecourse.solutions.build_cached_loop", "rosecourse.solutions.build_verify"}
+OUT = re.compile(r"--out[ =]([\w./-]+)")  # where a documented export writes
 
 
 @cache
@@ -225,3 +228,24 @@ def test_the_engine_and_the_split_model_take_nothing_from_the_teaching_loops() -
         if target.startswith("roseinfer.loops")
     }
     assert reaching_up == set()
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
+    """The folders the README's and the docs' exports write (`--out hf/tiny`, `--out
+    onnx/tiny`) hold a user's artifacts, never files to commit: git ignores every file in
+    them, not only the weights."""
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    outs = {out for page in pages for out in OUT.findall(page.read_text(encoding="utf-8"))}
+    assert {"hf/tiny", "onnx/tiny"} <= outs
+    names = ("config.json", "model.safetensors", "generation_config.json", "meta.json", "a.txt")
+    files = [f"{out}/{name}" for out in sorted(outs) for name in names]
+    check = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(files),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+    assert check.returncode in (0, 1), check.stderr  # 1: none ignored; 128: not a work tree
+    assert sorted(set(files) - set(check.stdout.splitlines())) == []
