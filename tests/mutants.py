@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from rosecourse.solutions import build_block_manager as reference_block_manager
 from rosecourse.solutions import build_cached_loop as reference_cached_loop
 from rosecourse.solutions import build_model as reference_model
 from rosecourse.solutions import build_training_step as reference_training_step
@@ -1771,3 +1772,114 @@ class DropoutReadFromTheConfig(reference_model.Block):
     def forward(self, x):
         x = x + self.dropout(self.attn(self.ln_1(x)))
         return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+# -- build block_manager: BlockManager (chapters 11-13) ---------------------------------------
+
+_chain_hash = reference_block_manager.chain_hash
+
+
+@build_mutant("block_manager", "BlockManager", name="lookup_skips_a_missing_block")
+class LookupSkipsAMissingBlock(reference_block_manager.BlockManager):
+    def cached_prefix(self, token_ids):
+        found, parent, size = [], b"", self.kv_block_size
+        for i in range(self.lookup_blocks(len(token_ids))):
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            parent = _chain_hash(parent, tokens)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                continue  # on to the next block: the table no longer lines up with the text
+            found.append(block_id)
+        return found
+
+
+class _AdvanceOf(reference_block_manager.BlockManager):
+    """The reference's advance, the blocks keyed up to keyed_end(seq) tokens, each keyed by
+    tokens_of(seq, i)."""
+
+    def keyed_end(self, seq):
+        return seq.num_computed_tokens
+
+    def tokens_of(self, seq, i):
+        return tuple(seq.all_ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
+
+    def keying(self):
+        return self.enable_prefix_caching
+
+    def advance(self, seq, num_new):
+        seq.num_computed_tokens += num_new
+        if not self.keying():
+            return
+        while len(seq.block_hashes) < self.keyed_end(seq) // self.kv_block_size:
+            i = len(seq.block_hashes)
+            tokens = self.tokens_of(seq, i)
+            key = _chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens)
+            seq.block_hashes.append(key)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and key not in self.cached:
+                block.hash, block.token_ids = key, tokens
+                self.cached[key] = block.block_id
+
+
+@build_mutant("block_manager", "BlockManager", name="generated_blocks_never_cached")
+class GeneratedBlocksNeverCached(_AdvanceOf):
+    def keyed_end(self, seq):
+        return min(seq.num_computed_tokens, len(seq.prompt_ids))
+
+
+@build_mutant("block_manager", "BlockManager", name="blocks_keyed_from_the_prompt_alone")
+class BlocksKeyedFromThePromptAlone(_AdvanceOf):
+    def tokens_of(self, seq, i):
+        return tuple(seq.prompt_ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
+
+
+@build_mutant("block_manager", "BlockManager", name="blocks_keyed_with_prefix_caching_off")
+class BlocksKeyedWithPrefixCachingOff(_AdvanceOf):
+    def keying(self):
+        return True  # lookup_blocks still finds nothing without prefix caching
+
+
+@build_mutant("block_manager", "BlockManager", name="evicted_keys_left_in_the_map")
+class EvictedKeysLeftInTheMap(reference_block_manager.BlockManager):
+    def grow(self, seq, num_tokens):
+        while len(seq.block_table) * self.kv_block_size < num_tokens:
+            if self.free_ids:
+                block_id = self.free_ids.pop()
+            else:
+                block_id, _ = self.evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                block.hash, block.token_ids = None, ()  # its key left in self.cached
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
+
+
+@build_mutant("block_manager", "BlockManager", name="queries_counted_by_the_tokens_to_hold")
+class QueriesCountedByTheTokensToHold(reference_block_manager.BlockManager):
+    def start(self, seq, cached_ids, num_tokens):
+        queries = self.prefix_cache_queries + self.lookup_blocks(num_tokens)
+        super().start(seq, cached_ids, num_tokens)
+        self.prefix_cache_queries = queries  # by the tokens this start holds, not the text's
+
+
+@build_mutant("block_manager", "BlockManager", name="hits_counted_at_lookup")
+class HitsCountedAtLookup(reference_block_manager.BlockManager):
+    def cached_prefix(self, token_ids):
+        found = super().cached_prefix(token_ids)
+        self.prefix_cache_hits += len(found)  # a lookup that starts nothing counted too
+        return found
+
+    def start(self, seq, cached_ids, num_tokens):
+        hits = self.prefix_cache_hits
+        super().start(seq, cached_ids, num_tokens)
+        self.prefix_cache_hits = hits
+
+
+@build_mutant("block_manager", "BlockManager", name="unkeyed_blocks_kept_evictable")
+class UnkeyedBlocksKeptEvictable(reference_block_manager.BlockManager):
+    def release(self, seq):
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:  # every block kept for later, keyed or not
+                self.evictable[block_id] = None
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0

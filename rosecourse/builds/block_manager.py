@@ -3,10 +3,15 @@
 Contract: rosecourse/solutions/build_block_manager.py. The parts:
 
 * the chained key: equal for equal blocks behind equal parents, different otherwise;
-* the bookkeeping alone: one scripted life of a few sequences (shared prefixes, a block
-  repeated inside one prompt, a release, an eviction), every answer and count beside
-  rose's BlockManager doing the same, the pool's invariants checked after every call
-  (`check_pool`); block *ids* may differ from rose's, nothing else may;
+* the bookkeeping alone: scripted lives of a few sequences (shared prefixes, a block
+  repeated inside one prompt, a release, an eviction; one prompt computed side by side
+  by two sequences, whose first block is then evicted while its second stays cached;
+  blocks filled by generated tokens; a start that holds a chunk of its prompt; a pool
+  without prefix caching), every answer and count beside rose's BlockManager doing the
+  same, the pool's invariants checked after every call (`check_pool`, and the prefix
+  cache's map: every key names a block keyed by it, nothing keyed without prefix
+  caching, every evictable block keyed); block *ids* may differ from rose's, nothing
+  else may;
 * rose's engine with the learner's BlockManager in place of rose's (LLMEngine builds it):
   a workload of shared prefixes with room to spare, the same in a pool so small that
   requests are preempted and cached blocks evicted, and random schedules drawn by
@@ -14,7 +19,7 @@ Contract: rosecourse/solutions/build_block_manager.py. The parts:
   chunk the prefill, arrivals, aborts, now and then no prefix caching). After every engine step the pool's invariants
   hold; every request's tokens are its solo uncached run's (an aborted one's, the start
   of it); and each request's prompt tokens served by the prefix cache are what rose's
-  own manager serves on the same schedule.
+  own manager serves on the same schedule, and its counters (queries, hits) rose's.
 
 The model is the chapters' random strong-oracle model, which has no sliding window, so the
 engine's window hook (`drop_out_of_window`) is not the learner's to write.
@@ -42,6 +47,7 @@ from roseinfer.request.sampling import SamplingParams
 from rosetrainer.tokenizer import Tokenizer
 
 MAX_STEPS = 300  # an engine that makes no progress is stopped here, and says so
+COUNTERS = "the prefix cache's counters"  # run_schedule's entry for them
 EXAMPLES = 6  # random schedules per check: a few, so the check takes seconds
 
 
@@ -124,19 +130,29 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
             seen[output.request_id] = (tuple(output.token_ids), output.num_cached_tokens)
         ran = bool(engine.last_batch.seqs)
         runner = engine.runner
+        live = list(engine.requests.values())
         try:
             check_pool(
                 engine.block_manager,
-                list(engine.requests.values()),
+                live,
                 runner.written_slots if ran else (),
                 runner.writer_tables if ran else (),
             )
+            problem = cache_map_problem(engine.block_manager, schedule.enable_prefix_caching)
         except AssertionError as error:
-            why = f"after engine step {step}, the pool's invariants break: {error}"
-            raise Mismatch(why) from None
+            problem = pool_problem(engine.block_manager, live, schedule.enable_prefix_caching)
+            problem = (
+                str(error)
+                or problem
+                or "a block in `evictable` is not the one `cached` maps its key to"
+            )
+        if problem is not None:
+            raise Mismatch(f"after engine step {step}, the pool's invariants break: {problem}")
         step += 1
         if step == MAX_STEPS:
             raise Mismatch(f"the engine made no progress in {MAX_STEPS} steps")
+    manager = engine.block_manager
+    seen[COUNTERS] = (manager.prefix_cache_queries, manager.prefix_cache_hits)
     return seen
 
 
@@ -174,6 +190,13 @@ def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
                 f"the prefix cache served r{i} {served} prompt tokens where rose's block "
                 f"manager serves {rose[f'r{i}'][1]} [{schedule}]"
             )
+    if mine[COUNTERS] != rose[COUNTERS]:
+        raise Mismatch(
+            "after the run, (prefix_cache_queries, prefix_cache_hits) is "
+            f"{mine[COUNTERS]} where rose's manager has {rose[COUNTERS]}: each start counts "
+            "the full blocks its whole text may be served (lookup_blocks(len(seq.all_ids))) "
+            f"and those it is served [{schedule}]"
+        )
 
 
 # -- the chained key ---------------------------------------------------------------------------
@@ -199,69 +222,218 @@ def _chain_hash(module: types.ModuleType) -> None:
 # -- the bookkeeping, scripted -----------------------------------------------------------------
 
 
-def scripted(manager_cls: type) -> list[tuple]:
-    """One life of a pool of 7 blocks of 3 slots, every answer and count along the way;
-    the pool's invariants are checked after every call."""
-    manager = manager_cls(7, 3, True)
-    a = EngineSequence(list(range(1, 9)), SamplingParams(max_tokens=1))
-    b = EngineSequence([*range(1, 7), 20, 21], SamplingParams(max_tokens=1))
-    c = EngineSequence([5] * 7, SamplingParams(max_tokens=1))  # one block, repeated
-    d = EngineSequence([5] * 7, SamplingParams(max_tokens=1))
-    e = EngineSequence(list(range(30, 41)), SamplingParams(max_tokens=1))
-    live: list[EngineSequence] = []
-    seen: list[tuple] = []
+def cache_map_problem(manager: object, caching: bool) -> str | None:
+    """What is wrong with the prefix cache's map, in words (None: nothing): every key in
+    `cached` names a block keyed by it and holding its tokens, every keyed block is in
+    `cached` under its key, and without prefix caching nothing is keyed."""
+    for key, block_id in manager.cached.items():
+        block = manager.blocks[block_id]
+        if block.hash != key:
+            return (
+                f"`cached` still maps a key to block {block_id}, which is no longer keyed by it "
+                f"(it holds {list(block.token_ids) or 'nothing cached'}): an evicted block "
+                "is keyed no more, so its key leaves `cached`"
+            )
+    for block in manager.blocks:
+        if block.hash is not None and manager.cached.get(block.hash) != block.block_id:
+            return f"block {block.block_id} is keyed, but `cached` does not map its key to it"
+        if not caching and block.hash is not None:
+            return (
+                f"block {block.block_id} is keyed with prefix caching off: without "
+                "enable_prefix_caching nothing is ever keyed or found"
+            )
+    for block_id in manager.evictable:
+        if manager.blocks[block_id].hash is None:
+            return (
+                f"block {block_id} is evictable but keyed by nothing: a block nobody holds "
+                "is free, unless it is keyed (cached)"
+            )
+    return None
 
-    def note(what: str, answer: object = None) -> None:
+
+def pool_problem(manager: object, live: list, caching: bool) -> str | None:
+    """The pool's invariants (`check_pool`) and the cache map's, in words; None: they hold."""
+    try:
+        check_pool(manager, live)
+    except AssertionError as error:
+        if str(error):
+            return str(error)
+        # check_pool's asserts without a message of their own: say what they check.
+        return cache_map_problem(manager, caching) or (
+            "a block in `evictable` is not the block `cached` maps its key to"
+        )
+    return cache_map_problem(manager, caching)
+
+
+class Stopped(Exception):
+    """A scripted call raised: the script ends there."""
+
+
+class Script:
+    """A scripted life of a pool: every answer and count noted along the way, and the
+    pool's invariants checked after every call."""
+
+    def __init__(self, manager_cls: type, num_blocks: int, caching: bool = True) -> None:
+        self.manager = manager_cls(num_blocks, 3, caching)
+        self.caching = caching
+        self.live: list[EngineSequence] = []
+        self.seen: list[tuple] = []
+
+    def call(self, what: str, fn, *args):
+        """fn(*args); when the learner's code raises, that is noted as the call's answer
+        and the script stops (what was noted before it is still compared first)."""
         try:
-            check_pool(manager, live)
-            broken = None
-        except AssertionError as error:
-            broken = str(error)
-        seen.append(
+            return fn(*args)
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            message = str(error).splitlines()[0] if str(error) else ""
+            self.seen.append((what, None, f"raised {type(error).__name__}: {message}"))
+            raise Stopped from None
+
+    def note(self, what: str, answer: object = None) -> None:
+        manager = self.manager
+        self.seen.append(
             (
                 what,
-                broken,
+                pool_problem(manager, self.live, self.caching),
                 answer,
                 manager.num_free,
                 len(manager.evictable),
                 manager.prefix_cache_queries,
                 manager.prefix_cache_hits,
-                tuple((len(s.block_table), s.num_computed_tokens) for s in live),
+                tuple((len(s.block_table), s.num_computed_tokens) for s in self.live),
             )
         )
 
-    def start(seq: EngineSequence, name: str) -> None:
-        cached = manager.cached_prefix(seq.all_ids)
-        note(f"{name}: blocks the prefix cache holds", (len(cached), len(set(cached))))
-        can = manager.can_start(cached, seq.num_tokens)
-        note(f"{name}: can it start", can)
+    def start(self, seq: EngineSequence, name: str, hold: int | None = None) -> None:
+        """Look `seq` up, start it if it can (holding `hold` tokens, all by default) and
+        compute them."""
+        m = self.manager
+        cached = self.call(f"{name}: cached_prefix", m.cached_prefix, seq.all_ids)
+        self.note(f"{name}: blocks the prefix cache holds", (len(cached), len(set(cached))))
+        hold = seq.num_tokens if hold is None else hold
+        can = self.call(f"{name}: can_start", m.can_start, cached, hold)
+        self.note(f"{name}: can it start", can)
         if can:
-            manager.start(seq, cached, seq.num_tokens)
-            live.append(seq)
-            note(f"{name}: started")
-            manager.advance(seq, seq.num_tokens - seq.num_computed_tokens)
-            note(f"{name}: computed")
+            self.call(f"{name}: start", m.start, seq, cached, hold)
+            self.live.append(seq)
+            self.note(f"{name}: started")
+            done = hold - seq.num_computed_tokens
+            self.call(f"{name}: advance", m.advance, seq, done)
+            self.note(f"{name}: computed")
 
-    def release(seq: EngineSequence, name: str) -> None:
-        manager.release(seq)
-        live.remove(seq)
-        note(f"{name}: released")
+    def release(self, seq: EngineSequence, name: str) -> None:
+        self.call(f"{name}: release", self.manager.release, seq)
+        self.live.remove(seq)
+        self.note(f"{name}: released")
 
-    start(a, "a")
-    start(b, "b")  # two blocks shared with a
-    note("a's first 6 tokens: blocks the cache serves", len(manager.cached_prefix(a.all_ids[:6])))
-    release(a, "a")
-    start(c, "c")
-    start(d, "d")  # c's two full blocks, told apart by their parents
-    note("e before anyone leaves: can it grow", manager.can_grow(e, e.num_tokens))
-    release(b, "b")
-    note("e: can it start now", manager.can_start([], e.num_tokens))  # one block short
-    release(c, "c")
-    release(d, "d")
-    note("e: can it grow", manager.can_grow(e, e.num_tokens))  # with the cached blocks
-    start(e, "e")  # one block more than the free ones: the least recently given back goes
-    note("b's prefix after e", len(manager.cached_prefix(b.all_ids)))
-    note("d's prefix after e", len(manager.cached_prefix(d.all_ids)))
+    def found(self, what: str, token_ids: list[int]) -> None:
+        self.note(what, len(self.call(what, self.manager.cached_prefix, token_ids)))
+
+
+def sequence(prompt: list[int], max_tokens: int = 1) -> EngineSequence:
+    return EngineSequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def first_life(life: Script) -> None:
+    """Shared prefixes, a block repeated inside one prompt, releases and an eviction."""
+    manager = life.manager
+    a = sequence(list(range(1, 9)))
+    b = sequence([*range(1, 7), 20, 21])
+    c = sequence([5] * 7)  # one block, repeated
+    d = sequence([5] * 7)
+    e = sequence(list(range(30, 41)))
+    life.start(a, "a")
+    life.start(b, "b")  # two blocks shared with a
+    life.found("a's first 6 tokens: blocks the cache serves", a.all_ids[:6])
+    life.release(a, "a")
+    life.start(c, "c")
+    life.start(d, "d")  # c's two full blocks, told apart by their parents
+    what = "e before anyone leaves: can it grow"
+    life.note(what, life.call(what, manager.can_grow, e, e.num_tokens))
+    life.release(b, "b")
+    what = "e: can it start now"  # one block short
+    life.note(what, life.call(what, manager.can_start, [], e.num_tokens))
+    life.release(c, "c")
+    life.release(d, "d")
+    what = "e: can it grow"  # with the cached blocks
+    life.note(what, life.call(what, manager.can_grow, e, e.num_tokens))
+    life.start(e, "e")  # one block more than the free ones: the least recently given back goes
+    life.found("b's prefix after e", b.all_ids)
+    life.found("d's prefix after e", d.all_ids)
+
+
+def side_by_side(life: Script) -> None:
+    """Two sequences compute one prompt side by side, each keying the block it computes
+    first; the first block's copy is evicted while the second block's stays cached: a
+    lookup of the prompt finds nothing (its first block is gone), not the second block."""
+    m = life.manager
+    s1, s2 = sequence(list(range(1, 8))), sequence(list(range(1, 8)))
+    for seq, name in ((s1, "s1"), (s2, "s2")):  # both looked up before either computes
+        cached = life.call(f"{name}: cached_prefix", m.cached_prefix, seq.all_ids)
+        life.call(f"{name}: start", m.start, seq, cached, seq.num_tokens)
+        life.live.append(seq)
+    life.note("s1 and s2 started side by side")
+    for seq, n, what in ((s1, 3, "s1 computes its first block"),
+                         (s2, 6, "s2 computes its first two"),
+                         (s1, 4, "s1 computes the rest")):  # fmt: skip
+        life.call(f"{what}: advance", m.advance, seq, n)
+        life.note(what)
+    life.release(s1, "s1")
+    life.start(sequence(list(range(50, 62))), "s3 (evicting s1's first block)")
+    life.found(
+        "the prompt of s1 and s2, its first block's copy evicted and its second's still "
+        "cached: blocks the cache serves (the run of first full blocks ends at the first "
+        "one missing)",
+        s1.all_ids,
+    )
+
+
+def generated(life: Script) -> None:
+    """A block filled by generated tokens is keyed and served like a prompt's; a start
+    that holds a chunk of the prompt counts the queries of the whole text."""
+    m = life.manager
+    g = sequence([70, 71, 72, 73], max_tokens=5)
+    life.start(g, "g")
+    for token in (74, 75, 76):  # each sampled, then fed: the block fills with them
+        g.append_token(token)
+        life.call("g: grow", m.grow, g, g.num_tokens)
+        life.call("g: advance", m.advance, g, 1)
+        life.note(f"g decodes {token}")
+    life.found(
+        "g's text and one token more: blocks the cache serves (a full, computed block is "
+        "keyed, whether its tokens are the prompt's or generated)",
+        [*g.all_ids, 99],
+    )
+    h = sequence(list(range(80, 90)))
+    life.start(h, "h, a first chunk of 4 of its 10 prompt tokens", hold=4)
+
+
+def uncached(life: Script) -> None:
+    """Without prefix caching: nothing keyed, nothing found, every block freed."""
+    x, y = sequence(list(range(1, 8))), sequence(list(range(1, 8)))
+    life.start(x, "x, prefix caching off")
+    life.release(x, "x, prefix caching off")
+    life.start(y, "y, x's prompt, prefix caching off")
+
+
+# Each script with its pool: (the script, blocks, prefix caching).
+SCRIPTS = ((first_life, 7, True), (side_by_side, 7, True), (generated, 7, True),
+           (uncached, 4, False))  # fmt: skip
+
+
+def scripted(manager_cls: type) -> list[tuple]:
+    """Lives of small pools of blocks of 3 slots, every answer and count along the way;
+    the pool's invariants are checked after every call."""
+    seen = []
+    for script, blocks, caching in SCRIPTS:
+        life = Script(manager_cls, blocks, caching)
+        try:
+            script(life)
+        except Stopped:
+            return seen + life.seen
+        seen += life.seen
     return seen
 
 
@@ -270,7 +442,9 @@ def _bookkeeping(module: types.ModuleType) -> None:
     got = scripted(module.BlockManager)
     names = ("the pool's invariants break:", "the answer", "free blocks", "evictable blocks", "prefix_cache_queries",
              "prefix_cache_hits", "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
-    for mine, right in zip(got, want, strict=True):
+    for mine, right in zip(got, want, strict=False):
+        if isinstance(mine[2], str) and mine[2].startswith("raised "):
+            raise Mismatch(f"{mine[0]}: {mine[2]}")
         for name, a, b in zip(names, mine[1:], right[1:], strict=True):
             if a != b and name.endswith(":"):
                 raise Mismatch(f"{mine[0]}: {name} {a}")

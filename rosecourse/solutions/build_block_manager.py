@@ -26,10 +26,15 @@ every step (`roseinfer.engine.block_manager.check_pool` reads the attributes nam
            given back first; the pool takes these only when no free block is left
            (evicting it: it is keyed no more)
 
-`rose-course check block_manager` runs rose's engine with your BlockManager in place of
-rose's, on random schedules (arrivals, block sizes, pools small enough to preempt and
-evict, shared prefixes), checks the pool's invariants after every step and compares
-every request with its solo uncached run, and the prefix cache's hits with rose's.
+`rose-course check block_manager` scripts a few lives of small pools beside rose's
+BlockManager (every answer and counter compared, the prefix cache's contents too: after
+an eviction no key maps to a block that no longer holds it; blocks filled by generated
+tokens are keyed like the prompt's; a prompt whose first block is evicted finds nothing;
+without prefix caching nothing is keyed), then runs rose's engine with your BlockManager
+in place of rose's, on random schedules (arrivals, block sizes, pools small enough to
+preempt and evict, shared prefixes), checks the pool's invariants after every step and
+compares every request with its solo uncached run, and the prefix cache's hits and
+counters with rose's.
 """
 
 from __future__ import annotations
