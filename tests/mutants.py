@@ -577,6 +577,19 @@ def sinks_in_reverse(pos, window, sinks):
     return torch.where(pos < sinks, sinks - 1 - pos, sinks + (pos - sinks) % window)
 
 
+@alternative("18")
+def slots_as_int32(pos, window, sinks):
+    # int32 indexes as int64 does; the contract names no dtype beyond that.
+    slots = torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
+    return slots.to(torch.int32)
+
+
+@mutant("18")
+def slots_as_int16(pos, window, sinks):
+    # A tensor cannot be indexed with int16.
+    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % window).to(torch.int16)
+
+
 # -- 10: decode_read_bytes(config, batch, context_len, bytes_per_number) --------------------
 
 

@@ -96,6 +96,8 @@ def _slot_probe(fn: Callable) -> Probe:
         got = fn(pos.clone(), window, sinks)
         if not isinstance(got, torch.Tensor) or got.shape != pos.shape or got.is_floating_point():
             return got
+        if got.dtype == torch.int32:  # indexes as int64 does: the contract asks for either
+            got = got.long()
         return renumbered(got, pos, window, sinks)
 
     cases = [(30, 8, 2), (30, 8, 0), (30, 5, 1), (30, 3, 3), (40, 16, 4)]

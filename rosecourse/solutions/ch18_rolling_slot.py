@@ -6,7 +6,8 @@ import torch
 
 
 def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """The slot of each position in a rolling cache of `sinks + window` slots (same shape).
+    """The slot of each position in a rolling cache of `sinks + window` slots (same shape,
+    integers a tensor can be indexed with: int64 or int32).
 
     The first `sinks` positions are the attention sinks: each keeps a slot of its own for
     good. Every later position takes one of the `window` slots after them, in turn, so
