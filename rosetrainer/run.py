@@ -6,7 +6,8 @@ metrics.jsonl, ... or a.pt, a.best.pt, ...):
 * the folder must take files (not read-only, not a file, not under /proc), checked now
   and not after an hour of tokenising;
 * an exclusive lock (flock on the run's lock file, released by the kernel when the
-  process ends, however it ends) keeps a second process from training the same run;
+  process ends, however it ends) keeps a second process from training the same run; a
+  run that fails removes the lock file it made (a finished run keeps it, with its files);
 * a new run never touches the files of an earlier one unless --overwrite says so: it
   refuses, naming the run it found and the choices (--resume, --overwrite, another path).
 """
@@ -55,21 +56,56 @@ def open_run(cfg: TrainConfig, is_main: bool) -> Iterator[RunFiles]:
 @contextlib.contextmanager
 def run_lock(path: Path) -> Iterator[TextIO]:
     """Hold an exclusive lock on `path`; sign it with this process's id (`sign`) once
-    the run is really claimed, so a refused run leaves the file as it found it."""
-    with open(path, "a+", encoding="utf-8") as lock_file:
+    the run is really claimed, so a refused run leaves the file as it found it.
+
+    A run that fails (refused, no data offline, an error or an interrupt while it runs)
+    leaves no lock file it made: it is removed while still held, before the lock is let
+    go. So a process that opened the file just before it went locks a file no longer in
+    the folder: it checks, once it holds the lock, that `path` is still the file it
+    locked, and opens it again if not (two processes never both hold the run).
+    """
+    while True:
+        lock_file, created = _open_lock_file(path)
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock_file.seek(0)
             holder = lock_file.read().strip() or "unknown"
+            lock_file.close()
             raise RoseError(
                 f"another process (pid {holder}) is training this run ({path} is locked); "
                 f"wait for it to end, or pass another --checkpoint-path"
             ) from None
-        try:
-            yield lock_file
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+        if _still_at(lock_file, path):
+            break
+        lock_file.close()  # a failed run removed it after we opened it: open the new one
+    try:
+        yield lock_file
+    except BaseException:
+        if created:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        fcntl.flock(lock_file, fcntl.LOCK_UN)
+        lock_file.close()
+
+
+def _open_lock_file(path: Path) -> tuple[TextIO, bool]:
+    """The lock file opened for reading and appending, and whether this call made it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        created = True
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        created = False
+    return os.fdopen(fd, "a+", encoding="utf-8"), created
+
+
+def _still_at(lock_file: TextIO, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(lock_file.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def sign(lock_file: TextIO) -> None:

@@ -130,6 +130,78 @@ def test_a_second_process_on_a_locked_run_is_refused(
     assert unchanged(before)
 
 
+def offline(monkeypatch: pytest.MonkeyPatch) -> int:
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr("urllib.request.urlopen", no_network)
+    return 2  # one line: offline? pass --text-file
+
+
+def fails_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug while training")
+
+    monkeypatch.setattr(trainer, "train_loop", broken)
+    return RuntimeError  # a bug: its traceback
+
+
+def interrupted(monkeypatch: pytest.MonkeyPatch) -> int:
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # before the trainer's own handler is in place
+
+    monkeypatch.setattr(trainer, "start_run", ctrl_c)
+    return 130
+
+
+@pytest.mark.parametrize("failure", [offline, fails_while_it_runs, interrupted])
+def test_a_failed_run_leaves_no_lock_file_behind(
+    failure, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's first command offline (no TinyShakespeare to download), a bug in the
+    loop, a Ctrl-C at startup: the lock is let go and its file gone, and the next run
+    claims the folder as usual (a finished run keeps its lock file, beside its files)."""
+    run = tmp_path / "run"
+    outcome = failure(monkeypatch)
+    flags = tiny_run(text_file, run, "--max-steps", "2")
+    if failure is offline:  # the default dataset, into a data folder without it
+        flags = ["--data-dir", str(tmp_path / "data"), *flags[4:]]
+    if isinstance(outcome, int):
+        assert main(flags) == outcome
+    else:
+        with pytest.raises(outcome):
+            main(flags)
+    assert not (run / "train.lock").exists()
+    monkeypatch.undo()
+    assert main(tiny_run(text_file, run, "--max-steps", "2", "--overwrite")) == 0
+    assert (run / "train.lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_a_lock_file_removed_after_it_was_opened_is_opened_again(tmp_path: Path) -> None:
+    """A failing run removes its lock file while it holds it; a process that opened the
+    file just before locks a file no longer in the folder: it must open the new one."""
+    path = tmp_path / "train.lock"
+    opened = []
+
+    def open_then_lose_the_race(path: Path):
+        handle = real_open(path)
+        if not opened:  # the first open: the file goes, another run makes a new one
+            path.unlink()
+            path.write_text("")
+        opened.append(handle[0])
+        return handle
+
+    from rosetrainer import run as run_module
+
+    real_open = run_module._open_lock_file
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "_open_lock_file", open_then_lose_the_race)
+        with run_lock(path) as lock_file:
+            sign(lock_file)
+    assert len(opened) == 2 and opened[0].closed
+    assert path.read_text() == f"{os.getpid()}\n"
+
+
 # ---------------------------------------------------------------------------
 # 3. A torn last line in metrics.jsonl
 # ---------------------------------------------------------------------------
