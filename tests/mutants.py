@@ -732,9 +732,9 @@ def _schedule(scheduler, **mistake: bool):
             index += 1
     position = -1 if mistake.get("newest_waiting_first") else 0
     limit = scheduler.config.max_num_seqs + (1 if mistake.get("one_seq_too_many") else 0)
-    while (
-        not batch.preempted and scheduler.waiting and budget > 0 and len(scheduler.running) < limit
-    ):
+    stopped = bool(batch.preempted) and not mistake.get("admits_after_preempting")
+    passed_over = []  # heads the pool could not take, when a later one may overtake them
+    while not stopped and scheduler.waiting and budget > 0 and len(scheduler.running) < limit:
         seq = scheduler.waiting[position]
         cached = [] if mistake.get("no_prefix_cache") else manager.cached_prefix(seq.all_ids)
         num_cached = len(cached) * manager.kv_block_size
@@ -742,14 +742,21 @@ def _schedule(scheduler, **mistake: bool):
         if mistake.get("whole_prompts_only") and num_new < seq.num_tokens - num_cached:
             break
         if not manager.can_start(cached, num_cached + num_new):
-            break
+            if not mistake.get("blocked_head_overtaken"):
+                break
+            passed_over.append(scheduler.waiting.popleft())
+            continue
         scheduler.waiting.remove(seq)
         manager.start(seq, cached, num_cached + num_new)
         scheduler.running.append(seq)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
-        budget -= num_new
-    scheduler.running.sort(key=scheduler.arrival_order.__getitem__)
+        budget -= num_new + (num_cached if mistake.get("cached_tokens_charged") else 0)
+    scheduler.waiting.extendleft(reversed(passed_over))
+    if mistake.get("sorted_by_request_id"):
+        scheduler.running.sort(key=lambda seq: seq.request_id)  # "r10" < "r2"
+    else:
+        scheduler.running.sort(key=scheduler.arrival_order.__getitem__)
     return batch
 
 
@@ -786,6 +793,26 @@ def no_prefix_cache(scheduler):
 @mutant("12")
 def whole_prompts_only(scheduler):
     return _schedule(scheduler, whole_prompts_only=True)
+
+
+@mutant("12")
+def running_sorted_by_request_id(scheduler):
+    return _schedule(scheduler, sorted_by_request_id=True)
+
+
+@mutant("12")
+def admits_after_preempting(scheduler):
+    return _schedule(scheduler, admits_after_preempting=True)
+
+
+@mutant("12")
+def blocked_head_overtaken(scheduler):
+    return _schedule(scheduler, blocked_head_overtaken=True)
+
+
+@mutant("12")
+def cached_tokens_charged(scheduler):
+    return _schedule(scheduler, cached_tokens_charged=True)
 
 
 @alternative("12")

@@ -67,7 +67,13 @@ PROBE_WORKLOADS = [
     ("max_num_seqs", {"max_num_batched_tokens": 64, "max_num_seqs": 2}, 32, (4, 6, 4, 5), 3),
     ("the pool: preemption", {"max_num_batched_tokens": 16, "max_num_seqs": 4}, 5, (4, 4, 4), 6),
     ("the pool and the budget", {"max_num_batched_tokens": 10, "max_num_seqs": 3}, 6, (9, 5, 7), 3),
-]
+    # A step that preempts while the pool could take the head of the queue: it admits nobody.
+    ("the pool (a step that preempts admits nobody)",
+     {"max_num_batched_tokens": 8, "max_num_seqs": 2}, 4, (4, 9, 4), 4),
+    # p10 arrives after p2 (though "p10" < "p2"): running stays in arrival order.
+    ("the budget, with 12 requests (running in arrival order: p10 after p2)",
+     {"max_num_batched_tokens": 8, "max_num_seqs": 12}, 40, (3,) * 12, 10),
+]  # fmt: skip
 PROBE_STEPS = 16
 
 
