@@ -1015,9 +1015,18 @@ def mask_built_by_hand(cache, batch, q_len, device):
 
 def _stage(stage, x, cache, **mistake: bool):
     batch, q_len = x.shape[:2]
+    past = cache.seq_len
     positions, mask = cache.prepare(batch, q_len, x.device)
     if mistake.get("positions_from_zero"):
         positions = torch.arange(q_len)[None, :].expand(batch, q_len)
+    if mistake.get("positions_from_the_cache_length"):  # padding counted
+        positions = torch.arange(past, past + q_len)[None, :].expand(batch, q_len)
+    if mistake.get("row_0_positions"):
+        positions = positions[:1].expand(batch, q_len)
+    if mistake.get("no_mask"):
+        mask = None  # plain causal attention: aligned top-left, and padding seen
+    if mistake.get("row_0_mask") and mask is not None and mask.dim() == 4:
+        mask = mask[:1]
     parts = stage.transformer
     if stage.is_first:
         position_part = 0 if mistake.get("no_positions") else parts.wpe(positions)
@@ -1064,6 +1073,26 @@ def first_position(stage, x, cache):
 @mutant("16")
 def no_head(stage, x, cache):
     return _stage(stage, x, cache, no_head=True)
+
+
+@mutant("16")
+def blocks_given_no_mask(stage, x, cache):
+    return _stage(stage, x, cache, no_mask=True)
+
+
+@mutant("16")
+def positions_from_the_cache_length(stage, x, cache):
+    return _stage(stage, x, cache, positions_from_the_cache_length=True)
+
+
+@mutant("16")
+def row_0_positions_for_every_row(stage, x, cache):
+    return _stage(stage, x, cache, row_0_positions=True)
+
+
+@mutant("16")
+def row_0_mask_for_every_row(stage, x, cache):
+    return _stage(stage, x, cache, row_0_mask=True)
 
 
 @alternative("16")

@@ -77,7 +77,8 @@ def _stage_runs() -> list[tuple[str, Callable, Callable]]:
 def _stage_probe(fn: Callable) -> Probe:
     """Two calls on one cache (3 tokens, then 1) of a batch of 2 rows, at the first of two
     stages (token ids in), the last of two (hidden states in), and a single stage holding
-    every layer."""
+    every layer; and three calls (4 tokens, 3, 1) of a left-padded batch at the first and
+    the last of two stages."""
     model = oracle_model()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=generator)
@@ -93,12 +94,39 @@ def _stage_probe(fn: Callable) -> Probe:
         "the last of 2 stages": (PipelineStage(model, 1, 2), hidden),
         "one stage of every layer": (PipelineStage(model, 0, 1), ids),
     }
-    return {
+    probe = {
         f"stage_forward at {name}, 2 rows, 3 tokens then 1": outcome(
             lambda s=stage, x=x: two_calls(s, x)
         )
         for name, (stage, x) in stages.items()
     }
+
+    def padded_calls(stage: PipelineStage, x: torch.Tensor) -> list[torch.Tensor]:
+        """Row 1 left-padded by 2: the positions and the mask are the cache's, per row."""
+        cache = ConcatKVCache()
+        cache.reset(torch.tensor([0, 2]))
+        with torch.inference_mode():
+            outs = [fn(stage, x[:, :4], cache), fn(stage, x[:, 4:7], cache)]
+            outs.append(fn(stage, x[:, 7:], cache))
+        first = outs[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 3 and first.size(1) == 4:
+            first = first.clone()
+            first[1, :2] = 0  # the padding's own outputs are never read: not compared
+        return [first, *outs[1:]]
+
+    long_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+    long_hidden = torch.randn(2, 8, model.config.n_embd, generator=generator)
+    padded = {
+        "the first of 2 stages": (PipelineStage(model, 0, 2), long_ids),
+        "the last of 2 stages": (PipelineStage(model, 1, 2), long_hidden),
+    }
+    for name, (stage, x) in padded.items():
+        label = (
+            f"stage_forward at {name}, 2 rows (row 1 left-padded by 2: positions and mask "
+            "from the cache), 4 tokens, then 3 after that past, then 1"
+        )
+        probe[label] = outcome(lambda s=stage, x=x: padded_calls(s, x))
+    return probe
 
 
 def _global_layer(stage, x, cache):
