@@ -1243,6 +1243,43 @@ def choices_encoded_in_latin_1(vocab, choices, prefix, eot_id):
     return _choice_mask(vocab, choices, prefix, eot_id, wanted=wanted)
 
 
+@mutant("20")
+def end_of_text_found_by_its_gpt2_name(vocab, choices, prefix, eot_id):
+    eot = vocab.index(b"<|endoftext|>") if b"<|endoftext|>" in vocab else eot_id
+    wanted = [c.encode() for c in choices]
+    allowed = [
+        t != eot and any(c.startswith(prefix + tok) for c in wanted) for t, tok in enumerate(vocab)
+    ]
+    allowed[eot] = prefix in wanted
+    return torch.tensor(allowed)
+
+
+@mutant("20")
+def decided_on_text_decoded_ignoring_errors(vocab, choices, prefix, eot_id):
+    # Half a character dropped: "no" + b"\xc3" reads as "no".
+    text = prefix.decode("utf-8", errors="ignore")
+    allowed = [
+        any(c.startswith((prefix + token).decode("utf-8", errors="ignore")) for c in choices)
+        for token in vocab
+    ]
+    allowed[eot_id] = text in choices
+    return torch.tensor(allowed)
+
+
+@mutant("20")
+def end_of_text_is_the_last_token(vocab, choices, prefix, eot_id):
+    return _choice_mask(vocab, choices, prefix, len(vocab) - 1)
+
+
+@mutant("20")
+def end_of_text_decided_on_decoded_text(vocab, choices, prefix, eot_id):
+    # The tokens right, end-of-text allowed when the text read so far is a whole choice.
+    def whole(wanted, prefix):
+        return prefix.decode("utf-8", errors="ignore") in choices
+
+    return _choice_mask(vocab, choices, prefix, eot_id, eot=whole)
+
+
 @alternative("20")
 def choice_mask_by_lookup(vocab, choices, prefix, eot_id):
     # Each open choice's rest, cut after every byte, looked up among the tokens: no loop

@@ -1,8 +1,9 @@
 """Chapter 20's exercise: the allowed-token mask of a choice constraint.
 
 The learner's mask is graded against llguidance's, read through rose's GrammarMatcher,
-on GPT-2's 50,257 tokens and on a small vocabulary whose end-of-text sits among the
-others; then it replaces the library's mask in a constrained generation (a batch of
+on GPT-2's 50,257 tokens, on a small vocabulary whose end-of-text sits among the
+others and on another whose end-of-text token is another one ("</s>") and whose tokens
+run past a choice's end by half a character; then it replaces the library's mask in a constrained generation (a batch of
 requests, each held to its own choices), whose tokens must be the library-masked runs'.
 
 The library is asked with its forcing off (NO_FORCING): where a grammar leaves only one
@@ -74,31 +75,48 @@ SMALL_VOCAB = tuple(SMALL_WORDS + [bytes([b]) for b in range(256)])
 assert SMALL_VOCAB[SMALL_EOT] == b"<|endoftext|>" and len(set(SMALL_VOCAB)) == len(SMALL_VOCAB)
 
 
-class _SmallTokenizer:
-    """SMALL_VOCAB as llguidance's TokenizerWrapper reads a tokenizer."""
+# Another small vocabulary, whose end-of-text token is another one ("</s>", id 4) and
+# where GPT-2's end-of-text name is an ordinary token; tokens that run past a choice's
+# end by half a character ("no\xc3", "caf\xc3"): read with the half character dropped,
+# they would look like a whole choice.
+OTHER_EOT = 4
+OTHER_WORDS = [b"caf", b"caf\xc3", b"\xc3\xa9", b"no\xc3", b"</s>", b"<|endoftext|>", b"yes", b"no"]
+OTHER_VOCAB = tuple(OTHER_WORDS + [bytes([b]) for b in range(256)])
+assert OTHER_VOCAB[OTHER_EOT] == b"</s>" and len(set(OTHER_VOCAB)) == len(OTHER_VOCAB)
+# The small vocabularies by size (each size is one vocabulary's): (tokens, end-of-text).
+SMALL_VOCABS = {
+    len(SMALL_VOCAB): (SMALL_VOCAB, SMALL_EOT),
+    len(OTHER_VOCAB): (OTHER_VOCAB, OTHER_EOT),
+}
 
-    eos_token_id = SMALL_EOT
+
+class _SmallTokenizer:
+    """A small vocabulary as llguidance's TokenizerWrapper reads a tokenizer."""
+
     bos_token_id = None
-    tokens = list(SMALL_VOCAB)
-    special_token_ids = [SMALL_EOT]
+
+    def __init__(self, vocab: tuple[bytes, ...], eot_id: int) -> None:
+        self.vocab, self.eos_token_id = vocab, eot_id
+        self.tokens, self.special_token_ids = list(vocab), [eot_id]
 
     def __call__(self, text: bytes) -> list[int]:
         # Byte by byte (the library calls it once, to learn that it takes bytes; with its
         # forcing off it tokenizes nothing else).
-        return [SMALL_VOCAB.index(bytes([b])) for b in text]
+        return [self.vocab.index(bytes([b])) for b in text]
 
 
 @functools.cache
 def library_grammar(vocab_size: int, choices: tuple[str, ...]) -> Grammar:
     """The choices compiled by llguidance, forcing off, for GPT-2's vocabulary (as rose
-    compiles any request's constraint) or for SMALL_VOCAB."""
+    compiles any request's constraint) or for a small one (SMALL_VOCABS)."""
     text = NO_FORCING + choice_lark(choices)
     if vocab_size == len(gpt2_vocab()):
         return compile_grammar(StructuredOutputs(grammar=text), tokenizer())
-    assert vocab_size == len(SMALL_VOCAB), "the library's mask is known for two vocabularies"
+    assert vocab_size in SMALL_VOCABS, "the library's mask is known for three vocabularies"
     import llguidance
 
-    small = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SmallTokenizer()))
+    wrapped = llguidance.TokenizerWrapper(_SmallTokenizer(*SMALL_VOCABS[vocab_size]))
+    small = llguidance.LLTokenizer(wrapped)
     grammar = llguidance.LLMatcher.grammar_from_lark(text)
     return Grammar(grammar, llguidance.LLMatcher(small, grammar, log_level=0), small, False)
 
@@ -171,11 +189,21 @@ SMALL_CASES = [
 ]
 
 
+OTHER_CASES = [
+    (["caf", "cafe"], b""),  # "caf\xc3" runs past "caf" by half a character
+    (["no", "nope"], b""),
+    (["caf", "café"], b"caf"),
+    (["caf", "café"], b"caf\xc3"),  # not a whole choice: no end-of-text
+    (["yes", "no"], b"yes"),  # end-of-text is "</s>" here
+]
+
+
 def _probe(fn: Callable) -> Probe:
     probe: Probe = {}
     vocabularies = [
         ("GPT2_VOCAB", gpt2_vocab(), tokenizer().eot_id, GPT2_CASES),
         ("SMALL_VOCAB", SMALL_VOCAB, SMALL_EOT, SMALL_CASES),
+        ("OTHER_VOCAB", OTHER_VOCAB, OTHER_EOT, OTHER_CASES),
     ]
     for name, vocab, eot_id, cases in vocabularies:
         for choices, prefix in cases:
