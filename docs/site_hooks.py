@@ -14,6 +14,12 @@ The hooks need what `pip install -e ".[docs]"` installs and nothing more: the ex
 list is read from rosecourse/course.py's source, never imported (the course's checks
 need its own dependencies and the tokenizer's files).
 
+After the build every link of every page is followed (`broken_links`): a page or an
+anchor that is not there is a warning, which the strict build fails on. MkDocs checks
+the links of Markdown pages, but not those inside a notebook, nor an anchor on a link
+to a notebook's page. A notebook page's table of contents takes its headings' ids
+from the rendered page (mkdocs-jupyter's own drop a heading's code, `position_ids`).
+
 A notebook page is also kept offline: nbconvert's template loads MathJax, Mermaid and
 the widgets' renderer from CDNs (none of which a chapter needs: no maths, no diagrams,
 and the only widgets are progress bars), so those scripts are dropped.
@@ -23,21 +29,31 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import posixpath
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
+from mkdocs.structure.toc import AnchorLink, TableOfContents
+
+# A warning on a logger under "mkdocs." fails `mkdocs build --strict`.
+log = logging.getLogger("mkdocs.plugins.rose_site")
 
 ROOT = Path(__file__).resolve().parent.parent
 COURSE = ROOT / "rosecourse" / "course.py"  # the lessons' table, read (see `lessons`)
 COURSE_SECTION = "The course"
 EXERCISES_MARKER = "<!-- exercises -->"
 SCRIPT = re.compile(r"<script\b[^>]*>.*?</script>", re.DOTALL)
+HEADING_ID = re.compile(r'<h[1-6]\b[^>]*\bid="([^"]+)"')
+ELEMENT_ID = re.compile(r'\bid="([^"]+)"')
+HREF = re.compile(r'\bhref="([^"]+)"')
 REPOSITORY_LINK = re.compile(r"\[([^\]\n]+)\]\((\.\./[^)\s#]+)(#[^)\s]*)?\)")  # leaves docs/
 
 
@@ -158,4 +174,47 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, **_: Any) 
 def on_page_content(html: str, page: Page, config: MkDocsConfig, **_: Any) -> str:
     if page.file.src_uri.endswith(".ipynb"):
         html = SCRIPT.sub(lambda match: offline(match.group(0)), html)
+        headings = HEADING_ID.findall(html)
+        entries = list(toc_entries(page.toc))
+        if len(entries) == len(headings):  # the same headings, in the same order
+            for entry, heading_id in zip(entries, headings, strict=True):
+                entry.id = heading_id
     return html
+
+
+def toc_entries(toc: TableOfContents | list[AnchorLink]) -> Iterator[AnchorLink]:
+    """Every entry of a table of contents, in the order of the page's headings."""
+    for entry in toc:
+        yield entry
+        yield from toc_entries(entry.children)
+
+
+def broken_links(site: Path) -> list[str]:
+    """Each link of the built site (a page, an anchor on one, a file) that leads nowhere,
+    as "page: href". 404.html is left out: its links are absolute, for any depth."""
+    ids: dict[Path, set[str]] = {}
+    broken = []
+    for page in sorted(site.rglob("*.html")):
+        if page.name == "404.html":
+            continue
+        for href in HREF.findall(page.read_text(encoding="utf-8", errors="replace")):
+            if re.match(r"[a-z][a-z0-9+.-]*:|//", href):  # elsewhere: https:, mailto:
+                continue
+            path, _, anchor = href.partition("#")
+            target = (page.parent / unquote(path)).resolve() if path else page
+            if target.is_dir():
+                target = target / "index.html"
+            if target.is_file() and anchor and target.suffix == ".html":
+                if target not in ids:
+                    ids[target] = set(ELEMENT_ID.findall(target.read_text(encoding="utf-8")))
+                found = unquote(anchor) in ids[target]
+            else:
+                found = target.is_file()
+            if not found:
+                broken.append(f"{page.relative_to(site).as_posix()}: {href}")
+    return broken
+
+
+def on_post_build(config: MkDocsConfig) -> None:
+    for link in broken_links(Path(config.site_dir)):
+        log.warning(f"a link leads nowhere (no such page or anchor): {link}")

@@ -72,3 +72,30 @@ def test_a_lessons_table_the_site_cannot_read_is_named(tmp_path: Path) -> None:
     source.write_text("BUILDS = []\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no LESSONS table"):
         site_hooks().lessons(source)
+
+
+def test_every_link_of_the_built_site_is_followed_anchors_and_notebooks_too(
+    tmp_path: Path,
+) -> None:
+    """MkDocs checks a Markdown page's links, but not an anchor on a link to a notebook's
+    page, nor a link inside a notebook: the hook's own check follows every link of every
+    built page."""
+    hooks = site_hooks()
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "04_x.html").write_text(
+        '<h2 id="the-check">The check</h2>'
+        '<a href="#the-check">ok</a> <a href="../engine.html#gone">a bad anchor elsewhere</a>'
+        '<a href="05_y.html">no such page</a> <a href="https://example.org/#x">elsewhere</a>'
+    )
+    (tmp_path / "engine.html").write_text(
+        '<p id="kept"></p><a href="notebooks/04_x.html#the-check">ok</a>'
+        '<a href="notebooks/04_x.html#nope">a bad anchor on a chapter</a>'
+        '<a href="#kept">ok</a> <a href="assets/x.css">no such file</a>'
+    )
+    (tmp_path / "404.html").write_text('<a href="/anything.html">absolute, for any depth</a>')
+    assert hooks.broken_links(tmp_path) == [
+        "engine.html: notebooks/04_x.html#nope",
+        "engine.html: assets/x.css",
+        "notebooks/04_x.html: ../engine.html#gone",
+        "notebooks/04_x.html: 05_y.html",
+    ]
