@@ -287,8 +287,7 @@ class Watched:
         call = Call(int(idx.size(0)), int(idx.size(-1)), cache)
         self.calls.append(call)
         out = self.model(self.relabel[idx], targets, cache, **options)
-        if isinstance(cache, StaticKVCache):
-            call.held_after = cache.seq_len
+        call.held_after = getattr(cache, "seq_len", None)  # rose's cache says how much it holds
         return out._replace(logits=out.logits[..., self.relabel])
 
     forward = __call__
