@@ -158,16 +158,20 @@ def new_directory(
 
 def refuse_overlap(path: Path, source: Path) -> None:
     """`path` is to be replaced as a whole: it must not be `source`, hold it, or lie
-    inside it (symbolic links followed: another name for the same place is the place)."""
-    out, keep = path.resolve(), source.resolve()
-    if out == keep or out in keep.parents:
-        what = "is" if out == keep else "holds"
-        raise RoseError(
-            f"{path} {what} {source}, which it is made from: replacing it would delete "
-            "that; write to another folder"
-        )
-    if keep in out.parents:
-        raise RoseError(f"{path} is inside {source}, which it is made from; write elsewhere")
+    inside it (symbolic links followed: another name for the same place is the place).
+    A source that is a link counts twice, as the link (replacing the folder that holds
+    the link deletes whatever else that folder holds) and as what it leads to."""
+    out = path.resolve()
+    as_named = source.absolute().parent.resolve() / source.absolute().name
+    for keep in dict.fromkeys([as_named, source.resolve()]):
+        if out == keep or out in keep.parents:
+            what = "is" if out == keep else "holds"
+            raise RoseError(
+                f"{path} {what} {source}, which it is made from: replacing it would delete "
+                "that; write to another folder"
+            )
+        if keep in out.parents:
+            raise RoseError(f"{path} is inside {source}, which it is made from; write elsewhere")
 
 
 def _replace_directory(new: Path, path: Path) -> None:

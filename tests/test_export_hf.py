@@ -243,6 +243,24 @@ def test_an_out_that_is_holds_or_is_inside_the_source_is_refused(
     assert {p: p.read_bytes() for p in run.rglob("*")} == before
 
 
+def test_an_out_that_holds_a_linked_checkpoint_is_refused(
+    tiny_run_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """RUN/best.pt a link to another run's checkpoint: --out RUN --overwrite would replace
+    RUN, the link and everything beside it (notes.txt), though the link's target is
+    elsewhere. The folder holding the checkpoint as named is refused too."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "last.pt").write_bytes((tiny_run_dir / "last.pt").read_bytes())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "best.pt").symlink_to(other / "last.pt")
+    (run / "notes.txt").write_text("mine\n")
+    args = ["--checkpoint-path", str(run / "best.pt"), "--out", str(run), "--overwrite"]
+    check_refused(args, capsys, "holds")
+    assert (run / "notes.txt").read_text() == "mine\n" and (run / "best.pt").is_symlink()
+
+
 def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(
     tiny_run_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
