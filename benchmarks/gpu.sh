@@ -25,23 +25,23 @@ step() {  # step NAME SECONDS COMMAND...: run it, its output to the screen and $
   lscpu | grep -m1 'Model name'; } | tee "$OUT/machine.txt"
 
 # Training: rose beside nanoGPT's train.py, GPT-2 124M, 12 x 1024, bfloat16, compiled.
-step train 240 python -m rosetrainer.bench --device cuda --dtype bfloat16 --presets gpt2 \
+step train 240 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
     --batch-size 12 --compile --steps 20 --warmup-steps 5 --checkpointing off \
     --nanogpt .peers/nanoGPT --profile "$OUT/profile.txt"
 # rose with nanoGPT's vocabulary padded to 50,304 (a multiple of 64).
-step train-padded 90 python -m rosetrainer.bench --device cuda --dtype bfloat16 --presets gpt2 \
+step train-padded 90 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
     --batch-size 12 --compile --steps 20 --warmup-steps 5 --checkpointing off --vocab-size 50304
 # The offloaded KV cache against the dynamic and static caches at a 1024-token context.
-step offload 90 python -m roseinfer.bench.offload --device cuda --json "$OUT/offload.json"
+step offload 90 python -m benchmarks.offload --device cuda --json "$OUT/offload.json"
 # The engine on CUDA: the CPU's tokens.
-step engine 60 env PYTHONPATH=. python benchmarks/gpu_engine_check.py
+step engine 60 python -m benchmarks.gpu_engine_check
 # The tests that need CUDA (the offloaded cache's copy stream).
 step cuda-tests 60 python -m pytest -q -p no:cacheprovider tests/test_offloaded_cache.py -k cuda
 # The same training step with activation checkpointing on.
-step train-ckpt 90 python -m rosetrainer.bench --device cuda --dtype bfloat16 --presets gpt2 \
+step train-ckpt 90 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
     --batch-size 12 --compile --steps 20 --warmup-steps 5 --checkpointing on
 # The largest batch (up to 256) on the whole card, and within 16 GiB, checkpointing off and on (eager).
-step fit-card 90 python -m rosetrainer.bench --device cuda --dtype bfloat16 --presets gpt2 \
+step fit-card 90 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
     --steps 2 --fit-memory 130 --checkpointing off,on
-step fit-16gib 50 python -m rosetrainer.bench --device cuda --dtype bfloat16 --presets gpt2 \
+step fit-16gib 50 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
     --steps 2 --fit-memory 16 --checkpointing off,on

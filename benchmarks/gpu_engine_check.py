@@ -1,4 +1,4 @@
-"""The engine on CUDA gives the CPU's tokens: python benchmarks/gpu_engine_check.py
+"""The engine on CUDA gives the CPU's tokens: python -m benchmarks.gpu_engine_check
 
 A GPT-2-shaped model (random weights, float32) serves the same greedy requests through
 the engine on the CPU and on the GPU; the tokens must be the same (float32 on both,

@@ -1,4 +1,5 @@
-"""The benchmarks run and print their tables (smoke tests: no timing is asserted)."""
+"""The benchmarks (benchmarks/, beside the packages) run and print their tables (smoke tests:
+no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rosetrainer.bench import bench
+from benchmarks.train import bench
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # `python -m benchmarks.X` runs from there
 
 
 @pytest.mark.slow
@@ -39,7 +42,7 @@ for i, ms in enumerate([5000.0, 100.0, 300.0]):
 def test_nanogpt_runs_with_the_same_shapes_and_its_own_times_are_read(tmp_path) -> None:
     """The peer's tokens/s comes from nanoGPT's own per-iteration times after the
     warm-up (here a stand-in train.py that checks the settings it is given)."""
-    from rosetrainer.bench import run_nanogpt
+    from benchmarks.train import run_nanogpt
 
     for name, text in (("train.py", FAKE_NANOGPT), ("model.py", ""), ("configurator.py", "")):
         (tmp_path / name).write_text(text)
@@ -56,12 +59,14 @@ def test_nanogpt_runs_with_the_same_shapes_and_its_own_times_are_read(tmp_path) 
 def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
     paths = ["uncached", "concat", "static"]
     command = [
-        sys.executable, "-m", "roseinfer.bench.decode", "--quick", "--json", "--plot", "",
+        sys.executable, "-m", "benchmarks.decode", "--quick", "--json", "--plot", "",
         "--paths", ",".join(paths),
     ]  # fmt: skip
     # One thread: the quick model is tiny, and the CI machine has two shared cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300, cwd=REPO_ROOT
+    )
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
     new_tokens, prompt_len = payload["args"]["new_tokens"], payload["args"]["prompt_len"]
@@ -84,7 +89,7 @@ def test_quick_inference_bench_paths_and_batches_agree_on_tokens() -> None:
 
 
 def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -> None:
-    from roseinfer.bench import decode as infer_bench
+    from rosecourse.roofline import decode_flops
     from rosetrainer.config import GPTConfig
     from rosetrainer.model import GPT
 
@@ -93,14 +98,14 @@ def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -
     # Per layer: c_attn 8x24, attn c_proj 8x8, c_fc 8x32, mlp c_proj 32x8; then the head 100x8.
     matrices = 2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8) + 100 * 8
     attention = 2 * (2 * 8 * 10)  # 2 layers x (q.k and weights.v: 8 x 10 each)
-    assert infer_bench.decode_flops(model, kv_len=10) == 2 * (matrices + attention)
-    assert infer_bench.decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)
+    assert decode_flops(model, kv_len=10) == 2 * (matrices + attention)
+    assert decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)
 
 
 def test_tiny_offload_bench_prints_one_table_with_equal_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture, one_torch_thread: None
 ) -> None:
-    from roseinfer.bench import offload
+    from benchmarks import offload
 
     path = tmp_path / "offload.json"
     assert offload.main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0

@@ -5,7 +5,7 @@ The command lines are read from README.md, docs/*.md and chapters/*.md: the shel
 blocks (line continuations joined, `&&` / `|` / `;` chains split, environment prefixes
 and redirections dropped, `<placeholders>` read as one word) and the inline code spans
 that hold a program with its arguments. A line starts a rose program when it runs one
-of pyproject's [project.scripts] or `-m` one of rose's modules (`python -m`,
+of pyproject's [project.scripts] or `-m` one of rose's modules or benchmarks (`python -m`,
 `torchrun ... -m`); its arguments go through the `build_parser()` of the module whose
 `main` runs, so a flag the program does not take (misspelt, removed, renamed) fails here.
 
@@ -43,7 +43,8 @@ from rosetrainer.errors import RoseError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = REPO_ROOT / "docs"
-ROSE_PACKAGES = ("rosetrainer", "roseinfer", "rosecourse")
+# rose's programs: its packages', and the benchmark programs beside them (run from a clone)
+ROSE_PACKAGES = ("rosetrainer", "roseinfer", "rosecourse", "benchmarks")
 
 
 def console_scripts() -> dict[str, str]:
@@ -237,6 +238,7 @@ def test_the_docs_show_rose_command_lines() -> None:
         "roseinfer.cli.export_hf",
         "roseinfer.cli.export_onnx",
     } <= programs
+    assert {"benchmarks.train", "benchmarks.decode", "benchmarks.engine"} <= programs
     readme = [i for i in DOCUMENTED if i.where.startswith("README.md:")]
     assert any(i.program == "rosetrainer.train" and i.args == ("--preset", "tiny") for i in readme)
     assert len(DOCUMENTED) > 80, len(DOCUMENTED)

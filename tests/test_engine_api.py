@@ -113,7 +113,7 @@ def test_engine_reports_time_and_memory_figures(checkpoint: Path) -> None:
 def test_bench_engine_on_cuda_where_there_is_none_is_one_line(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roseinfer.bench import engine as bench_engine
+    from benchmarks import engine as bench_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_engine.main(["--quick", "--device", "cuda"]) == 2
@@ -124,7 +124,7 @@ def test_bench_engine_on_cuda_where_there_is_none_is_one_line(
 def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    from roseinfer.bench import engine as bench_engine
+    from benchmarks import engine as bench_engine
 
     code = bench_engine.main(["--quick"])
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""The layout holds: folders by role, imports one way, every KV cache in roseinfer/cache/.
+"""The layout holds: folders by role, imports one way, every KV cache in roseinfer/cache/,
+and the packages a user installs hold neither the course's nor the benchmarks' code.
 
 Read from the source with `ast` (nothing is imported, so this runs in a blink): the
 module-level import graph of the three packages counts every import a module can run,
@@ -170,6 +171,68 @@ def test_no_import_cycle_in_the_packages() -> None:
     graph = import_graph()
     assert len(graph) > 50, sorted(graph)  # the reader found the packages
     assert cycles(graph) == []
+
+
+def imported_roots(tree: ast.Module) -> set[tuple[int, str]]:
+    """(line, top-level name) of every absolute import in `tree`, wherever it sits, and of
+    every module named by a string to importlib.import_module or __import__."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add((node.lineno, node.module.split(".")[0]))
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add((node.lineno, node.args[0].value.split(".")[0]))
+    return found
+
+
+def test_the_import_reader_sees_absolute_and_dynamic_imports() -> None:
+    tree = ast.parse(
+        "import benchmarks.engine\nfrom . import sampling\n"
+        "def f():\n    from rosecourse.demo import PROMPT\n"
+        "    importlib.import_module('benchmarks.decode')\n"
+    )
+    assert imported_roots(tree) == {(1, "benchmarks"), (4, "rosecourse"), (5, "benchmarks")}
+
+
+def test_the_packages_never_import_the_course_or_the_benchmarks() -> None:
+    """The package is what a user imports: `rosetrainer` and `roseinfer` stand on their own.
+    The course (rosecourse/) and the benchmark programs (benchmarks/) may import them, never
+    the other way."""
+    names = {path.name for path in REPO_ROOT.glob("benchmarks/*.py")}
+    assert {"engine.py", "decode.py", "train.py", "vllm_venv.py"} <= names  # the reader's target
+    wrong_way = sorted(
+        f"{module}:{line} imports {root}"
+        for module, tree in modules().items()
+        if module.split(".")[0] in ("rosetrainer", "roseinfer")
+        for line, root in imported_roots(tree)
+        if root in ("rosecourse", "benchmarks")
+    )
+    assert wrong_way == []
+
+
+def test_pip_install_installs_no_benchmark() -> None:
+    """The packages pyproject names for the wheel hold no benchmark program, and no console
+    script points at one (a script can only run what the wheel installed)."""
+    from setuptools import find_packages
+
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include = (\[[^\]]*\])", pyproject)
+    assert found, "pyproject.toml names no [tool.setuptools.packages.find] include list"
+    installed = find_packages(where=str(REPO_ROOT), include=ast.literal_eval(found.group(1)))
+    assert {"rosetrainer", "roseinfer.engine", "rosecourse"} <= set(installed)
+    assert [name for name in installed if "bench" in name] == []
+    table = pyproject.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    targets = re.findall(r'^[\w-]+\s*=\s*"([\w.]+):\w+"', table, re.M)
+    assert "rosetrainer.train" in targets
+    assert [target for target in targets if target.split(".")[0] not in PACKAGES] == []
 
 
 def test_rosetrainer_imports_nothing_of_the_inference_stack_or_the_course() -> None:

@@ -29,7 +29,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from serving import API_KEY, WINDOW, Server, running_server, write_test_checkpoint
 
-from roseinfer.bench import live_page as bench_live_page
+from benchmarks import live_page as bench_live_page
 from roseinfer.engine.block_manager import blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine

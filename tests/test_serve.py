@@ -29,7 +29,7 @@ from serving import (
     write_test_checkpoint,
 )
 
-from roseinfer.bench import serving as bench_serving
+from benchmarks import serving as bench_serving
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.request.sampling_params import SamplingParams

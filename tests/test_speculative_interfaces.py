@@ -228,7 +228,7 @@ def test_serve_refuses_bad_speculative_flags(checkpoints, capsys) -> None:
 
 def test_the_benchmark_runs_in_quick_mode(capsys) -> None:
     """Every table prints; every speculative single stream made the plain run's tokens."""
-    from roseinfer.bench import speculative as bench
+    from benchmarks import speculative as bench
 
     assert bench.main(["--quick"]) == 0
     out = capsys.readouterr().out

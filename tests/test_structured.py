@@ -22,7 +22,7 @@ import torch
 from models import assert_clear_margins, assert_logits_close, make_test_model
 from torch import nn
 
-from roseinfer.bench import structured as bench_structured
+from benchmarks import structured as bench_structured
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.llm import LLM
@@ -487,9 +487,10 @@ def test_the_matcher_rolls_back_to_an_earlier_mask(tokenizer) -> None:
 @pytest.mark.slow
 def test_the_benchmark_runs_in_its_quick_mode() -> None:
     """A smoke test: every table filled (no timing is asserted)."""
-    command = [sys.executable, "-m", "roseinfer.bench.structured", "--quick", "--json"]
+    command = [sys.executable, "-m", "benchmarks.structured", "--quick", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where benchmarks/ is
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
     assert [r["constraint"] for r in payload["compile"]] == list(bench_structured.SUITE)

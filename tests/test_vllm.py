@@ -3,7 +3,7 @@
 tokens are rose's uncached greedy tokens, prompt for prompt.
 
 vLLM lives in a venv of its own (.ci/vllm-venv makes it; .ci/run exports its python as
-ROSE_VLLM_PYTHON), and the offline run is roseinfer/bench/vllm_runner.py in that python.
+ROSE_VLLM_PYTHON), and the offline run is benchmarks/vllm_runner.py in that python.
 Without the venv these tests fail in CI (CI=true, or ROSE_VLLM_PYTHON set) and skip
 elsewhere, saying how to make it. Docs: docs/vllm.md shows the same steps by hand.
 
@@ -22,8 +22,8 @@ import torch
 from models import assert_clear_margins, assert_varied
 from openai import OpenAI
 
-from roseinfer.bench import vllm_venv
-from roseinfer.bench.serving_compare import free_port, server_process
+from benchmarks import vllm_venv
+from benchmarks.serving_compare import free_port, server_process
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.generate import GenerationResult, generate
 from roseinfer.request.sampling import SamplingParams

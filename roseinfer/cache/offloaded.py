@@ -26,7 +26,7 @@ cache is dropped with a write-back still queued, their memory waits for it.
 It costs bandwidth instead of memory: each decode step copies every layer's whole
 past to the device again, 72 KiB per held token for GPT-2 small in float32, and PCIe
 moves tens of GB/s where the GPU's memory moves TB/s. `python -m
-roseinfer.bench.offload --device cuda` measures both sides against the concatenating
+benchmarks.offload --device cuda` measures both sides against the concatenating
 and the static cache.
 
 With the model on the CPU the host and the compute device are one: the copies are

@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.onnx: decode speed of the ONNX graph in onnxruntime, side by side.
+"""python -m benchmarks.onnx: decode speed of the ONNX graph in onnxruntime, side by side.
 
 One process, one set of weights (random GPT-2 124M unless a model is given), exported
 once to a temporary directory; then, interleaved round by round for each batch size:
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.bench.decode import parse_batch_sizes, ragged_prompts
+from benchmarks.decode import parse_batch_sizes, ragged_prompts
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.loops import onnx_generate
 from roseinfer.loops.export_onnx import export, write_meta
@@ -36,7 +36,7 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 
-PROG = "roseinfer.bench.onnx"
+PROG = "benchmarks.onnx"
 EAGER = "rose eager (static cache)"
 
 

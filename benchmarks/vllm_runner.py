@@ -1,7 +1,7 @@
 """One offline run in vLLM, for rose's tests and benchmarks: run by the python of vLLM's own
 venv (.ci/vllm-venv), never rose's, so it imports vLLM and the standard library only.
 
-    $ROSE_VLLM_PYTHON roseinfer/bench/vllm_runner.py JOB.json RESULT.json
+    $ROSE_VLLM_PYTHON benchmarks/vllm_runner.py JOB.json RESULT.json
 
 JOB.json says what to run:
 
@@ -15,7 +15,7 @@ JOB.json says what to run:
 and RESULT.json what came back: per prompt the prompt's and the output's token ids, the
 text, and the chosen tokens' log-probabilities; and the seconds vLLM took to start (read
 the folder, build its engine process, compile, allocate its KV cache) and to generate.
-Greedy throughout (temperature 0). rose's side: roseinfer/bench/vllm_venv.py, which sets the
+Greedy throughout (temperature 0). rose's side: benchmarks/vllm_venv.py, which sets the
 environment vLLM's CPU build wants (threads bound, KV cache size) and runs this.
 
 vLLM starts its engine in a process of its own, by spawning one that imports this file

@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.decode: decode speed, side by side, on one set of weights.
+"""python -m benchmarks.decode: decode speed, side by side, on one set of weights.
 
 One process times, interleaved round by round: the uncached oracle, the
 concatenating cache, the static cache, the static cache with its decode step
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rosecourse.roofline import cache_bytes, weight_bytes
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
-from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.packed import PackedLinear, can_pack
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
@@ -71,7 +71,7 @@ class BatchResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="roseinfer.bench.decode", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks.decode", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     src.add_argument("--hf-model", help="a local Hugging Face GPT-2 directory")
@@ -170,32 +170,6 @@ def matmul_rate(device: str, n: int = 1024) -> float:
     return 2 * n**3 / best
 
 
-def weight_bytes(model: GPT) -> int:
-    """Bytes a decode step reads of the weights: every matrix once (the tied one once too);
-    of the position table only one row, so it is left out."""
-    wpe = model.transformer.wpe.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not wpe)
-
-
-def cache_bytes(model: GPT, positions: float) -> float:
-    """Bytes of `positions` tokens' keys and values, every layer, in the model's dtype."""
-    itemsize = model.lm_head.weight.element_size()
-    return positions * kv_bytes_per_token(model.config, "auto", itemsize=itemsize)
-
-
-def decode_flops(model: GPT, kv_len: int, batch: int = 1) -> int:
-    """Floating-point operations of one decode step (a multiply-add counts two).
-
-    Per row: every matrix of a Linear layer once (the output head included; the
-    embeddings are lookups), and in each layer the query against kv_len keys and the
-    weights against kv_len values.
-    """
-    cfg = model.config
-    matrices = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    attention = 2 * cfg.n_layer * cfg.n_embd * kv_len
-    return batch * 2 * (matrices + attention)
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -292,7 +266,7 @@ def bench_batches(model: GPT, args: argparse.Namespace) -> list[BatchResult]:
             ]
             one_by_one_s.append(sum(map(elapsed, prompt_clocks)))
             print(
-                f"[roseinfer.bench.decode] round {round_idx + 1}: batch of {batch_size} done",
+                f"[benchmarks.decode] round {round_idx + 1}: batch of {batch_size} done",
                 file=sys.stderr,
             )
         new_tokens = sum(map(len, batched))
@@ -461,7 +435,7 @@ def bench(argv: list[str] | None = None) -> int:
             runners["hf"] = make_hf_runner(model)
         except ImportError:
             print(
-                "[roseinfer.bench.decode] transformers is not installed: skipping hf",
+                "[benchmarks.decode] transformers is not installed: skipping hf",
                 file=sys.stderr,
             )
             paths.remove("hf")
@@ -487,9 +461,7 @@ def bench(argv: list[str] | None = None) -> int:
                 clock = StepClock(args.device)
                 tokens[path] = run(path, args.new_tokens, clock)
                 clocks[path].append(clock)
-                print(
-                    f"[roseinfer.bench.decode] round {round_idx + 1}: {path} done", file=sys.stderr
-                )
+                print(f"[benchmarks.decode] round {round_idx + 1}: {path} done", file=sys.stderr)
 
         batch_results = bench_batches(model, args)
 
@@ -520,12 +492,12 @@ def bench(argv: list[str] | None = None) -> int:
             print_batch_table(batch_results, args)
     if args.plot:
         plot(results, args.plot, args)
-        print(f"[roseinfer.bench.decode] per-step latency plot: {args.plot}", file=sys.stderr)
+        print(f"[benchmarks.decode] per-step latency plot: {args.plot}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench.decode")
+    return run_cli(lambda: bench(argv), "benchmarks.decode")
 
 
 if __name__ == "__main__":

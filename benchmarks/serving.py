@@ -1,6 +1,6 @@
-"""python -m roseinfer.bench.serving: load for any OpenAI-compatible server, and what it measured.
+"""python -m benchmarks.serving: load for any OpenAI-compatible server, and what it measured.
 
-    python -m roseinfer.bench.serving --base-url http://127.0.0.1:8000/v1 \\
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000/v1 \\
         --request-rate 1,4,inf --num-prompts 64 --input-len 128 --output-len 64
 
 For each request rate it sends --num-prompts streaming completions, arriving as a
@@ -406,7 +406,7 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m roseinfer.bench.serving", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--model", help="the model name to send (default: the server's first)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")

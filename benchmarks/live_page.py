@@ -1,7 +1,7 @@
-"""python -m roseinfer.bench.live_page: engine throughput with the live page open, and without.
+"""python -m benchmarks.live_page: engine throughput with the live page open, and without.
 
     rose-serve --checkpoint-path checkpoints/tiny &
-    python -m roseinfer.bench.live_page --base-url http://127.0.0.1:8000/v1 --rounds 3 \\
+    python -m benchmarks.live_page --base-url http://127.0.0.1:8000/v1 --rounds 3 \\
         --num-prompts 32 --input-len 64 --output-len 64 --random --ignore-eos
 
 An open page holds one /live/events stream: while it is open the engine thread takes a
@@ -18,7 +18,7 @@ On a busy machine two runs of one load differ by more than the page costs, so
 in this process, and the live page's hook (and the serializing of each snapshot, which
 the server does on its event loop) is timed beside the steps, watched and not:
 
-    python -m roseinfer.bench.live_page --checkpoint-path checkpoints/tiny --rounds 3 \
+    python -m benchmarks.live_page --checkpoint-path checkpoints/tiny --rounds 3 \
         --num-prompts 32 --input-len 64 --output-len 64 --random --ignore-eos
 """
 
@@ -32,7 +32,7 @@ import sys
 
 import httpx
 
-from roseinfer.bench import serving as bench_serving
+from benchmarks import serving as bench_serving
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 
 PROG = "bench_live_page"
@@ -152,9 +152,7 @@ def hook_share(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="python -m roseinfer.bench.live_page", description=__doc__.split("\n")[0]
-    )
+    p = ArgumentParser(prog="python -m benchmarks.live_page", description=__doc__.split("\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     p.add_argument("--model", help="the model name to send (default: the server's first)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")

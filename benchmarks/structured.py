@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.structured: what structured output costs.
+"""python -m benchmarks.structured: what structured output costs.
 
 Two tables, measured in one process:
 
@@ -14,8 +14,8 @@ Two tables, measured in one process:
    advancing each matcher), per step and per token, and as a fraction of the free
    step. The target is at most 5% of a decode step at B = 16.
 
-    python -m roseinfer.bench.structured            # random GPT-2 124M weights
-    python -m roseinfer.bench.structured --quick    # a tiny model (a smoke test)
+    python -m benchmarks.structured            # random GPT-2 124M weights
+    python -m benchmarks.structured --quick    # a tiny model (a smoke test)
 
 Run it alone on the machine: the figures are times.
 """
@@ -108,7 +108,7 @@ class MaskResult:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="roseinfer.bench.structured", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks.structured", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny model, few steps (a smoke test)")
     p.add_argument("--batch-sizes", default="1,16", help="comma-separated; default: 1,16")
     p.add_argument("--new-tokens", type=int, help="per request (default: 128; quick: 8)")
@@ -216,7 +216,7 @@ def bench(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(lambda: bench(argv), "roseinfer.bench.structured")
+    return run_cli(lambda: bench(argv), "benchmarks.structured")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""python -m roseinfer.bench.serving_compare: rose's server next to `transformers serve` and
+"""python -m benchmarks.serving_compare: rose's server next to `transformers serve` and
 `vllm serve`, one run.
 
-    flock /tmp/rose-bench.lock python -m roseinfer.bench.serving_compare
-    python -m roseinfer.bench.serving_compare --servers rose,vllm
+    flock /tmp/rose-bench.lock python -m benchmarks.serving_compare
+    python -m benchmarks.serving_compare --servers rose,vllm
 
 On one randomly initialised GPT-2 small (124M) saved as a Hugging Face directory (with
 GPT-2's own tokenizer, built from tiktoken's BPE files, so it needs no download), it
@@ -13,7 +13,7 @@ with bench_serving, stops it, and prints one table and the ratios that matter:
   `transformers serve --continuous-batching` on the same directory, rates light to
   saturating: output tokens/s at saturation, TTFT p99 at every rate;
 * rose vs `vllm serve` (--servers ...,vllm; vLLM's CPU build in its own venv, made by
-  .ci/vllm-venv, float32 as rose serves, its threads bound as roseinfer/bench/vllm_venv.py
+  .ci/vllm-venv, float32 as rose serves, its threads bound as benchmarks/vllm_venv.py
   says): output tokens/s at saturation, TTFT p99 at every rate;
 * rose with one request at a time (--max-num-seqs 1): the floor batching lifts;
 * rose with a long shared prefix (--shared-prefix-len), prefix caching on vs off:
@@ -41,9 +41,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from roseinfer.bench import serving as bench_serving
-from roseinfer.bench import vllm_venv
-from roseinfer.bench.serving import RateResult
+from benchmarks import serving as bench_serving
+from benchmarks import vllm_venv
+from benchmarks.serving import RateResult
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 
 PROG = "bench_serving_compare"
@@ -196,7 +196,7 @@ def report(results: dict[str, list[RateResult]], prefix: dict[str, list[RateResu
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="python -m roseinfer.bench.serving_compare", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.serving_compare", description=__doc__.split("\n")[0]
     )
     p.add_argument(
         "--model-dir",

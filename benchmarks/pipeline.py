@@ -1,4 +1,4 @@
-"""python -m roseinfer.bench.pipeline: a split model's speed, side by side, in one run.
+"""python -m benchmarks.pipeline: a split model's speed, side by side, in one run.
 
 The model (GPT-2 small with random weights unless --checkpoint-path) is written to a
 temporary checkpoint; --stages processes load their shares of it and run, in one
@@ -42,7 +42,7 @@ from rosetrainer.model import GPT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="roseinfer.bench.pipeline", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="benchmarks.pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-path", help="a rose checkpoint (default: random gpt2 124M)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
