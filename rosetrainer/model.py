@@ -204,7 +204,8 @@ def one_query_attention(
     the values are stored transposed (the engine's decode slots hand them over as a
     transposed view: their last dimension is not the contiguous one), it is written
     matrix first, values^T @ weights, the form BLAS runs near memory speed with the
-    matrix's rows contiguous (the other order took 2.2x longer at 32 GPT-2 sequences).
+    matrix's rows contiguous (the other order is slower: docs/benchmarks.md, "Figures
+    behind the code").
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if attn_mask is not None:

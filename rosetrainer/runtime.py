@@ -104,10 +104,11 @@ def keep_freed_memory() -> None:
     A training step allocates and frees the same large tensors every time (the logits
     alone are batch x block_size x 50,257 floats). By default glibc returns each large
     block to the kernel as soon as it is freed, and the next step page-faults every
-    page of it back in, zero-filled by the kernel: on a 2-core CPU that is ~40% of a
-    tiny-model step. Raising glibc's mmap and trim thresholds keeps those blocks in
-    the heap, ready for reuse; the process's resident size then counts freed blocks
-    too. Elsewhere (macOS, musl) this does nothing.
+    page of it back in, zero-filled by the kernel: on a small CPU a large share of a
+    tiny-model step (docs/benchmarks.md, "Figures behind the code"). Raising glibc's
+    mmap and trim thresholds keeps those blocks in the heap, ready for reuse; the
+    process's resident size then counts freed blocks too. Elsewhere (macOS, musl) this
+    does nothing.
     """
     if sys.platform != "linux":
         return

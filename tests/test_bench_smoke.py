@@ -124,3 +124,18 @@ def test_tiny_offload_bench_prints_one_table_with_equal_tokens(
     assert offloaded["host_cache_bytes"] == static["device_cache_bytes"]
     assert offloaded["to_device_bytes_per_step"] > 0 == static["to_device_bytes_per_step"]
     assert offloaded["peak_device_bytes"] is None  # no CUDA here
+
+
+def test_quick_kernels_bench_times_both_forms_of_every_choice(
+    capsys: pytest.CaptureFixture, one_torch_thread: None
+) -> None:
+    from benchmarks import kernels
+
+    assert kernels.main(["--quick", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in payload["results"]]
+    assert names[0].startswith("argmax") and names[-1] == "attention values (bfloat16)"
+    assert "slot scores (bfloat16)" in names
+    assert all(r["rose_ms"] > 0 and r["other_ms"] > 0 for r in payload["results"])
+    # the packed products, or a line saying why this CPU runs none of them
+    assert any(n.startswith("vocab projection") for n in names) or payload["left_out"]

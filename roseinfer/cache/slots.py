@@ -14,17 +14,17 @@ Attention reads each row whole, all of its capacity (positions past a sequence's
 length are zeros, and the mask hides them): rows 0 .. n - 1 are then one contiguous
 block, which the batched products read in place. A view cut to the step's width is
 not: its rows are strided, and in bfloat16 oneDNN's batched product copies every
-layer's slice before it multiplies (3x slower at 32 GPT-2 sequences). So the capacity
+layer's slice before it multiplies. So the capacity
 is kept close to the longest context (see `tight`).
 
 In float32 the values are stored transposed, (rows, n_head, head_dim, capacity), and
 handed to attention as a transposed view: the softmax weights times the values is then
 one matrix-vector product per sequence and head with the matrix's rows contiguous, the
 form CPU BLAS runs near memory speed (over values laid out like the keys it runs as
-many one-row products, 2.2x slower at 32 GPT-2 sequences). In bfloat16 the values are
-laid out like the keys, the form oneDNN's bfloat16 product is fastest on (1.5x the
-transposed one). `one_query_attention` in rosetrainer/model.py picks the form from the
-layout.
+many one-row products). In bfloat16 the values are laid out like the keys, the form
+oneDNN's bfloat16 product is fastest on. `one_query_attention` in rosetrainer/model.py
+picks the form from the layout. What each choice saved was measured (docs/benchmarks.md,
+"Figures behind the code"; `python -m benchmarks.kernels` repeats it).
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a

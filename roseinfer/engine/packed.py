@@ -4,20 +4,19 @@ A decode step multiplies a few dozen rows (one per running sequence) by every we
 matrix. PyTorch's default CPU matrix product takes the weight as it is stored and lays
 it out for its kernel on every call; for so few rows that work rivals the product
 itself. oneDNN (the CPU library PyTorch ships with) can lay each weight out once, for
-the row count expected, and then read it straight through. On the 2-core build machine
-(AVX-512) GPT-2's vocabulary projection of 32 rows took 41 ms plainly and 16 ms packed,
-and a whole engine decode step of 32 sequences about 1.5x less time. These are
-operations PyTorch's compiler (inductor) emits for a CPU model whose weights it
-freezes; here they are called directly, without compiling anything.
+the row count expected, and then read it straight through, which takes a decode step's
+products much less time (docs/benchmarks.md, "Figures behind the code", has the
+measurements; `python -m benchmarks.kernels` repeats them). These are operations
+PyTorch's compiler (inductor) emits for a CPU model whose weights it freezes; here they
+are called directly, without compiling anything.
 
 `packed_linears(model)` returns a view of the model in which every `nn.Linear` is a
 `PackedLinear`: the same forward, every parameter shared with the model (nothing is
 copied), and beside each linear weight its packed copy (so about one more copy of
 the weights in memory). The MLP's GELU goes into the product before it, which oneDNN
 applies to each tile of the output while it is still in cache: a separate GELU reads
-and writes the whole (tokens, 4 * n_embd) activation once more (fused, that layer took
-22-38% less time on the build machine, float32 and bfloat16, 32 or 500 rows). The sums
-run in another order than the plain product's, so logits differ in their last bits
+and writes the whole (tokens, 4 * n_embd) activation once more, which fusing saves. The
+sums run in another order than the plain product's, so logits differ in their last bits
 (within the oracle's tolerance, rosetrainer.numerics); the tests compare the engine's
 tokens and logits with the uncached oracle with and without packing.
 """

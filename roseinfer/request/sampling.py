@@ -67,8 +67,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """(..., vocab) logits -> the id of each row's largest (the lowest id on a tie).
 
     In float32: every bfloat16 or float16 value is one exactly, so the answer is the
-    same, and a CPU's argmax over bfloat16 is not vectorized (4.6x slower over 32 rows
-    of GPT-2's vocabulary than converting first)."""
+    same, and a CPU's argmax over bfloat16 is not vectorized, so converting first is
+    faster (docs/benchmarks.md, "Figures behind the code")."""
     return torch.argmax(logits.float(), dim=-1)
 
 

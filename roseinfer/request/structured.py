@@ -139,7 +139,7 @@ class Grammar:
 @functools.cache
 def ll_tokenizer(name: str) -> llguidance.LLTokenizer:
     """llguidance's view of a tiktoken encoding: every token's bytes, in a trie (built
-    once per encoding, about 0.2 s for GPT-2's 50,257 tokens)."""
+    once per encoding: a noticeable pause for GPT-2's 50,257 tokens, paid once)."""
     from rosetrainer.tokenizer import get_encoding
 
     return _llguidance().tiktoken.lltokenizer_from_encoding(get_encoding(name))
@@ -370,7 +370,7 @@ def allowed_tokens(
         if m.grammar.n_vocab != n_vocab:
             raise RoseError("the requests of one batch share one tokenizer")
         # One row after another: a mask takes microseconds, less than handing the rows
-        # to the library's thread pool costs (measured: ~1 ms for 4 rows on 2 cores).
+        # to the library's thread pool costs on a small machine (docs/benchmarks.md).
         m.fill_bitmask(bits[row])
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     allowed = np.zeros((len(matchers), width), dtype=bool)

@@ -14,8 +14,8 @@ several threads (the server's main thread keeps to one: roseinfer/cli/serve.py).
 OpenMP, each thread that starts parallel work gets a team of worker threads of its own;
 once a process holds more of them than there are cores, the OpenMP runtime makes idle
 workers sleep almost at once instead of spinning, and a decode step, hundreds of short
-parallel regions, then waits for its worker to wake at every one (measured on 2 cores,
-16 GPT-2 sequences: 44 ms a step with one team, 54 to 69 ms with two).
+parallel regions, then waits for its worker to wake at every one (measured: the
+benchmarks page's "rose against transformers serve").
 `torch_threads` gives this thread its count back.
 """
 

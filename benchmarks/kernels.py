@@ -1,0 +1,200 @@
+"""python -m benchmarks.kernels: the measurements behind the kernel choices the code makes.
+
+The code says why it takes one form of an operation over another; how much that saved on
+one machine belongs here, where it can be measured again. Each row times the two forms
+of one operation on GPT-2 small's shapes, interleaved round by round in one process, and
+prints their median times and the ratio (the other form's time over rose's):
+
+* argmax: greedy over 32 rows of bfloat16 logits, converted to float32 first (rose,
+  roseinfer/request/sampling.py `greedy_ids`) against as they are;
+* vocab projection: 32 rows by the output matrix, the weight packed once for oneDNN
+  (rose, roseinfer/engine/packed.py) against PyTorch's product on the weight as stored;
+* mlp gelu: the MLP's first product with its GELU done by the packed product (rose)
+  against the packed product, then the GELU (32 and 500 rows);
+* slot view (bfloat16): a decode step's scores over decode slots read whole (rose,
+  roseinfer/cache/slots.py) against a view cut to the step's width;
+* values (float32): the attention weights times values stored transposed, matrix first
+  (rose, rosetrainer/model.py `one_query_attention`) against values laid out like the
+  keys; values (bfloat16): the other way round, as rose stores them in bfloat16.
+
+A form this CPU cannot run (oneDNN without bfloat16 kernels) is left out, saying so.
+docs/benchmarks.md ("Figures behind the code") holds the figures and their machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from roseinfer.engine.packed import PackedLinear, bfloat16_packing_supported
+from rosetrainer.errors import ArgumentParser, run_cli
+from rosetrainer.model import one_query_attention
+
+PROG = "benchmarks.kernels"
+
+
+@dataclass
+class Shapes:
+    rows: int  # decoding sequences in a step
+    n_embd: int
+    n_head: int
+    vocab: int
+    context: int  # tokens each sequence holds
+    capacity: int  # a decode slot's length (the context rounded up)
+    wide_rows: int  # the MLP's second row count (a prefill's tokens)
+
+
+GPT2 = Shapes(rows=32, n_embd=768, n_head=12, vocab=50257, context=200, capacity=256, wide_rows=500)
+QUICK = Shapes(rows=4, n_embd=64, n_head=4, vocab=512, context=20, capacity=32, wide_rows=16)
+
+
+@dataclass
+class Row:
+    name: str
+    rose: str  # the form the code takes
+    other: str
+    rose_ms: float
+    other_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.other_ms / self.rose_ms
+
+
+Pair = tuple[str, str, str, Callable[[], object], Callable[[], object]]
+
+
+def pairs(shapes: Shapes, generator: torch.Generator) -> tuple[list[Pair], list[str]]:
+    """(name, rose's form, the other, rose's call, the other's call) for each measurement,
+    and a note for each left out."""
+
+    def randn(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(dtype)
+
+    s, found, left_out = shapes, [], []
+    head_dim = s.n_embd // s.n_head
+
+    logits = randn(s.rows, s.vocab, dtype=torch.bfloat16)
+    found.append(
+        ("argmax (bfloat16 logits)", "to float32 first", "as they are",
+         lambda: torch.argmax(logits.float(), dim=-1), lambda: torch.argmax(logits, dim=-1))
+    )  # fmt: skip
+
+    packable = torch.backends.mkldnn.is_available()
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        if not packable or (dtype == torch.bfloat16 and not bfloat16_packing_supported()):
+            left_out.append(f"packed products in {name}: this CPU's oneDNN cannot run them")
+            continue
+        head = nn.Linear(s.n_embd, s.vocab, bias=False).to(dtype)
+        packed_head = PackedLinear(head, s.rows)
+        x = randn(s.rows, s.n_embd, dtype=dtype)
+        found.append(
+            (f"vocab projection, {s.rows} rows ({name})", "packed", "as stored",
+             lambda x=x, p=packed_head: p(x), lambda x=x, h=head: h(x))
+        )  # fmt: skip
+        fc, gelu = nn.Linear(s.n_embd, 4 * s.n_embd).to(dtype), nn.GELU(approximate="tanh")
+        for rows in (s.rows, s.wide_rows):
+            fused, plain = PackedLinear(fc, rows, gelu), PackedLinear(fc, rows)
+            x = randn(rows, s.n_embd, dtype=dtype)
+            found.append(
+                (f"mlp gelu, {rows} rows ({name})", "fused", "packed, then GELU",
+                 lambda x=x, f=fused: f(x), lambda x=x, p=plain, g=gelu: g(p(x)))
+            )  # fmt: skip
+
+    q = randn(s.rows, s.n_head, 1, head_dim, dtype=torch.bfloat16)
+    slots = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=torch.bfloat16)
+    cut = slots[:, :, : s.context]
+    found.append(
+        ("slot scores (bfloat16)", "whole slots", "view cut to the width",
+         lambda: q @ slots.transpose(-2, -1), lambda: q @ cut.transpose(-2, -1))
+    )  # fmt: skip
+
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        q = randn(s.rows, s.n_head, 1, head_dim, dtype=dtype)
+        k = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
+        like_keys = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
+        transposed = like_keys.transpose(-2, -1).contiguous().transpose(-2, -1)  # a view
+        forms = {
+            "values transposed": lambda q=q, k=k, v=transposed: one_query_attention(q, k, v, None),
+            "values like keys": lambda q=q, k=k, v=like_keys: one_query_attention(q, k, v, None),
+        }
+        rose = "values transposed" if dtype == torch.float32 else "values like keys"
+        other = next(form for form in forms if form != rose)
+        found.append((f"attention values ({name})", rose, other, forms[rose], forms[other]))
+    return found, left_out
+
+
+def median_ms(call: Callable[[], object], calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - started) * 1000 / calls
+
+
+def measure(found: list[Pair], rounds: int, calls: int) -> list[Row]:
+    rows = []
+    for name, rose, other, rose_call, other_call in found:
+        rose_call(), other_call()  # warm up: first-call allocations, oneDNN's primitives
+        rose_ms, other_ms = [], []
+        for _ in range(rounds):  # interleaved, so a busy moment falls on both
+            rose_ms.append(median_ms(rose_call, calls))
+            other_ms.append(median_ms(other_call, calls))
+        rows.append(Row(name, rose, other, statistics.median(rose_ms), statistics.median(other_ms)))
+    return rows
+
+
+def print_table(rows: list[Row], left_out: list[str], threads: int) -> None:
+    print(f"torch {torch.__version__}, {threads} thread(s); ms per call, median of the rounds")
+    print(f"{'measurement':<36} {'rose':<20} {'ms':>8}  {'other':<22} {'ms':>8} {'other/rose':>10}")
+    for r in rows:
+        print(
+            f"{r.name:<36} {r.rose:<20} {r.rose_ms:8.3f}  {r.other:<22} {r.other_ms:8.3f} "
+            f"{r.ratio:9.2f}x"
+        )
+    for note in left_out:
+        print(f"left out: {note}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke test")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--calls", type=int, default=20, help="calls timed per round (default 20)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead")
+    return p
+
+
+def bench(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = QUICK if args.quick else GPT2
+    rounds, calls = (1, 2) if args.quick else (args.rounds, args.calls)
+    with torch.inference_mode():
+        found, left_out = pairs(shapes, torch.Generator().manual_seed(0))
+        rows = measure(found, rounds, calls)
+    if args.json:
+        results = [{**asdict(r), "ratio": r.ratio} for r in rows]
+        print(json.dumps({"shapes": asdict(shapes), "results": results, "left_out": left_out}))
+    else:
+        print_table(rows, left_out, torch.get_num_threads())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(lambda: bench(argv), PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
