@@ -8,8 +8,10 @@ transformer block, and the model. Parameter names follow OpenAI's / Hugging Face
 GPT-2 so their weights load with a transpose and nothing else.
 
 The model is stateless: a cache is passed in, written by each layer, and owned by the
-caller (the inference package's kv_cache module has a concatenating and a preallocated
-one; its serving engine a paged one). Without a cache the model sees the whole sequence at once.
+caller (the inference package keeps every kind in roseinfer/cache/: the concatenating
+and the preallocated caches in dense.py, the engine's paged pool in paged.py, and the
+rolling, quantized and offloaded ones). Without a cache the model sees the whole
+sequence at once.
 """
 
 from __future__ import annotations

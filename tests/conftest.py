@@ -56,11 +56,12 @@ def ctrl_c_reaches_children() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def check_invariants() -> Iterator[None]:
+def engines_record_their_writes() -> Iterator[None]:
     """Every engine the tests build (chapters' kernels and servers' processes included)
-    checks its block pool's invariants after every step (EngineConfig.check_invariants)."""
+    records what each step wrote (EngineConfig.record_writes), so that a test can check
+    its block pool's invariants after every step (block_manager.check_pool)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ROSE_CHECK_INVARIANTS", "1")
+        patch.setenv("ROSE_RECORD_WRITES", "1")
         yield
 
 

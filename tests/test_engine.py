@@ -845,11 +845,11 @@ def test_the_same_llm_serves_after_a_request_failed(model, tokenizer) -> None:
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
-def test_pool_bookkeeping_is_recorded_only_when_invariants_are_checked(model, tokenizer) -> None:
-    """The tests turn the checks on (ROSE_CHECK_INVARIANTS=1); a server's hot path keeps
+def test_pool_bookkeeping_is_recorded_only_when_asked_for(model, tokenizer) -> None:
+    """The tests turn the recording on (ROSE_RECORD_WRITES=1); a server's hot path keeps
     no copies of block tables and reads no written slots back from the device."""
     for check in (True, False):
-        engine = engine_for(model, tokenizer, num_kv_blocks=40, check_invariants=check)
+        engine = engine_for(model, tokenizer, num_kv_blocks=40, record_writes=check)
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=3))
         engine.step()
         recorded = (engine.runner.written_slots, engine.runner.writer_tables)

@@ -46,7 +46,13 @@ def tokenizer() -> Tokenizer:
 
 
 def make_engine(**config: object) -> LLMEngine:
-    settings = {"kv_block_size": KV_BLOCK, "shuffle_blocks_seed": 0, **config}
+    # record_writes: drive() checks the pool after every step, the writes included
+    settings = {
+        "kv_block_size": KV_BLOCK,
+        "shuffle_blocks_seed": 0,
+        "record_writes": True,
+        **config,
+    }
     return LLMEngine(oracle_model(), tokenizer(), EngineConfig(**settings))
 
 

@@ -63,12 +63,13 @@ class EngineConfig:
     # values, padded to the longest: at most this many bytes (None: as many as the pool,
     # and at least MIN_SLOTS_BYTES), past which a step's decode gathers instead.
     decode_slots_memory: int | str | None = None
-    # Tests and chapters check the pool's invariants after every step (check_pool); that
-    # needs each step's written slots and the writers' block tables recorded (runner.
-    # written_slots / writer_tables): work a server does not need, so it is off unless
-    # asked for here or by the environment (ROSE_CHECK_INVARIANTS=1: the tests set it).
-    check_invariants: bool = field(
-        default_factory=lambda: os.environ.get("ROSE_CHECK_INVARIANTS", "") == "1"
+    # Record each step's written slots and the writers' block tables (runner.written_slots
+    # / writer_tables), so that tests and chapters can check the pool's invariants after
+    # every step (block_manager.check_pool); the engine itself checks nothing. Work a
+    # server does not need, so it is off unless asked for here or by the environment
+    # (ROSE_RECORD_WRITES=1: the tests set it).
+    record_writes: bool = field(
+        default_factory=lambda: os.environ.get("ROSE_RECORD_WRITES", "") == "1"
     )
 
     def __post_init__(self) -> None:

@@ -107,7 +107,7 @@ class LLMEngine:
             model,
             self.pool,
             config.attention,
-            config.check_invariants,
+            config.record_writes,
             config.max_num_seqs,
             config.pack_weights,
             config.slots_bytes(self.pool.nbytes),
