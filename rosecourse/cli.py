@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, OS_CAUSES, RoseError
+from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RoseError, os_cause
 
 PROG = "rose-course"
 # Seconds one chapter's check may take, from its process's start to its verdict. The
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 def os_error_line(error: OSError) -> str:
     """One line for a failed file operation nothing nearer explained (a full disk under
     the output, say)."""
-    cause = OS_CAUSES.get(error.errno or 0, error.strerror or type(error).__name__)
+    cause = os_cause(error)
     return f"{error.filename}: {cause}" if error.filename else cause
 
 

@@ -53,7 +53,7 @@ from rosecourse.exercises import (
     ch20_choice_mask,
 )
 from rosecourse.exercises.common import CheckResult
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 
 
@@ -355,7 +355,7 @@ def load_module(chosen: Lesson | Build, directory: Path) -> ModuleType:
     except SyntaxError as error:
         raise CourseError(f"{path}:{error.lineno}: syntax error: {error.msg}") from None
     except Exception as error:  # anything the learner's module raises on import
-        raise CourseError(f"{path} does not import: {type(error).__name__}: {error}") from None
+        raise CourseError(f"{path} does not import: {one_line(error)}") from None
     return module
 
 
@@ -391,8 +391,7 @@ def grade(chosen: Lesson | Build, directory: Path) -> CheckResult:
         try:
             return chosen.check(fn)
         except Exception as error:  # the check tripped over the learner's code itself
-            message = str(error).splitlines()[0] if str(error) else ""
-            why = f"your function broke the check: {type(error).__name__}: {message}"
+            why = f"your function broke the check: {one_line(error)}"
             result = CheckResult(chosen.name, False, None, why)
     print(result)
     return result

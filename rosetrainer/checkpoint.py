@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 from rosetrainer.files import write_atomically
 from rosetrainer.model import GPT
 
@@ -156,8 +156,7 @@ def load_checkpoint(
             f"rose checkpoint (rose loads with weights_only=True and never runs code from a file)"
         ) from None
     except Exception as err:  # torch reports a damaged archive as RuntimeError, and others
-        reason = (str(err).splitlines() or [type(err).__name__])[0]
-        raise RoseError(f"checkpoint {path} cannot be read: {reason}") from None
+        raise RoseError(f"checkpoint {path} cannot be read: {one_line(err, False)}") from None
 
     if not isinstance(ckpt, dict) or "format" not in ckpt:
         raise RoseError(

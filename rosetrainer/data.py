@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rosetrainer.errors import ArgumentParser, RoseError, os_error_line, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, one_line, os_error_line, run_cli
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
 
@@ -298,9 +298,8 @@ def _load_hf_dataset(name: str) -> Dataset:
     try:
         documents = load_dataset(name, split="train")
     except Exception as err:  # no network, no such dataset, no "train" split: one message
-        reason = (str(err).splitlines() or [type(err).__name__])[0]
         raise RoseError(
-            f"could not load the Hugging Face dataset {name!r} ({reason}); offline? "
+            f"could not load the Hugging Face dataset {name!r} ({one_line(err, False)}); offline? "
             f"pass --text-file PATH with a local UTF-8 text file instead"
         ) from None
     if "text" not in documents.column_names:

@@ -35,10 +35,25 @@ OS_CAUSES = {
 }
 
 
+def os_cause(err: OSError) -> str:
+    """Why a file operation failed, in words: the common causes said plainly, else the OS's."""
+    return OS_CAUSES.get(err.errno or 0, err.strerror or type(err).__name__)
+
+
 def os_error_line(err: OSError, path: str | Path, doing: str) -> str:
     """One line for a failed file operation: what, where, why, and what to do."""
-    cause = OS_CAUSES.get(err.errno or 0, err.strerror or type(err).__name__)
+    cause = os_cause(err)
     return f"cannot {doing} {path}: {cause}; free space, fix the permissions or choose another path"
+
+
+def one_line(error: BaseException, with_type: bool = True) -> str:
+    """An exception in one line, for a message that wraps it: its type and the first line
+    of its message (with_type=False: the first line alone); its type alone when the
+    message is empty. Libraries' messages can run to pages (a traceback, a source excerpt)."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    return f"{type(error).__name__}: {lines[0].strip()}" if with_type else lines[0].strip()
 
 
 class RoseError(Exception):

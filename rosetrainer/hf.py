@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from rosetrainer.checkpoint import check_declared_shape, check_finite, check_weights_fit
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 from rosetrainer.hf_tokenizer import hf_tokenizer_files
 from rosetrainer.model import GPT
 
@@ -328,5 +328,4 @@ def _read_weights(directory: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         # The pickled format: weights_only=True refuses to run code hidden in the file.
         return weight_file, torch.load(weight_file, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors and torch each have their own error types
-        reason = (str(err).splitlines() or [type(err).__name__])[0]
-        raise RoseError(f"cannot read {weight_file}: {reason}") from None
+        raise RoseError(f"cannot read {weight_file}: {one_line(err, False)}") from None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rosetrainer.config import GPTConfig, TrainConfig
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 from rosetrainer.model import GPT
 from rosetrainer.runtime import Runtime
 
@@ -50,7 +50,7 @@ def restoring(field: str, source: str) -> Iterator[None]:
     try:
         yield
     except (ValueError, KeyError, RuntimeError, TypeError, IndexError, AttributeError) as err:
-        reason = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        reason = one_line(err, with_type=False)[:200]
         raise RoseError(
             f"{source}: its {field!r} is damaged ({reason}); resume from another checkpoint, "
             f"or start a new run"

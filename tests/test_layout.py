@@ -312,3 +312,29 @@ def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
     )
     assert check.returncode in (0, 1), check.stderr  # 1: none ignored; 128: not a work tree
     assert sorted(set(files) - set(check.stdout.splitlines())) == []
+
+
+# An exception's message cut into lines by hand (the lines after the first, a library's
+# details, are another matter: `[1:]`).
+EXCEPTION_FIRST_LINE = re.compile(
+    r"str\((?:err|error|exc|e)\)(?:\.strip\(\))?\.splitlines\(\)(?!\[1)"
+)
+
+
+def test_an_exception_is_put_in_one_line_by_one_function() -> None:
+    """rosetrainer.errors.one_line says what an exception was in one line; no other module
+    cuts an exception's message to its first line by hand."""
+    from rosetrainer.errors import one_line
+
+    assert one_line(ValueError("bad shape\n  at line 3")) == "ValueError: bad shape"
+    assert one_line(ValueError("\n bad shape "), with_type=False) == "bad shape"
+    assert one_line(KeyError(), with_type=False) == one_line(KeyError()) == "KeyError"
+    by_hand = [
+        f"{path.relative_to(REPO_ROOT)}:{text[: match.start()].count(chr(10)) + 1}"
+        for package in PACKAGES
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+        if path != REPO_ROOT / "rosetrainer" / "errors.py"
+        for text in [path.read_text(encoding="utf-8")]
+        for match in EXCEPTION_FIRST_LINE.finditer(text)
+    ]
+    assert by_hand == [], "say what an exception was with rosetrainer.errors.one_line"

@@ -44,6 +44,7 @@ from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams
+from rosetrainer.errors import one_line
 from rosetrainer.tokenizer import Tokenizer
 
 MAX_STEPS = 300  # an engine that makes no progress is stopped here, and says so
@@ -171,8 +172,7 @@ def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
     except NotImplementedError:
         raise
     except Exception as error:  # the learner's manager broke the engine
-        message = str(error).splitlines()[0] if str(error) else ""
-        why = f"the engine raised {type(error).__name__}: {message} [{schedule}]"
+        why = f"the engine raised {one_line(error)} [{schedule}]"
         raise Mismatch(why) from None
     rose = roses(schedule)
     for i, request in enumerate(schedule.requests):
@@ -287,8 +287,7 @@ class Script:
         except NotImplementedError:
             raise
         except Exception as error:
-            message = str(error).splitlines()[0] if str(error) else ""
-            self.seen.append((what, None, f"raised {type(error).__name__}: {message}"))
+            self.seen.append((what, None, f"raised {one_line(error)}"))
             raise Stopped from None
 
     def note(self, what: str, answer: object = None) -> None:

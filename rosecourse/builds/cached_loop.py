@@ -34,6 +34,7 @@ from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
 from roseinfer.cache.dense import StaticKVCache
+from rosetrainer.errors import one_line
 from rosetrainer.model import GPT
 from rosetrainer.numerics import logit_tolerance
 
@@ -123,9 +124,8 @@ def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
             held = {t.dtype for t in held_tensors(cache).values() if t.is_floating_point()}
             if dtype == torch.float32 or held <= {dtype}:
                 raise
-            first = str(error).splitlines()[0]
             raise Mismatch(
-                f"writing layer {layer}'s {dtype} keys and values raised RuntimeError ({first}) with "
+                f"writing layer {layer}'s {dtype} keys and values raised {one_line(error)} with "
                 f"the cache holding {', '.join(sorted(map(str, held)))} tensors: the "
                 "buffers are zeros in the dtype (and on the device) of the model's "
                 "weights, as the contract says"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rosecourse.exercises import same
+from rosetrainer.errors import one_line
 
 
 class Mismatch(Exception):
@@ -189,10 +190,7 @@ def check_build(build: Build, module: types.ModuleType) -> list[PartResult]:
             why = f"{error}" + (f": {named}" if named else "")
             result = PartResult(build.name, part.name, False, why)
         except Exception as error:  # whatever the learner's code raises is a finding
-            message = str(error).splitlines()[0] if str(error) else ""
-            result = PartResult(
-                build.name, part.name, False, f"raised {type(error).__name__}: {message}"
-            )
+            result = PartResult(build.name, part.name, False, f"raised {one_line(error)}")
         else:
             result = PartResult(build.name, part.name, True, build.passed)
         print(result)

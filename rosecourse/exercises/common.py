@@ -31,6 +31,7 @@ from rosecourse.demo import (
 )
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
+from rosetrainer.errors import one_line
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -120,8 +121,7 @@ def compare_run(
     try:
         rows = run(on_token)
     except Exception as error:  # anything a learner's code raises is a finding
-        message = str(error).splitlines()[0] if str(error) else ""
-        return Divergence(min(made), f"{label}: raised {type(error).__name__}: {message}")
+        return Divergence(min(made), f"{label}: raised {one_line(error)}")
     steps = [first_divergence(list(want), got) for want, got in zip(expected, rows, strict=True)]
     parted = [(step, row) for row, step in enumerate(steps) if step is not None]
     if not parted:

@@ -55,7 +55,7 @@ from roseinfer.speculative.drafters import (
     load_drafter,
 )
 from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts, within_grammar
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -427,9 +427,3 @@ def speculative_engine(
         return LLMEngine(model, tokenizer, config)
     drafter = load_drafter(spec, model, tokenizer, draft_model)
     return LLMEngine(model, tokenizer, config, drafter, spec.num_speculative_tokens)
-
-
-def one_line(error: Exception) -> str:
-    """What failed, in one line: the exception's type and the first line of its message."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

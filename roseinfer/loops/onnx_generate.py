@@ -35,7 +35,7 @@ from roseinfer.request.rows import left_pad
 from roseinfer.request.sampling_params import SamplingParams, params_per_prompt
 from roseinfer.request.sequence import GenerationResult, Sequence
 from roseinfer.request.token_step import TokenCallback, take_tokens
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, one_line
 
 MODEL_FILE = "model.onnx"
 META_FILE = "rose_onnx.json"
@@ -109,9 +109,9 @@ class OnnxModel:
                 str(directory / MODEL_FILE), options, providers=["CPUExecutionProvider"]
             )
         except Exception as err:  # onnxruntime raises its own exception types
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise RoseError(
-                f"onnxruntime cannot load {directory / MODEL_FILE} ({first_line}): export it again"
+                f"onnxruntime cannot load {directory / MODEL_FILE} ({one_line(err, False)}): "
+                "export it again"
             ) from None
         self.input_names = input_names(self.meta.n_layer)
         self.output_names = output_names(self.meta.n_layer)
