@@ -7,6 +7,16 @@ import time
 from roseinfer.engine.outputs import RequestOutput, TokenLogprob
 from rosetrainer.tokenizer import Tokenizer
 
+# A token the grammar forbids has log-probability -inf, which JSON cannot carry: it is
+# sent as this, the finite stand-in OpenAI uses and vLLM sends too (its serving layer
+# clamps every logprob at -9999.0).
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """A log-probability as JSON can carry it (-inf: MIN_LOGPROB)."""
+    return max(logprob, MIN_LOGPROB)
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
@@ -32,9 +42,9 @@ def completion_logprobs(
         text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [entry.logprob for entry in logprobs],
+        "token_logprobs": [finite(entry.logprob) for entry in logprobs],
         "top_logprobs": [
-            {token_text(tokenizer, t): lp for t, lp in entry.top} for entry in logprobs
+            {token_text(tokenizer, t): finite(lp) for t, lp in entry.top} for entry in logprobs
         ],
         "text_offset": offsets,
     }
@@ -45,7 +55,8 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[st
 
     def one(token_id: int, logprob: float) -> dict:
         raw = tokenizer.encoding.decode_single_token_bytes(token_id)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        text = raw.decode("utf-8", "replace")
+        return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
 
     return {
         "content": [

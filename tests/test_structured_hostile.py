@@ -1,0 +1,113 @@
+"""Structured output against a hostile client (issue 43, items 8-12): constraints that
+crashed the server, stalled every other request, reported invalid output as complete,
+or answered a 500 with a traceback. One real server for the module (a subprocess on a
+free port, always stopped), talked to with raw httpx as a client would; the engine
+in-process where a test must set its bounds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import API_KEY, MODEL_NAME, Server, running_server, write_test_checkpoint
+
+from rosetrainer.model import GPT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
+    path = tmp_path_factory.mktemp("hostile") / "tiny.pt"
+    return path, write_test_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    log = tmp_path_factory.mktemp("hostile-log") / "server.log"
+    with running_server(checkpoint[0], log, "--api-key", API_KEY, "--kv-block-size", "8") as s:
+        yield s
+
+
+@pytest.fixture
+def http(server: Server) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, headers=KEY, timeout=120) as client:
+        yield client
+
+
+def strict_json(text: str) -> object:
+    """JSON as the standard defines it: no NaN, Infinity or -Infinity (Python's json
+    module reads them, a browser's JSON.parse and most other clients do not)."""
+
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def events(response: httpx.Response) -> list[dict]:
+    """A server-sent event stream's data payloads, each parsed strictly."""
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [strict_json(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------------------
+# Item 11: logprobs when the grammar allows fewer tokens than asked for
+# ---------------------------------------------------------------------------
+
+CHOICE = {"choice": ["ab", "cd"]}  # "a", "ab", "c", "cd": four tokens at the first step
+
+
+def test_logprobs_under_a_grammar_are_json_and_forbidden_tokens_are_minus_9999(
+    http: httpx.Client,
+) -> None:
+    """logprobs 5 where a step allows fewer tokens: vLLM's answer, every value finite,
+    five alternatives a step, the tokens the grammar forbids at -9999.0."""
+    body = {"model": MODEL_NAME, "prompt": "Pick:", "max_tokens": 4, "temperature": 0,
+            "logprobs": 5, "structured_outputs": CHOICE}  # fmt: skip
+    reply = http.post("/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = strict_json(reply.text)["choices"][0]
+    assert choice["text"] in CHOICE["choice"] and choice["finish_reason"] == "stop"
+    logprobs = choice["logprobs"]
+    assert all(lp > -9999.0 for lp in logprobs["token_logprobs"])
+    top = logprobs["top_logprobs"]
+    assert all(len(step) == 5 for step in top)
+    values = [lp for step in top for lp in step.values()]
+    assert min(values) == -9999.0 and max(values) <= 0
+    assert all(
+        max(step, key=step.get) == t for step, t in zip(top, logprobs["tokens"], strict=True)
+    )
+
+    streamed = http.post("/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200
+    chunks = events(streamed)  # (the old stream sent -Infinity here)
+    texts = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert texts == choice["text"]
+    sent = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["top_logprobs"]]
+    assert sent == top
+
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Pick one."}],
+            "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 5,
+            "structured_outputs": CHOICE}  # fmt: skip
+    for stream in (False, True):
+        reply = http.post("/chat/completions", json={**chat, "stream": stream})
+        assert reply.status_code == 200, reply.text
+        if stream:
+            content = [
+                entry
+                for c in events(reply)
+                if c["choices"] and c["choices"][0].get("logprobs")
+                for entry in c["choices"][0]["logprobs"]["content"]
+            ]
+        else:
+            content = strict_json(reply.text)["choices"][0]["logprobs"]["content"]
+        assert content and all(len(entry["top_logprobs"]) == 5 for entry in content)
+        values = [t["logprob"] for entry in content for t in entry["top_logprobs"]]
+        assert -9999.0 in values and min(values) == -9999.0
