@@ -111,3 +111,52 @@ def test_logprobs_under_a_grammar_are_json_and_forbidden_tokens_are_minus_9999(
         assert content and all(len(entry["top_logprobs"]) == 5 for entry in content)
         values = [t["logprob"] for entry in content for t in entry["top_logprobs"]]
         assert -9999.0 in values and min(values) == -9999.0
+
+
+# ---------------------------------------------------------------------------
+# Item 12: what raised past the checks (a 500 with a traceback) is a 400
+# ---------------------------------------------------------------------------
+
+
+def post_raw(http: httpx.Client, body: dict) -> httpx.Response:
+    """POST a completion with the body as JSON text escaped to ASCII, so that a lone
+    surrogate travels as JSON writes it ("\\ud800") and the server reads it back."""
+    raw = json.dumps({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, **body})
+    return http.post("/completions", content=raw, headers={"content-type": "application/json"})
+
+
+def assert_400(reply: httpx.Response, *says: str) -> None:
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "structured_outputs"
+    assert all(s in error["message"] for s in says), error["message"]
+    assert "Traceback" not in reply.text
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_schema_text_nested_too_deep_is_a_400(http: httpx.Client, depth: int) -> None:
+    schema = '{"a":' * depth + "1" + "}" * depth  # (100,000 deep: 600 KB)
+    assert_400(post_raw(http, {"structured_outputs": {"json": schema}}), "nested too deeply")
+
+
+def test_schema_with_a_5000_digit_integer_is_a_400(http: httpx.Client) -> None:
+    schema = '{"type": "integer", "maximum": ' + "9" * 5_000 + "}"
+    reply = post_raw(http, {"structured_outputs": {"json": schema}})
+    assert_400(reply, "integer longer than")
+
+
+@pytest.mark.parametrize("kind", ["regex", "grammar", "choice"])
+def test_a_lone_surrogate_in_a_constraint_is_a_400(http: httpx.Client, kind: str) -> None:
+    text = {"regex": "a\ud800", "grammar": 'start: "a\ud800"', "choice": ["a", "\ud800"]}[kind]
+    assert_400(post_raw(http, {"structured_outputs": {kind: text}}), "'\\ud800'", "not a character")
+
+
+def test_a_choice_of_10000_strings_is_followed(http: httpx.Client) -> None:
+    """Past 2,000 alternatives the library's parser gives up on a rule (a 500 at the first
+    token); the choice is one terminal of the lexer instead."""
+    choices = [f"option {i}" for i in range(10_000)]
+    reply = post_raw(http, {"max_tokens": 8, "temperature": 0,
+                            "structured_outputs": {"choice": choices}})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["text"] in choices and choice["finish_reason"] == "stop"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 from rosetrainer.errors import RoseError
@@ -75,12 +76,16 @@ class StructuredOutputs:
                 raise InvalidParam(
                     STRUCTURED, f"{name} must be a non-empty string, got {value!r:.100}"
                 )
+            if value is not None:
+                _check_unicode(value, name)
         if self.choice is not None:
             choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
             if not choice or any(not isinstance(c, str) or not c for c in choice):
                 raise InvalidParam(
                     STRUCTURED, f"choice is a list of non-empty strings, got {self.choice!r:.200}"
                 )
+            for c in choice:
+                _check_unicode(c, "a choice")
             object.__setattr__(self, "choice", choice)
 
     @property
@@ -92,17 +97,41 @@ class StructuredOutputs:
         )
 
 
-def _schema_text(schema: object) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as err:
-            raise InvalidParam(STRUCTURED, f"the JSON schema is not JSON: {err}") from None
-    if not isinstance(schema, dict):
+def _check_unicode(text: str, name: str) -> None:
+    """A constraint's text is handed to the grammar library as UTF-8: a lone surrogate
+    (JSON's "\\ud800", or a command-line byte that is not UTF-8) is no character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
         raise InvalidParam(
-            STRUCTURED, f"a JSON schema is a JSON object, got {type(schema).__name__}"
-        )
-    return json.dumps(schema)
+            STRUCTURED,
+            f"{name} holds {text[err.start]!r} at character {err.start}, which is not a "
+            "character (a lone surrogate, or a byte that is not UTF-8)",
+        ) from None
+
+
+def _schema_text(schema: object) -> str:
+    """The schema as compact JSON text. Text too deeply nested for Python's JSON reader,
+    or holding an integer past its digit limit, is refused like any text that is not
+    JSON (the grammar library reads no deeper than that either)."""
+    try:
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, dict):
+            raise InvalidParam(
+                STRUCTURED, f"a JSON schema is a JSON object, got {type(schema).__name__}"
+            )
+        return json.dumps(schema)
+    except json.JSONDecodeError as err:
+        raise InvalidParam(STRUCTURED, f"the JSON schema is not JSON: {err}") from None
+    except RecursionError:
+        raise InvalidParam(
+            STRUCTURED, "the JSON schema is nested too deeply to read: flatten it"
+        ) from None
+    except ValueError as err:  # an integer of more digits than Python converts, a cycle
+        if "integer string conversion" in str(err):
+            err = f"it holds an integer longer than {sys.get_int_max_str_digits()} digits"
+        raise InvalidParam(STRUCTURED, f"the JSON schema cannot be read: {err}") from None
 
 
 @dataclass(frozen=True)
