@@ -272,21 +272,23 @@ def run_engine(
         for prompt, n in requests[: len(requests) - len(later)]
     ]
     block_bytes = engine.pool.nbytes // engine.block_manager.num_blocks
-    done: dict[str, list[int]] = {}
-    steps = live_tokens = 0
-    held_bytes = 0.0
-    while engine.has_unfinished() or later:
-        if later and engine.generation_tokens > 0:
-            ids += [engine.add_request(prompt, params_for(n)) for prompt, n in later]
+    seen = {"steps": 0, "held_bytes": 0.0, "live_tokens": 0}
+
+    def after_step() -> None:
+        nonlocal later
+        if later and engine.generation_tokens > 0:  # the first prompt is read: the rest arrive
+            ids.extend(engine.add_request(prompt, params_for(n)) for prompt, n in later)
             later = []
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.token_ids
-        steps += 1
+        seen["steps"] += 1
         # the pool's blocks in use, and the decode slots (the decoding sequences' copy)
-        held_bytes += engine.block_manager.num_used * block_bytes + engine.runner.decode_slot_bytes
-        live_tokens += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
-    return EngineRun([done[i] for i in ids], engine, steps, held_bytes, live_tokens)
+        used = engine.block_manager.num_used * block_bytes + engine.runner.decode_slot_bytes
+        seen["held_bytes"] += used
+        seen["live_tokens"] += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+
+    done = {output.request_id: output.token_ids for output in engine.drain(after_step)}
+    return EngineRun(
+        [done[i] for i in ids], engine, seen["steps"], seen["held_bytes"], seen["live_tokens"]
+    )
 
 
 def static_held_per_token(model: GPT, requests: list[Request], batch_size: int) -> float:

@@ -56,6 +56,24 @@ def test_llm_generates_in_prompt_order_with_per_prompt_params(checkpoint: Path) 
     assert llm.engine.stats().prefix_cache_hits > 0
 
 
+def test_drain_yields_each_request_once_and_runs_what_a_step_adds(checkpoint: Path) -> None:
+    """The engine's one drain loop: every request's last output, once, as it finishes; a
+    request added after a step (after_step) is run too."""
+    engine = roseinfer.LLM(str(checkpoint), kv_block_size=4).engine
+    params = roseinfer.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = engine.add_request("ROMEO:", params)
+    later: list[str] = []
+
+    def after_step() -> None:
+        if not later:
+            later.append(engine.add_request("O", params))
+
+    outputs = list(engine.drain(after_step))
+    assert sorted(o.request_id for o in outputs) == sorted([first, *later])
+    assert all(o.finished and len(o.token_ids) == 4 for o in outputs)
+    assert not engine.has_unfinished() and list(engine.drain()) == []
+
+
 def test_llm_loads_a_hugging_face_directory(hf_gpt2_dir: Path) -> None:
     llm = roseinfer.LLM(str(hf_gpt2_dir))
     (output,) = llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -94,7 +94,7 @@ def test_a_sampled_run_is_told_it_gets_no_drafts_in_one_line(checkpoints, capsys
 
 def test_no_step_with_a_draft_is_said_without_a_rate() -> None:
     """The summary of a greedy run whose drafter never proposed anything: no 0/0."""
-    from roseinfer.cli.generate import speculative_summary
+    from roseinfer.cli.generator import speculative_summary
     from roseinfer.speculative.verify import SpeculativeStats
 
     assert speculative_summary(SpeculativeStats()) == (

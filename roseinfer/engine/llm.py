@@ -99,11 +99,9 @@ class LLM:
         ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
-            while len(finished) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            for output in engine.drain():
+                finished[output.request_id] = output
+                bar.update(1)
         return [finished[request_id] for request_id in ids]
 
 

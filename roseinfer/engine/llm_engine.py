@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -389,6 +389,17 @@ class LLMEngine:
         started = time.perf_counter()
         yield
         self.step_seconds[phase] += time.perf_counter() - started
+
+    def drain(self, after_step: Callable[[], None] | None = None) -> Iterator[RequestOutput]:
+        """Step until no request is left, yielding each request's last output as it finishes
+        (in the order they finish); `after_step` runs after every step, and may add requests,
+        which the loop then runs too. The one loop that runs the engine to its end: `LLM`,
+        `rose-generate` and the benchmarks drain through it (the server steps in its thread)."""
+        while self.has_unfinished():
+            outputs = self.step()
+            if after_step is not None:
+                after_step()
+            yield from (output for output in outputs if output.finished)
 
     # -- state --
 
