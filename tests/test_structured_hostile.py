@@ -160,3 +160,61 @@ def test_a_choice_of_10000_strings_is_followed(http: httpx.Client) -> None:
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     assert choice["text"] in choices and choice["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------------------
+# Item 10: a grammar that accepts no text is refused, never "stop" with invalid text
+# ---------------------------------------------------------------------------
+
+SELF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+A_B_A = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+ALL_OF_SELF = {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}
+UNDER = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": SELF["$defs"]}
+
+
+@pytest.mark.parametrize(
+    ("constraint", "says"),
+    [
+        ({"json": SELF}, "refers to itself"),
+        ({"json": A_B_A}, "refers to itself"),
+        ({"json": ALL_OF_SELF}, "refers to itself"),
+        ({"json": {**UNDER, "required": ["x"]}}, "refers to itself"),
+        ({"json": UNDER}, "property 'x'"),  # ({} is valid, but {"x": leads nowhere)
+        (
+            {"json": {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}},
+            "refers to itself",
+        ),  # fmt: skip
+        ({"regex": r"[^\s\S]"}, "accepts no text"),
+        ({"grammar": "start: start"}, "accepts no text"),
+        ({"grammar": 'start: "{" a "}"\na: a'}, "accepts no text"),  # (after the forced "{")
+    ],
+    ids=[
+        "self",
+        "a-b-a",
+        "allOf-self",
+        "required-property",
+        "optional-property",
+        "root-required",
+        "empty-regex",
+        "lark-self",
+        "lark-after-forced",
+    ],  # fmt: skip
+)
+def test_a_grammar_that_accepts_no_text_is_a_400(
+    http: httpx.Client, constraint: dict, says: str
+) -> None:
+    reply = post_raw(http, {"temperature": 0, "structured_outputs": constraint})
+    assert_400(reply, says)
+
+
+def test_a_dead_end_past_the_first_choice_fails_the_request_not_stop(http: httpx.Client) -> None:
+    """Both ways on lead into a rule that derives nothing, after a choice the compile-time
+    check cannot make for the model: the request fails with the reason (a 500 in
+    OpenAI's shape, an error event on a stream), never 200 with finish_reason "stop"."""
+    grammar = 'start: "a" d | "b" d\nd: d'
+    reply = post_raw(http, {"temperature": 0, "structured_outputs": {"grammar": grammar}})
+    assert reply.status_code == 500, reply.text
+    assert "accepts no text" in reply.json()["error"]["message"]
+    streamed = post_raw(http, {"stream": True, "structured_outputs": {"grammar": grammar}})
+    errors = [e for e in events(streamed) if "error" in e]
+    assert errors and "accepts no text" in errors[0]["error"]["message"]

@@ -56,6 +56,7 @@ import numpy as np
 
 from roseinfer.request.sampling_params import STRUCTURED as PARAM
 from roseinfer.request.sampling_params import InvalidParam, StructuredOutputs
+from roseinfer.request.schema_cycles import dead_schema
 from rosetrainer.errors import RoseError
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ JSON_OVERRIDES = {
 CLOSING_MARGIN = 4
 CLOSING_WITHIN = 64
 COMPILE_TIMEOUT_S = 10.0  # a constraint that compiles longer than this is refused
+# Masks checked at compile time along the text a grammar forces before any choice.
+FORCED_STEPS = 16
 CACHE_SIZE = 64  # compiled grammars kept after their last request finished
 
 
@@ -97,6 +100,9 @@ def grammar_text(spec: StructuredOutputs) -> str:
     LLMatcher = _llguidance().LLMatcher
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else '{"type": "object"}'
+        dead = dead_schema(json.loads(schema))
+        if dead is not None:
+            raise InvalidParam(PARAM, f"invalid JSON schema: {dead}")
         try:
             return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
         except ValueError as err:
@@ -198,7 +204,41 @@ def _compile(tokenizer_name: str, text: str, is_json: bool) -> Grammar:
     start = LLMatcher(tokenizer, text, log_level=0)
     if start.is_error():
         raise InvalidParam(PARAM, f"invalid constraint: {one_line(start.get_error())}")
+    first_steps(start, tokenizer)
     return Grammar(text, start, tokenizer, is_json)
+
+
+def first_steps(start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
+    """Raise InvalidParam when the grammar fails before the model has a choice to make:
+    its first mask, then each mask along the text it forces (up to FORCED_STEPS).
+
+    A grammar that accepts no text (a rule that derives only itself, the regex
+    `[^\\s\\S]`) compiles, and its first mask leaves the matcher in error, allowing
+    end-of-text alone: a request would end at once, reported complete ("stop") with
+    text the grammar never accepted. The library's own limits (a parser row of more
+    than its items) show there too, not at the first token of a request.
+    """
+    matcher = start.deep_copy()
+    bits = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(FORCED_STEPS):
+        matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        if matcher.is_error():
+            raise InvalidParam(PARAM, f"invalid constraint: {failure(matcher.get_error())}")
+        forced = matcher.compute_ff_bytes()
+        if not forced or not matcher.consume_tokens(tokenizer.tokenize_bytes(forced)):
+            return
+
+
+def failure(reason: str) -> str:
+    """The library's reason a matcher failed, on one line; a grammar left with no way
+    on (its "no extension" state) said in words."""
+    first = next(iter(reason.splitlines()), "")
+    if first.strip() == "NoExtensionBias":
+        return (
+            "it accepts no text here: a rule or $ref that refers only to itself, or a "
+            "pattern that matches nothing"
+        )
+    return one_line(reason)
 
 
 def one_line(reason: str) -> str:
@@ -302,7 +342,7 @@ class GrammarMatcher:
         """Write which tokens may come next into `out`: int32, one bit per token id
         (32 ids a word, the lowest bit first), as wide as the tokenizer's vocabulary."""
         if self.matcher.is_error():
-            raise RoseError(f"the grammar matcher failed: {self.error}")
+            raise RoseError(f"the grammar matcher failed: {failure(self.matcher.get_error())}")
         # (the library writes through a raw pointer: the buffer must be what it expects)
         if (
             out.dtype != np.int32
@@ -311,6 +351,13 @@ class GrammarMatcher:
         ):
             raise RoseError(f"the mask is {self.grammar.n_vocab} bits in contiguous int32 words")
         self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.matcher.is_error():
+            # No way on (the grammar leads into a rule that derives nothing, past what
+            # the compile-time check could see): the request fails, never "stop" with
+            # text the grammar does not accept.
+            raise RoseError(
+                f"the grammar allows no next token: {failure(self.matcher.get_error())}"
+            )
 
     def closing_token(self, tokens_left: int) -> int | None:
         """The token that must come next so that the JSON is closed within `tokens_left`
