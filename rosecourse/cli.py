@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     # Imported here: `rose-course --help` and bad arguments answer without loading torch.
     from rosecourse.course import BUILDS, LESSONS, CourseError, find, key, write_workspace
-    from rosecourse.runner import grade_in_child
+    from rosecourse.runner import grade_in_child, protect_grader
 
     if args.command == "list":
         for chosen in LESSONS:
@@ -104,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
     chosen = [*LESSONS, *BUILDS] if args.chapter == "all" else [find(args.chapter)]
     if not args.dir.is_dir():
         raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
-    # One after the other, each in a process of its own: one chapter's code cannot stop,
-    # stall or change the grading of the next.
+    # One after the other, each in processes of its own: one chapter's code cannot stop,
+    # stall or change the grading of the next, nor reach this process's memory.
+    protect_grader()
     passed = {key(c): grade_in_child(c, args.dir, args.timeout) for c in chosen}
     if len(chosen) > 1:
         width = max(len(c.file_name) for c in chosen)

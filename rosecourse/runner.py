@@ -1,35 +1,69 @@
-"""Each check in a fresh process of its own, with a time limit and a bounded output.
+"""Each check in processes of its own, with a time limit and a bounded output; its verdict
+decided where the learner's code never runs.
 
-A check runs the learner's code inside the grader, so whatever that code does to its
-process it does to the grader: `sys.exit(0)` ends it (and exit code 0 reads as a
-pass), `while True: pass` never returns, `torch.set_default_dtype(torch.float64)`
-changes the numbers of every chapter graded after it, a print in a loop floods the
-terminal. So `rose-course check` grades each chapter in a child process
-(`python -m rosecourse.runner`, started by `grade_in_child`) and believes only what
-comes back from it:
+A check runs the learner's code, and whatever that code does to its process it does to
+whatever else runs there: `sys.exit(0)` ends it, `while True: pass` never returns,
+`torch.set_default_dtype(torch.float64)` changes the numbers of everything computed
+after it, a print in a loop floods the terminal, and nothing it computes there can be
+believed: it can write the grader's verdict itself, or patch the class that holds it.
+So `rose-course check` (`grade_in_child`) starts each check's processes fresh:
 
-- the verdict: the child sends {"passed": ...} over a socket as its very last act. A
-  child that ends any other way (an exit code, a signal) failed, whatever its code;
-- the time: a child still running after the limit is killed, with all it started;
-- the output: the child's prints reach the terminal, up to a limit; past it the child
-  is killed (a learner's debugging print fits easily, a flood does not).
+    grader (rose-course: the check's logic, the reference, the verdict)
+      '- reaper (python -m rosecourse.reaper: standard library only)
+           '- the check's process (python -m rosecourse.runner: the learner's code)
+                '- whatever the learner's code starts
 
-Inside the child, a learner's code that raises what stops a program (SystemExit from
-`sys.exit`, KeyboardInterrupt) or leaves one of torch's process-wide defaults changed
-is one FAILED line too. Every failure is one line in the check's own form.
+- A chapter's exercise is judged in the grader. Its check (rosecourse.exercises.common.
+  check) is run there with its two learner-facing steps, the probe (the function's
+  outcomes on small inputs) and each run (the real system with the function swapped in),
+  answered by the check's process: the grader asks for them one at a time over a socket,
+  and takes the answers as plain data only (tensors as their bytes, numbers, strings and
+  containers of them; an object of any other class arrives as its type's name; no class
+  of the learner's is ever built here). The reference, the comparisons, the diagnosis and
+  the verdict are computed and printed in the grader, so no message and no patch of the
+  learner's can make them say "passed": only answers equal to the reference's can.
+- A build plugs the learner's classes into rose, and each part compares them with rose's
+  inside the run (rosecourse/builds/): it runs whole in the check's process and sends
+  ("verdict", passed) as its very last act. The grader believes "passed" only when the
+  process then exited with code 0 and the lines it printed say "passed" for every part.
+  Code in that process can still print those lines and send that message itself: a
+  build's verdict is as trustworthy as the learner's wish to be graded (see below).
+- The reaper ends every process the check started when the check ends (its verdict is in,
+  it timed out, it printed too much, or the grader ended however it ended: its lifeline
+  closes), including those that left its process group or session: on Linux the reaper
+  is a child subreaper, so they are re-parented to it, and it kills and reaps its
+  children until it has none.
+- The time: a check still running after the limit is stopped; the output: the check's
+  prints reach the terminal, up to a limit; past it the check is stopped (a learner's
+  debugging print fits easily, a flood does not).
 
-The socket is also the child's lifeline: when the grader ends, however it ends (Ctrl-C,
-kill -9), the child reads the end of it and exits, so no loop outlives the grader.
+Inside the check's process, a learner's code that raises what stops a program
+(SystemExit from `sys.exit`, KeyboardInterrupt) or leaves one of torch's process-wide
+defaults changed is one FAILED line too. Every failure is one line in the check's own
+form.
+
+What this does not stop: a build's check runs in the learner's process (above); and the
+learner's code runs as the same user as the grader, so it can signal the grader or the
+reaper (a killed reaper leaves the processes that left its group to init; the check
+fails all the same), or write to the terminal's device directly. The grader makes
+itself undumpable (`protect_grader`), so that such code cannot ptrace it or read its
+memory through /proc. A learner who wants "passed" without writing the answer can
+always import the reference solution: the grader's promise is that its verdict is the
+verdict on the answers the learner's code gave, not that those answers are the
+learner's own.
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
+import ctypes
 import dataclasses
 import functools
-import json
+import io
+import numbers
 import os
+import pickle
 import selectors
 import signal
 import socket
@@ -44,13 +78,26 @@ from typing import NoReturn
 import torch
 
 from rosecourse.builds.grading import Build
-from rosecourse.course import CourseError, Lesson, find, grade, key, learner_file
+from rosecourse.course import (
+    CourseError,
+    Lesson,
+    find,
+    grade,
+    key,
+    learner_file,
+    load_learner,
+)
 from rosecourse.exercises import CheckResult
+from rosecourse.exercises.common import Exercise, Raised, check
 
 # Bytes of a check's output shown on the terminal; more fails the check.
 OUTPUT_LIMIT = 64 * 1024
 # Tiny models: one intra-op thread is fastest (and kind to a shared machine).
 THREADS = int(os.environ.get("ROSE_COURSE_THREADS", "1"))
+# The largest message a check's process may send (a probe's tensors are small).
+MESSAGE_LIMIT = 256 * 1024 * 1024
+# How long the grader waits for the reaper to end a check's processes once asked to.
+REAP_TIMEOUT = 30.0
 
 # torch's process-wide defaults: a function that changes one and leaves it so changes every
 # later computation in the process, the real system's too.
@@ -64,9 +111,149 @@ GLOBAL_DEFAULTS: dict[str, Callable[[], object]] = {
 }
 
 
+class Stopped(BaseException):
+    """The check had to stop; why, as its FAILED line says. A BaseException: it passes
+    through a check's `except Exception`, which takes what a learner's function raises as
+    one of its findings."""
+
+
+# ---------------------------------------------------------------------------
+# Messages between the grader and the check's process: plain data only
+# ---------------------------------------------------------------------------
+
+# Tensors of these dtypes travel as their bytes; any other is an object the grader
+# does not read.
+DTYPES = {
+    str(dtype): dtype
+    for dtype in (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    )
+}
+TENSOR, DTYPE, RAISED, FOREIGN = "rose:tensor", "rose:dtype", "rose:raised", "rose:foreign"
+
+
+@dataclasses.dataclass(frozen=True)
+class Foreign:
+    """What the learner's code answered that is no plain data (an object of a class of its
+    own, say): the grader knows only its type's name, and it equals nothing else."""
+
+    type_name: str
+
+    def __str__(self) -> str:
+        return f"a {self.type_name} object"
+
+
+def encode(value: object) -> object:
+    """`value` as plain data (in the check's process): numbers, strings, bytes, containers
+    of them, and tagged tuples for tensors, dtypes, Raised and anything else."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in DTYPES.values() or value.layout != torch.strided:
+            return (FOREIGN, f"tensor of {value.dtype}, {value.layout}")
+        plain = value.detach().cpu().contiguous()
+        raw = bytes(plain.reshape(-1).view(torch.uint8).numpy())
+        return (TENSOR, str(plain.dtype), tuple(plain.shape), raw)
+    if isinstance(value, torch.dtype):
+        return (DTYPE, str(value))
+    if isinstance(value, Raised):
+        return (RAISED, str(value.error))
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {encode(k): encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        kind = next(t for t in (list, tuple, frozenset, set) if isinstance(value, t))
+        return kind(encode(item) for item in value)
+    return (FOREIGN, type(value).__qualname__)
+
+
+def decode(value: object) -> object:
+    """What `encode` made, back (in the grader): tensors, dtypes, Raised, Foreign."""
+    if isinstance(value, tuple) and value and isinstance(value[0], str):
+        if value[0] == TENSOR:
+            _, dtype_name, shape, raw = value
+            dtype, shape = DTYPES[dtype_name], tuple(int(size) for size in shape)
+            if not raw:
+                return torch.zeros(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        if value[0] == DTYPE:
+            return DTYPES[value[1]]
+        if value[0] == RAISED:
+            return Raised(str(value[1]))
+        if value[0] == FOREIGN:
+            return Foreign(str(value[1]))
+    if isinstance(value, dict):
+        return {decode(k): decode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(decode(item) for item in value)
+    return value
+
+
+class PlainData(pickle.Unpickler):
+    """An unpickler that builds no object of any class: only what pickle makes of its own
+    (None, bools, numbers, strings, bytes, lists, tuples, dicts, sets)."""
+
+    def find_class(self, module: str, name: str) -> NoReturn:
+        raise pickle.UnpicklingError(f"{module}.{name}: the grader takes plain data only")
+
+
+def send(channel: socket.socket, message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    channel.sendall(len(data).to_bytes(8, "big") + data)
+
+
+def unframe(buffer: bytearray) -> bytes | None:
+    """The first whole message in `buffer`, taken out of it; None while it is incomplete."""
+    if len(buffer) < 8:
+        return None
+    size = int.from_bytes(buffer[:8], "big")
+    if size > MESSAGE_LIMIT:
+        raise ValueError(f"a message of {size} bytes (at most {MESSAGE_LIMIT})")
+    if len(buffer) < 8 + size:
+        return None
+    data = bytes(buffer[8 : 8 + size])
+    del buffer[: 8 + size]
+    return data
+
+
+def receive(channel: socket.socket) -> object | None:
+    """The next message (in the check's process: the grader's requests); None at the end."""
+    buffer = bytearray()
+    while (data := unframe(buffer)) is None:
+        chunk = channel.recv(65536)
+        if not chunk:
+            return None
+        buffer += chunk
+    return PlainData(io.BytesIO(data)).load()
+
+
 # ---------------------------------------------------------------------------
 # The grader's side
 # ---------------------------------------------------------------------------
+
+
+def protect_grader() -> None:
+    """Make this process undumpable (Linux): a process of the same user, the learner's code
+    included, can no longer ptrace it or read its memory and file descriptors in /proc."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
 
 
 def grade_in_child(
@@ -75,109 +262,325 @@ def grade_in_child(
     timeout: float,
     output_limit: int = OUTPUT_LIMIT,
 ) -> bool:
-    """`grade(chosen, directory)` in a fresh process: print what it prints (at most
-    `output_limit` bytes), or one FAILED line for how it ended, if it did not finish
-    within `timeout` seconds or ended without a verdict; whether it passed."""
+    """Grade the learner's file for `chosen` in fresh processes: print what they print (at
+    most `output_limit` bytes) and the verdict, or one FAILED line for how the check ended
+    if it did not finish within `timeout` seconds or ended without a verdict; whether it
+    passed."""
     try:
         learner_file(chosen, directory)  # no file, no process: its line at once
     except CourseError as error:
         print(CheckResult(chosen.name, False, None, str(error)))
         return False
-    ours, theirs = socket.socketpair()
-    with ours:
-        with theirs:
-            child = subprocess.Popen(
-                [sys.executable, "-m", __name__, key(chosen), str(directory)]
-                + [str(theirs.fileno())],
+    exercise = exercise_of(chosen)
+    child = CheckProcess(chosen, directory, timeout, output_limit)
+    try:
+        if exercise is not None:
+            return judge(chosen.name, exercise, child)
+        return trusted_verdict(chosen, child)
+    except Stopped as stopped:
+        child.end_line()
+        print(CheckResult(chosen.name, False, None, str(stopped)))
+        return False
+    finally:
+        child.stop()
+
+
+def exercise_of(chosen: Lesson | Build) -> Exercise | None:
+    """The Exercise whose `check` is `chosen`'s (every chapter's check is
+    `check(EXERCISE, fn)` in its module); None for a build."""
+    if not isinstance(chosen, Lesson):
+        return None
+    exercise = getattr(sys.modules.get(chosen.check.__module__), "EXERCISE", None)
+    return exercise if isinstance(exercise, Exercise) else None
+
+
+def learners_function(*args: object, **kwargs: object) -> NoReturn:
+    """What the grader's check holds for the learner's function: it runs in the check's
+    process, never here."""
+    raise AssertionError("the learner's function runs in the check's process only")
+
+
+def judge(name: str, exercise: Exercise, child: CheckProcess) -> bool:
+    """The exercise's own check, run here, with its probe of the learner's function and its
+    runs answered by the check's process; print its verdict; whether it passed."""
+
+    def probe(fn: Callable) -> object:
+        if fn is not learners_function:  # the reference's or a known wrong answer's
+            return exercise.probe(fn)
+        return child.ask(("probe",))
+
+    def run(index: int, on_token: Callable[[int, int], None]) -> object:
+        made, rows, raised = child.ask(("run", index))
+        if sum(made.values()) > 1_000_000:
+            raise ValueError("more than a million steps in one run")
+        for row, count in made.items():  # the steps it made, as compare_run counts them
+            for _ in range(count):
+                on_token(row, 0)
+        if raised is not None:
+            raise replayed(*raised)
+        return rows
+
+    replay = dataclasses.replace(
+        exercise,
+        probe=probe,
+        swapped_in=lambda fn: contextlib.nullcontext(),
+        runs=[
+            (label, expected, functools.partial(run, index))
+            for index, (label, expected, _) in enumerate(exercise.runs)
+        ],
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)  # the reference's numbers as the check's process gets them
+    try:
+        result = check(replay, learners_function)
+    except Exception as error:  # what the check tripped over in the learner's answers
+        result = broke_the_check(name, error)
+        print(result)
+    finally:
+        torch.set_num_threads(threads)
+    return result.passed
+
+
+def broke_the_check(name: str, error: Exception) -> CheckResult:
+    """The FAILED verdict of a check that tripped over the learner's answers (as `grade`
+    words it)."""
+    lines = str(error).strip().splitlines()
+    said = f"{type(error).__name__}: {lines[0].strip()}" if lines else type(error).__name__
+    return CheckResult(name, False, None, f"your function broke the check: {said}")
+
+
+def replayed(type_name: str, message: str) -> Exception:
+    """An exception of the name and message the learner's code raised, to show as it."""
+    name = type_name if isinstance(type_name, str) and type_name.isidentifier() else "Exception"
+    return type(name, (Exception,), {"__module__": "learner"})(str(message)[:2000])
+
+
+def trusted_verdict(chosen: Lesson | Build, child: CheckProcess) -> bool:
+    """A check run whole in the check's process (a build): its ("verdict", passed), believed
+    when the process then exited with code 0 and its lines say "passed" for every part."""
+    child.wait_end()
+    message = child.last_message()
+    status = child.status()
+    if message is None or status != 0:
+        raise Stopped(ended_without_verdict(status))
+    if message != ("verdict", True):
+        return False  # its lines say how
+    wanted = (
+        [f"{chosen.name}/{part.name}: passed" for part in chosen.parts]
+        if isinstance(chosen, Build)
+        else [f"{chosen.name}: passed"]
+    )
+    lines = child.transcript.splitlines()
+    shown = [want for want in wanted if any(line.startswith(want) for line in lines)]
+    failed = [line for line in lines if line.startswith(f"{chosen.name}") and ": FAILED" in line]
+    if len(shown) < len(wanted) or failed:
+        raise Stopped(
+            f"its process said it passed, but its lines say so for {len(shown)} of "
+            f"{len(wanted)} parts: does your code print or send the grader's messages?"
+        )
+    return True
+
+
+def read_answer(data: bytes) -> object:
+    """An answer of the check's process, read as plain data: a probe's outcomes, or a run's
+    (steps made by row, rows, what it raised). Stopped when it stopped or failed to load."""
+    try:
+        kind, *content = PlainData(io.BytesIO(data)).load()
+        if kind == "probe":
+            return decode(content[0])
+        if kind == "run":
+            made, rows, raised = content
+            made = {int(row): int(count) for row, count in made.items()}
+            return made, decode(rows), None if raised is None else tuple(map(str, raised))
+        if kind in ("stopped", "failed", "broke"):
+            said = [" ".join(str(part).split())[:2000] for part in content]
+        else:
+            raise ValueError(f"an answer of kind {kind!r}")
+    except Exception as error:  # not what a check's process sends
+        raise Stopped(unreadable(error)) from None
+    if kind == "broke":  # its probe raised out of the probe itself: as the check saw it
+        raise replayed(*said)
+    raise Stopped(said[0])  # it stopped (SystemExit, ...), or its file does not load
+
+
+class CheckProcess:
+    """One check's processes as the grader sees them: the reaper, and under it the check's
+    process, with its output (forwarded here, up to a limit) and its channel (requests
+    out, answers in) and the time left."""
+
+    def __init__(
+        self, chosen: Lesson | Build, directory: Path, timeout: float, output_limit: int
+    ) -> None:
+        self.timeout, self.output_limit = timeout, output_limit
+        self.deadline = time.monotonic() + timeout
+        self.channel, channel_theirs = socket.socketpair()
+        self.lifeline, lifeline_theirs = socket.socketpair()
+        with channel_theirs, lifeline_theirs:
+            fds = [lifeline_theirs.fileno(), channel_theirs.fileno()]
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-m", "rosecourse.reaper", *map(str, fds), "--"]
+                + [sys.executable, "-m", __name__, key(chosen), str(directory), str(fds[1])],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=[theirs.fileno()],
+                pass_fds=fds,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},  # prints arrive as they are made
-                # Its own process group: Ctrl-C reaches the grader only, which then kills
-                # the group (the child and anything it started).
+                # A session of its own: Ctrl-C reaches the grader only, which then stops it.
                 start_new_session=True,
             )
+        assert self.reaper.stdout is not None
+        self.output = self.reaper.stdout.fileno()
+        os.set_blocking(self.output, False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.output, selectors.EVENT_READ)
+        self.selector.register(self.channel, selectors.EVENT_READ)
+        self.output_open = self.channel_open = True
+        self.received = bytearray()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.shown = 0
+        self.transcript = ""
+        self.ends_a_line = True
+
+    # -- what the grader asks
+
+    def ask(self, request: tuple) -> object:
+        """Send `request`; the check's process's answer, decoded. A "stopped" or "failed"
+        answer, a process that ended instead, or one that ran out of time or printed too
+        much: Stopped."""
+        with contextlib.suppress(OSError):  # a process that ended: found below
+            send(self.channel, request)
+        data = None
+        while data is None:
+            data = self.message()
+            if data is None and not self.channel_open:
+                self.wait_end()
+                raise Stopped(ended_without_verdict(self.status()))
+            if data is None:
+                self.pump()
+        self.drain()  # what it printed before it answered, before anything the grader prints
+        self.end_line()
+        return read_answer(data)
+
+    def wait_end(self) -> None:
+        """Forward the output until it closes: the reaper has ended everything and exited."""
+        while self.output_open:
+            self.pump()
+
+    def last_message(self) -> tuple | None:
+        """The check's last message, if it sent one that reads as plain data."""
+        message = None
+        with contextlib.suppress(Exception):
+            while (data := self.message()) is not None:
+                message = PlainData(io.BytesIO(data)).load()
+        return message
+
+    def status(self) -> int | None:
+        """How the check's process ended (a returncode), as the reaper tells; None if it
+        did not (the reaper itself was killed)."""
+        self.reaper.wait()
+        self.lifeline.settimeout(1.0)  # the reaper has exited: what it sent is there
+        line = b""
+        with contextlib.suppress(OSError):
+            while chunk := self.lifeline.recv(64):
+                line += chunk
         try:
-            stopped = forward_output(child, timeout, output_limit)
-        finally:
-            stop(child)
-        verdict = None if stopped else read_verdict(ours)
-    if verdict is not None:
-        return verdict
-    print(CheckResult(chosen.name, False, None, stopped or ended_without_verdict(child)))
-    return False
+            return int(line)
+        except ValueError:
+            return None
 
+    def stop(self) -> None:
+        """Have the reaper end every process of the check, and wait for it."""
+        with contextlib.suppress(OSError):
+            self.lifeline.shutdown(socket.SHUT_WR)  # the reaper reads its end: it ends all
+        try:
+            self.reaper.wait(timeout=REAP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.reaper.pid, signal.SIGKILL)
+            self.reaper.wait()
+        self.selector.close()
+        for held in (self.reaper.stdout, self.channel, self.lifeline):
+            if held is not None:
+                held.close()
 
-def forward_output(child: subprocess.Popen, timeout: float, output_limit: int) -> str | None:
-    """Copy the child's output to ours until it ends; why it had to be stopped, if it did."""
-    assert child.stdout is not None
-    deadline = time.monotonic() + timeout
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    shown = 0
-    ends_a_line = True
-    with selectors.DefaultSelector() as selector:
-        selector.register(child.stdout, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not selector.select(timeout=left):
-                stopped = stopped_at(timeout)
-                break
-            chunk = os.read(child.stdout.fileno(), 65536)
-            if not chunk:  # the child closed its output: it has ended
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(timeout=max(0.0, deadline - time.monotonic()))
-                stopped = None if child.returncode is not None else stopped_at(timeout)
-                break
-            kept = chunk[: output_limit - shown]
-            shown += len(kept)
-            text = decoder.decode(kept, final=len(kept) < len(chunk))
-            if text:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-                ends_a_line = text.endswith("\n")
-            if len(kept) < len(chunk):
-                stopped = (
-                    f"printed too much (output cut at {output_limit} bytes): print less, "
-                    "or not in a loop"
-                )
-                break
-    if not ends_a_line:
-        print()  # the verdict on a line of its own
-    return stopped
+    # -- the output and the channel
+
+    def message(self) -> bytes | None:
+        try:
+            return unframe(self.received)
+        except ValueError as error:
+            raise Stopped(unreadable(error)) from None
+
+    def pump(self) -> None:
+        """Wait for output or a message, and take it (up to the time limit)."""
+        left = self.deadline - time.monotonic()
+        ready = self.selector.select(timeout=left) if left > 0 else []
+        if not ready:
+            raise Stopped(stopped_at(self.timeout))
+        for selected, _ in ready:
+            if selected.fileobj == self.output:
+                self.read_output()
+            else:
+                chunk = b""
+                with contextlib.suppress(OSError):
+                    chunk = self.channel.recv(1 << 20)
+                if not chunk:
+                    self.channel_open = False
+                    self.selector.unregister(self.channel)
+                self.received += chunk
+
+    def drain(self) -> None:
+        while self.output_open and self.read_output():
+            pass
+
+    def read_output(self) -> bool:
+        """Forward what the check printed, if anything is there; whether something was."""
+        try:
+            chunk = os.read(self.output, 65536)
+        except BlockingIOError:
+            return False
+        if not chunk:  # the reaper, and so every process of the check, has ended
+            self.output_open = False
+            self.selector.unregister(self.output)
+            return False
+        kept = chunk[: self.output_limit - self.shown]
+        self.shown += len(kept)
+        text = self.decoder.decode(kept, final=len(kept) < len(chunk))
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.transcript += text
+            self.ends_a_line = text.endswith("\n")
+        if len(kept) < len(chunk):
+            raise Stopped(
+                f"printed too much (output cut at {self.output_limit} bytes): print less, "
+                "or not in a loop"
+            )
+        return True
+
+    def end_line(self) -> None:
+        """What the grader prints next starts a line of its own."""
+        if not self.ends_a_line:
+            print()
+            self.ends_a_line = True
 
 
 def stopped_at(timeout: float) -> str:
-    """Why a child still running at the time limit was stopped."""
+    """Why a check still running at the time limit was stopped."""
     return f"did not finish in {timeout:g} s (--timeout): does your code loop forever?"
 
 
-def stop(child: subprocess.Popen) -> None:
-    """Kill the child's process group (it, and whatever it started), then reap the child."""
-    # ProcessLookupError: the group has ended already (PermissionError, on macOS).
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    if child.stdout is not None:
-        child.stdout.close()
+def unreadable(error: Exception) -> str:
+    return (
+        f"the check's process sent what the grader cannot read ({type(error).__name__}: "
+        f"{str(error)[:200]}): does your code write to the grader's channel?"
+    )
 
 
-def read_verdict(channel: socket.socket) -> bool | None:
-    """What the ended child sent as its last act: whether the check passed; None if nothing."""
-    channel.settimeout(1.0)  # its end is closed: what it sent is there already
-    message = b""
-    with contextlib.suppress(OSError):
-        while chunk := channel.recv(4096):
-            message += chunk
-    try:
-        return bool(json.loads(message)["passed"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def ended_without_verdict(child: subprocess.Popen) -> str:
-    code = child.returncode
-    if code < 0:
+def ended_without_verdict(code: int | None) -> str:
+    if code is None:
+        how = "ended (its reaper was killed)"
+    elif code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
@@ -185,7 +588,7 @@ def ended_without_verdict(child: subprocess.Popen) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The child's side: python -m rosecourse.runner CHAPTER DIR FD
+# The check's process: python -m rosecourse.runner CHAPTER DIR FD
 # ---------------------------------------------------------------------------
 
 
@@ -198,58 +601,104 @@ class ChangedDefault(BaseException):
 
 
 def child_main(name: str, directory: Path, channel_fd: int) -> NoReturn:
-    """Grade one chapter's exercise or one build (`name`: as `rose-course check` takes it),
-    print its lines, send the verdict over `channel_fd`, and exit."""
+    """Answer the grader's requests for one chapter's exercise, or grade one build (`name`:
+    as `rose-course check` takes it), print its lines, send its verdict; then exit."""
     channel = socket.socket(fileno=channel_fd)
     channel.set_inheritable(False)  # nothing the learner's code starts holds it open
-    threading.Thread(target=exit_with_grader, args=(channel,), daemon=True).start()
     torch.set_num_threads(THREADS)
     chosen = find(name)
-    try:
-        before = global_defaults()
-        passed = grade(guarded(chosen), directory).passed
-        if isinstance(chosen, Build):  # an exercise's check did this call by call
+    exercise = exercise_of(chosen)
+    if exercise is not None:
+        serve(chosen, exercise, directory, channel)
+    else:
+        threading.Thread(target=exit_with_grader, args=(channel,), daemon=True).start()
+        try:
+            before = global_defaults()
+            passed = grade(chosen, directory).passed
             require_unchanged(before)
-    except BaseException as stopping:  # the learner's code raised what stops a program
-        print(CheckResult(chosen.name, False, None, stopping_line(stopping)))
-        passed = False
-    sys.stdout.flush()
-    sys.stderr.flush()
-    channel.sendall(json.dumps({"passed": passed}).encode())
-    # At once: no exit handler or thread of the learner's code runs after the verdict.
+        except BaseException as stopping:  # the learner's code raised what stops a program
+            print(CheckResult(chosen.name, False, None, stopping_line(stopping)))
+            passed = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        send(channel, ("verdict", bool(passed)))
+    # At once: no exit handler or thread of the learner's code runs after the last answer.
     os._exit(0)
+
+
+def serve(chosen: Lesson, exercise: Exercise, directory: Path, channel: socket.socket) -> None:
+    """Load the learner's function, then answer the grader's requests with it: ("probe",)
+    with the exercise's probe of it, ("run", i) with what run i made with it swapped in."""
+
+    def send_answer(*message: object) -> None:
+        sys.stdout.flush()  # its prints first
+        sys.stderr.flush()
+        send(channel, message)
+
+    try:
+        before_import = global_defaults()
+        try:
+            fn = load_learner(chosen, directory)
+        except CourseError as error:
+            send_answer("failed", str(error))
+            return
+        require_unchanged(before_import)
+        call = guarded(fn)
+        while (request := receive(channel)) is not None:
+            send_answer(*answer(exercise, call, request))
+    except BaseException as stopping:  # the learner's code raised what stops a program
+        send_answer("stopped", stopping_line(stopping))
+
+
+def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
+    """The answer to one of the grader's requests: ("probe",), the exercise's probe of `fn`;
+    ("run", i): what run i made with `fn` swapped in (the steps each row made, the rows,
+    what it raised)."""
+    if request[0] == "probe":
+        try:
+            return ("probe", encode(exercise.probe(fn)))
+        except Exception as error:  # it broke the probe itself
+            return ("broke", type(error).__name__, first_line(error))
+    _, _, run = exercise.runs[request[1]]
+    made: dict[int, int] = {}
+
+    def on_token(row: int, _token: int) -> None:
+        made[row] = made.get(row, 0) + 1
+
+    rows, raised = None, None
+    try:
+        with exercise.swapped_in(fn):
+            rows = encode(run(on_token))
+    except Exception as error:  # anything the learner's code raises is a finding
+        raised = (type(error).__name__, first_line(error))
+    return ("run", made, rows, raised)
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
 
 
 def exit_with_grader(channel: socket.socket) -> None:
     """Block until the grader's end of the channel closes, then end this process."""
     with contextlib.suppress(OSError):
-        channel.recv(1)  # the grader never sends: this returns when its end closes
+        channel.recv(1)  # the grader never sends to a build: this returns when it ends
     os._exit(1)
 
 
-def guarded(chosen: Lesson | Build) -> Lesson | Build:
-    """`chosen` with a check that fails the learner's function, with ChangedDefault, when
-    its module's import or any call of it leaves one of torch's global defaults changed.
-    A build's parts run the learner's classes in many places, so a build is checked once,
-    after its parts have run (`graded`)."""
-    if isinstance(chosen, Build):
-        return chosen
-    before_import = global_defaults()
+def guarded(fn: Callable) -> Callable:
+    """`fn`, failing with ChangedDefault when a call of it leaves one of torch's global
+    defaults changed (a build's parts run the learner's classes in many places, so a
+    build is checked once, after its parts have run)."""
 
-    def check(fn: Callable) -> CheckResult:
-        require_unchanged(before_import)
+    @functools.wraps(fn)
+    def call(*args: object, **kwargs: object) -> object:
+        before = global_defaults()
+        try:
+            return fn(*args, **kwargs)
+        finally:  # even when it raised: the change outlives the call all the same
+            require_unchanged(before)
 
-        @functools.wraps(fn)
-        def call(*args: object, **kwargs: object) -> object:
-            before = global_defaults()
-            try:
-                return fn(*args, **kwargs)
-            finally:  # even when it raised: the change outlives the call all the same
-                require_unchanged(before)
-
-        return chosen.check(call)
-
-    return dataclasses.replace(chosen, check=check)
+    return call
 
 
 def global_defaults() -> dict[str, object]:

@@ -14,6 +14,7 @@ that its function does the hostile thing before answering, or its module on impo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import os
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,8 @@ HOSTILE = {
     "sys.exit in the function": ("sys.exit(0)", "", "raised SystemExit(0)", None),
     "sys.exit on import": ("", "sys.exit(0)", "raised SystemExit(0)", None),
     "os._exit": ("os._exit(0)", "", "exited with code 0 before its verdict", None),
-    "an answer whose == exits": ("return Evil()", EVIL, "raised SystemExit(0)", None),
+    # The grader never holds the learner's objects: an Evil arrives as its class's name.
+    "an answer whose == exits": ("return Evil()", EVIL, "it gives a Evil object where", None),
     "a loop in the function": ("while True:\n    pass", "", "did not finish in 3 s", "3"),
     "a loop on import": ("", "while True:\n    pass", "did not finish in 3 s", "3"),
     "the default dtype": (
@@ -125,7 +128,7 @@ def test_hostile_code_is_one_failed_line(case: str, tmp_path: Path) -> None:
     lines = checked.stdout.splitlines()
     verdicts = [line for line in lines if line.startswith("decode_read_bytes:")]
     assert verdicts == [lines[-1]], lines[-3:]  # one verdict, the last line
-    assert verdicts[0].startswith("decode_read_bytes: FAILED: ") and said in verdicts[0], lines[-1]
+    assert verdicts[0].startswith("decode_read_bytes: FAILED") and said in verdicts[0], lines[-1]
     assert len(checked.stdout.encode()) < OUTPUT_LIMIT + 1000  # the flood was cut
 
 
@@ -339,3 +342,239 @@ def test_an_output_on_a_full_disk_is_one_line(
         code = cli.main(["list"])
     assert code == 2
     assert capsys.readouterr().err == f"{ERROR}no space left on the device\n"
+
+
+# ---------------------------------------------------------------------------
+# The verdict comes from where the learner's code never runs (issue 43, item 14)
+# ---------------------------------------------------------------------------
+
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the reaper is a child subreaper on Linux"
+)
+
+# At import: every socket this process holds is told the check passed, in every form the
+# grader has read a verdict in (a JSON line, a framed ("verdict", True)), then os._exit(0).
+FORGE = """
+import json, os, pickle
+_said = pickle.dumps(("verdict", True))
+for _fd in os.listdir("/proc/self/fd"):
+    try:
+        if os.readlink(f"/proc/self/fd/{_fd}").startswith("socket:"):
+            os.write(int(_fd), json.dumps({"passed": True}).encode())
+            os.write(int(_fd), len(_said).to_bytes(8, "big") + _said)
+    except OSError:
+        pass
+os._exit(0)
+"""
+
+# At import: the class that holds a verdict says "passed" whatever it is given.
+PATCH = """
+from rosecourse.exercises.common import CheckResult
+CheckResult.passed = property(lambda self: True, lambda self, value: None)
+"""
+
+
+def stub_file(workspace: Path, name: str, at_import: str) -> None:
+    """`name`'s stub (every answer wrong: not written yet) in `workspace`, and `at_import`."""
+    chosen = course.find(name)
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / chosen.file_name).write_text(stub_source(chosen) + "\n" + at_import + "\n")
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["10", "model"])
+@pytest.mark.parametrize("hostile", ["forged verdict", "patched CheckResult"])
+def test_a_wrong_answer_cannot_tell_the_grader_it_passed(
+    name: str, hostile: str, tmp_path: Path
+) -> None:
+    stub_file(tmp_path, name, FORGE if hostile == "forged verdict" else PATCH)
+    checked = rose_course("check", name, "--dir", str(tmp_path))
+    assert checked.returncode == 1, checked
+    assert "Traceback" not in checked.stdout + checked.stderr, checked
+    lines = checked.stdout.splitlines()
+    assert lines and all("passed" not in line.split(":")[1] for line in lines if ":" in line)
+    assert "FAILED" in lines[-1], lines[-3:]
+
+
+class Pwn:
+    """An object whose unpickling runs a command: what a learner could send the grader."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_the_grader_reads_answers_as_plain_data_only(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    from rosecourse.exercises.common import Raised
+    from rosecourse.runner import Foreign, PlainData, Stopped, decode, encode, read_answer
+
+    sent = {
+        "x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)[:, 1:],
+        "mask": torch.tensor([True, False]),
+        "none": torch.zeros(0, 4, dtype=torch.int64),
+        (1, "a"): [Raised("IndexError"), torch.float16, frozenset({"b"}), 2.5, None],
+        "object": Pwn(tmp_path / "x"),
+    }
+    got = decode(PlainData(__import__("io").BytesIO(pickle.dumps(encode(sent)))).load())
+    assert got.keys() == sent.keys()
+    for name in ("x", "mask", "none"):
+        assert got[name].dtype == sent[name].dtype and torch.equal(got[name], sent[name])
+    assert got[(1, "a")] == sent[(1, "a")]
+    assert got["object"] == Foreign("Pwn")
+    # A message that would build an object (and here run a command) is refused unread.
+    with pytest.raises(Stopped, match="cannot read"):
+        read_answer(pickle.dumps(("probe", Pwn(tmp_path / "pwned"))))
+    assert not (tmp_path / "pwned").exists()
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_message_that_would_run_code_in_the_grader_is_refused(tmp_path: Path) -> None:
+    pwned = tmp_path / "pwned"
+    send = f"""
+import os, pickle, socket
+class _Pwn:
+    def __reduce__(self):
+        return (os.system, ("touch {pwned}",))
+_said = pickle.dumps(("probe", _Pwn()))
+for _fd in os.listdir("/proc/self/fd"):
+    try:
+        if os.readlink(f"/proc/self/fd/{{_fd}}").startswith("socket:"):
+            os.write(int(_fd), len(_said).to_bytes(8, "big") + _said)
+    except OSError:
+        pass
+"""
+    stub_file(tmp_path / "ws", "10", send)
+    checked = rose_course("check", "10", "--dir", str(tmp_path / "ws"))
+    assert checked.returncode == 1, checked
+    assert "cannot read" in checked.stdout.splitlines()[-1], checked.stdout
+    assert not pwned.exists()
+
+
+def marked(marker: str) -> list[int]:
+    """The pids of the processes whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def sleeper(marker: str, holds_output: bool) -> str:
+    """At import: a grandchild in a session of its own (fork, setsid, fork, exec) that
+    sleeps with `marker` in its command line, holding the check's output or not."""
+    return textwrap.dedent(f"""
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                if not {holds_output}:
+                    _null = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(_null, 1)
+                    os.dup2(_null, 2)
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(300)", "{marker}"])
+            os._exit(0)
+        """)
+
+
+@linux_only
+@pytest.mark.slow
+@pytest.mark.parametrize("holds_output", [True, False], ids=["holding stdout", "detached"])
+@pytest.mark.parametrize("name", ["10", "model"])
+def test_every_process_a_check_started_ends_with_it(
+    name: str, holds_output: bool, tmp_path: Path
+) -> None:
+    marker = f"rose-sleeper-{uuid.uuid4().hex}"
+    if name == "10":  # a right answer: it passes, once, and its sleeper is gone
+        solution_file(tmp_path, name, at_import=sleeper(marker, holds_output))
+    else:  # a build's verdict waits for its output to close: the sleeper must not hold it
+        stub_file(tmp_path, name, "import os, sys\n" + sleeper(marker, holds_output))
+    started = time.monotonic()
+    checked = rose_course("check", name, "--dir", str(tmp_path), "--timeout", "100")
+    assert time.monotonic() - started < 90, checked
+    assert marked(marker) == []
+    lines = checked.stdout.splitlines()
+    assert not any("did not finish" in line for line in lines), lines
+    if name == "10":
+        assert checked.returncode == 0, checked
+        assert lines[-1].startswith("decode_read_bytes: passed"), lines
+    else:
+        assert checked.returncode == 1, checked
+        assert all(": FAILED: not written yet" in line for line in lines), lines
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_grader_killed_takes_every_process_of_its_check_with_it(tmp_path: Path) -> None:
+    marker = f"rose-sleeper-{uuid.uuid4().hex}"
+    loop = sleeper(marker, holds_output=False) + "\nwhile True:\n    pass"
+    solution_file(tmp_path, "10", at_import=loop)
+    command = [sys.executable, "-m", "rosecourse.cli", "check", "10", "--dir", str(tmp_path)]
+    grader = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not marked(marker):  # the sleeper runs, in a session of its own
+            assert grader.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        grader.kill()
+        grader.wait()
+        deadline = time.monotonic() + 30
+        while marked(marker):  # the reaper read its lifeline's end and ended everything
+            assert time.monotonic() < deadline, marked(marker)
+            time.sleep(0.05)
+    finally:
+        grader.kill()
+        for pid in marked(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_every_chapter_is_judged_by_its_exercise_in_the_grader() -> None:
+    from rosecourse.runner import exercise_of
+
+    for chosen in LESSONS:
+        module = sys.modules[chosen.check.__module__]
+        assert exercise_of(chosen) is module.EXERCISE, chosen.chapter
+        # What the grader runs (the exercise's check) is what the lesson's check runs.
+        body = inspect.getsource(chosen.check).rstrip().splitlines()[-1].strip()
+        assert body == "return check(EXERCISE, fn)", chosen.chapter
+    assert all(exercise_of(build) is None for build in BUILDS)
+
+
+class InProcess:
+    """The check's process's side, answered here: `answer`, through the plain-data wire."""
+
+    def __init__(self, exercise: object, fn: object) -> None:
+        self.exercise, self.fn = exercise, fn
+
+    def ask(self, request: tuple) -> object:
+        import pickle
+
+        from rosecourse.runner import answer, read_answer
+
+        return read_answer(pickle.dumps(answer(self.exercise, self.fn, request)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chosen", LESSONS, ids=[lesson.chapter for lesson in LESSONS])
+def test_the_grader_judges_as_the_check_does(
+    chosen: course.Lesson, capsys: pytest.CaptureFixture
+) -> None:
+    """The check judged in the grader on the answers that crossed the wire prints what the
+    check run in one process prints: for the reference and a known wrong answer."""
+    from rosecourse.exercises.common import check
+    from rosecourse.runner import exercise_of, judge
+
+    exercise = exercise_of(chosen)
+    for fn in [exercise.reference, exercise.known_wrong[0].fn]:
+        check(exercise, fn)
+        alone = capsys.readouterr().out
+        judge(chosen.name, exercise, InProcess(exercise, fn))
+        assert capsys.readouterr().out == alone
