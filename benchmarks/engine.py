@@ -420,7 +420,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
                 started = time.perf_counter()
                 engine.step()
                 steps.append(time.perf_counter() - started)
-                models.append(engine.runner.seconds["decode"])
+                models.append(engine.runner.seconds["model"])
                 keys_values = cache_bytes(model, sum(lengths))
                 reads.append(weights + keys_values)
                 flops.append(sum(decode_flops(model, kv_len=length) for length in lengths))

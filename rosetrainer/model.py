@@ -3,7 +3,8 @@
 Read top to bottom: the small functions that hold the KV-cache invariants
 (`concat_kv`, `causal_mask`, `position_ids`), the sliding-window mask (`window_mask`),
 the rotary pieces (`rotary_cos_sin`, `apply_rotary`, `rotate_then_cache`), the cache
-protocol (`KVCache`: what the model asks of any cache), then attention, the MLP, a
+protocol (`KVCache`: what the model asks of any cache, and `AttendingKVCache`: a cache
+that computes attention over what it holds itself), then attention, the MLP, a
 transformer block, and the model. Parameter names follow OpenAI's / Hugging Face's
 GPT-2 so their weights load with a transpose and nothing else.
 
@@ -133,6 +134,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the new tokens' positions
 
 
+def rotate(
+    q: torch.Tensor, k: torch.Tensor, rope: Rope | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys turned at their own positions (unchanged for learned positions)."""
+    if rope is None:
+        return q, k
+    return apply_rotary(q, *rope), apply_rotary(k, *rope)
+
+
 def rotate_then_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,8 +154,7 @@ def rotate_then_cache(
     """The rotary invariant: new keys are turned at their own positions *before* they
     enter the cache, so a cached key never moves again; then the cache hands back
     every key/value the new queries attend over."""
-    if rope is not None:
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    q, k = rotate(q, k, rope)
     if cache is not None:  # keep this layer's new keys/values; attend over all of them
         k, v = cache.update(layer, k, v)
     return q, k, v
@@ -175,6 +184,26 @@ class KVCache(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@runtime_checkable
+class AttendingKVCache(Protocol):
+    """A cache that computes attention over what it holds itself (the serving engine's
+    paged pool: many sequences in one flat row, each query attending only to its own
+    sequence's keys, read where the pool keeps them, no mask over other sequences' tokens).
+
+    `prepare` as in KVCache (its mask is None: the cache knows who sees what). Per layer,
+    `attend(layer, q, k, v)` keeps the new keys/values and returns the new queries'
+    attention outputs, (B, n_head, q_len, head_dim) like q; q and k come turned (rotary).
+    """
+
+    def prepare(
+        self, batch: int, q_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 # ---------------------------------------------------------------------------
 # The network
 # ---------------------------------------------------------------------------
@@ -201,21 +230,49 @@ def one_query_attention(
     is built for blocks of many queries, and for a single query it is the slower choice
     (several times slower in bf16 on a CPU without bf16 instructions), while these few
     lines compile into one fused kernel. The softmax runs in float32, as SDPA's does.
-
-    The weighted sum of the values is one matrix times one vector per row and head. When
-    the values are stored transposed (the engine's decode slots hand them over as a
-    transposed view: their last dimension is not the contiguous one), it is written
-    matrix first, values^T @ weights, the form BLAS runs near memory speed with the
-    matrix's rows contiguous (the other order is slower: docs/benchmarks.md, "Figures
-    behind the code").
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    if v.stride(-1) != 1:  # values stored transposed: (head_dim, kv_len) rows contiguous
-        return (v.transpose(-2, -1) @ weights.transpose(-2, -1)).transpose(-2, -1)
     return weights @ v
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Each query's weighted sum of the values of the keys it may see (attn_mask: True
+    where it may; None: plain causal, only ever without a past, q_len == kv_len)."""
+    if q.size(-2) == 1 and dropout_p == 0.0:
+        return one_query_attention(q, k, v, attn_mask)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None
+    )
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    cache: KVCache | AttendingKVCache | None,
+    layer: int,
+    rope: Rope | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """One layer's attention step, through the cache: the new queries over every key they
+    may see. A cache that attends itself (`AttendingKVCache`) is handed the turned queries
+    and keys; any other cache keeps the new keys/values and hands back every one the
+    queries attend over (`rotate_then_cache`), and the model attends over them."""
+    if isinstance(cache, AttendingKVCache):
+        q, k = rotate(q, k, rope)
+        return cache.attend(layer, q, k, v)
+    q, k, v = rotate_then_cache(q, k, v, rope, cache, layer)
+    return attention(q, k, v, attn_mask, dropout_p)
 
 
 class CausalSelfAttention(nn.Module):
@@ -232,7 +289,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        cache: KVCache | None = None,
+        cache: KVCache | AttendingKVCache | None = None,
         layer: int = 0,
         rope: Rope | None = None,
     ) -> torch.Tensor:
@@ -240,19 +297,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends on its own.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        q, k, v = rotate_then_cache(q, k, v, rope, cache, layer)
-
-        if T == 1 and not self.training:
-            y = one_query_attention(q, k, v, attn_mask)
-        else:
-            y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=attn_mask,
-                dropout_p=self.dropout if self.training else 0.0,
-                is_causal=attn_mask is None,  # only ever without a past: q_len == kv_len
-            )
+        dropout = self.dropout if self.training else 0.0
+        y = cached_attention(q, k, v, attn_mask, cache, layer, rope, dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -283,7 +329,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        cache: KVCache | None = None,
+        cache: KVCache | AttendingKVCache | None = None,
         layer: int = 0,
         rope: Rope | None = None,
     ) -> torch.Tensor:
@@ -354,7 +400,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | AttendingKVCache | None = None,
         *,
         last_only: bool = False,
         logits_at: torch.Tensor | None = None,

@@ -3,8 +3,9 @@ schedules hypothesis draws (`schedules`)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from hypothesis import HealthCheck, settings
 
@@ -54,3 +55,60 @@ def schedules(max_examples: int) -> settings:
         derandomize=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
+@contextlib.contextmanager
+def model_calls(engine: LLMEngine) -> Iterator[list[dict[str, int]]]:
+    """Every call of the model the engine's steps run, as it happens: the shape of the ids
+    it was fed, the rows that went through the first layer's q/k/v product and through the
+    vocabulary projection (hooks on the modules themselves, so a second call anywhere
+    inside a step would show), and the rows that sample (postprocess's logits: one per
+    sampling sequence, one more per draft it carries)."""
+    model = engine.runner.model
+    calls: list[dict[str, int]] = []
+
+    def on_model(module, args, kwargs) -> None:
+        ids = args[0] if args else kwargs["idx"]
+        calls.append({"batch": ids.size(0), "tokens": ids.size(1), "qkv": 0, "head": 0})
+
+    def counting(name: str):
+        def hook(module, args) -> None:
+            calls[-1][name] += args[0].numel() // args[0].size(-1)
+
+        return hook
+
+    postprocess = engine.postprocess
+
+    def spied(sampling, logits):
+        rows = sum(1 + len(seq.draft_ids) for seq in sampling)
+        assert logits.size(0) == rows
+        calls[-1]["sampled"] = rows
+        return postprocess(sampling, logits)
+
+    handles = [
+        model.register_forward_pre_hook(on_model, with_kwargs=True),
+        model.transformer.h[0].attn.c_attn.register_forward_pre_hook(counting("qkv")),
+        model.lm_head.register_forward_pre_hook(counting("head")),
+    ]
+    engine.postprocess = spied
+    try:
+        yield calls
+    finally:
+        del engine.postprocess
+        for handle in handles:
+            handle.remove()
+
+
+def assert_one_call_a_step(engine: LLMEngine, calls: list[dict[str, int]]) -> None:
+    """After a step (`calls`: model_calls' record of it): the model ran once if the step
+    had work (not at all if not), fed every scheduled token in one row, and its products
+    ran once over all of them (the vocabulary projection over the rows that sample)."""
+    batch = engine.last_batch
+    if not batch.seqs:
+        assert calls == []
+        return
+    assert len(calls) == 1, calls
+    call = calls[0]
+    assert (call["batch"], call["tokens"]) == (1, batch.num_tokens)
+    assert call["qkv"] == batch.num_tokens  # the first layer's product: one pass, every row
+    assert call["head"] == call["sampled"]

@@ -10,6 +10,7 @@ order, so a logical block number used as a physical one cannot pass by luck.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -23,13 +24,14 @@ from unittest import mock
 
 import pytest
 import torch
+from engine_runs import assert_one_call_a_step, model_calls
 from models import assert_clear_margins, make_test_model
 from torch import nn
 
 import roseinfer
 from roseinfer.cache import paged as paged_cache
 from roseinfer.cache import slots as slots_module
-from roseinfer.engine import EngineConfig, LLMEngine, llm_engine
+from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
@@ -37,6 +39,7 @@ from roseinfer.engine.packed import PackedLinear
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
+from rosetrainer import model as gpt
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
 
@@ -95,7 +98,7 @@ def note_the_road(engine: LLMEngine, seen: set[str], budget: int | None = None) 
     if budget is not None:
         assert slots.nbytes <= budget
     # (after the last request the slots are given back: nothing to tell there)
-    if "decode" in engine.runner.seconds and engine.requests:
+    if engine.runner.num_decode and engine.requests:
         seen.add("slots" if slots is not None and slots.owners else "gather")
 
 
@@ -145,7 +148,7 @@ def run_case(model, tokenizer, case: int, **config) -> dict[str, object]:
         num_kv_blocks=rng.randrange(CONTEXT // KV_BLOCK, 40),  # room for one full context
         max_num_batched_tokens=[1, 3, 16][case % 3],
         max_num_seqs=rng.randrange(1, 8),
-        attention=ATTENTIONS[(case + case // 3) % 3],  # each with each token budget
+        attention=ATTENTIONS[(case // 3) % len(ATTENTIONS)],  # each with each token budget
         shuffle_blocks_seed=case,
         **config,
     )
@@ -232,7 +235,7 @@ def test_random_schedules_on_a_rotary_model(tokenizer, case: int) -> None:
             assert run["finished"][request_id].token_ids == want, request_id
 
 
-@pytest.mark.parametrize("attention", ["fast", "reference"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_a_windowed_request_runs_far_past_the_context_on_a_few_blocks(
     tokenizer, attention: str
 ) -> None:
@@ -301,7 +304,7 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(2)]
     params = SamplingParams(max_tokens=10)
-    engine = engine_for(model, tokenizer, num_kv_blocks=40, attention="reference")
+    engine = engine_for(model, tokenizer, num_kv_blocks=40)
     ids = [engine.add_request(p, params) for p in prompts]
     with mock.patch.object(paged_cache, "slot_mapping", logical_slots):
         finished = run_to_end(engine, check=False)
@@ -310,24 +313,61 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
 
 
 def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
+    """Both decode reads ("fast": the decode slots, "gather": the blocks gathered every
+    step) against the readable reference, chapter 11's gather-then-attend cache
+    (`FlatPagedKVCache`: every key of the step's sequences side by side under one mask)
+    swapped in for the engine's."""
     rng = random.Random(2)
     prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
     params = SamplingParams(max_tokens=12, logprobs=1)
     runs = {}
-    for attention in ATTENTIONS:
-        engine = engine_for(model, tokenizer, num_kv_blocks=80, attention=attention)
-        ids = [engine.add_request(p, params) for p in prompts]
-        roads: set[str] = set()
-        finished = run_to_end(engine, after_step=functools.partial(note_the_road, engine, roads))
+    for attention in (*ATTENTIONS, "reference"):
+        with contextlib.ExitStack() as stack:
+            if attention == "reference":
+                stack.enter_context(
+                    mock.patch.object(model_runner, "PagedKVCache", paged_cache.FlatPagedKVCache)
+                )
+            config = dict(attention="gather" if attention == "reference" else attention)
+            engine = engine_for(model, tokenizer, num_kv_blocks=80, **config)
+            ids = [engine.add_request(p, params) for p in prompts]
+            roads: set[str] = set()
+            watch = functools.partial(note_the_road, engine, roads)
+            finished = run_to_end(engine, after_step=watch)
         runs[attention] = [finished[i] for i in ids]
-        # "fast" decodes through the slots (a budget too small would make it gather);
-        # "reference" has no decode batch (every token in one flat row)
-        assert roads == {"fast": {"slots"}, "gather": {"gather"}, "reference": set()}[attention]
-    for attention in ("fast", "gather"):
+        # "fast" decodes through the slots (a budget too small would make it gather)
+        assert (
+            roads == {"fast": {"slots"}, "gather": {"gather"}, "reference": {"gather"}}[attention]
+        )
+    for attention in ATTENTIONS:
         for fast, reference in zip(runs[attention], runs["reference"], strict=True):
             assert fast.token_ids == reference.token_ids
             for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
                 assert abs(a.logprob - b.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, attention) -> None:
+    """A step is one forward: the decoding sequences' tokens and the prompt chunks go
+    through the model together in one flat row, so every product with the weights runs
+    once a step, over all of the step's tokens; a step with no work calls it not at all.
+    Requests arrive while others decode, under a budget that cuts prompts into chunks,
+    so that most steps mix the two."""
+    engine = engine_for(
+        model, tokenizer, num_kv_blocks=80, max_num_batched_tokens=12, attention=attention
+    )
+    rng = random.Random(4)
+    arrivals = [[rng.randrange(512) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    mixed = steps = 0
+    while arrivals or engine.has_unfinished():
+        if arrivals and steps % 3 == 0:
+            engine.add_request(arrivals.pop(), SamplingParams(max_tokens=8))
+        with model_calls(engine) as calls:
+            engine.step()
+        assert_one_call_a_step(engine, calls)
+        steps += 1
+        kinds = {n == 1 for n in engine.last_batch.num_new_tokens}
+        mixed += kinds == {True, False}
+    assert mixed >= 3  # steps with decodes and prompt chunks both
 
 
 @pytest.mark.parametrize("transposed", [True, False], ids=["values-transposed", "values-as-keys"])
@@ -371,6 +411,21 @@ def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer, t
     assert slots.nbytes == 0 and not slots.owners  # no request left: every row given back
     for request_id, (prompt, params) in requests.items():
         assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_attention_is_one_query_attention_in_either_layout(dtype) -> None:
+    """The decode slots' attention (values stored transposed, or laid out as the keys)
+    equals the model's one-query attention, under a mask that hides a different number
+    of keys per row."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=generator).to(dtype) for n in (1, 37, 37))
+    mask = (torch.arange(37)[None, :] <= torch.tensor([36, 20, 0])[:, None])[:, None, None, :]
+    want = gpt.one_query_attention(q, k, v, mask)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    for transposed, values in ((False, v), (True, v.transpose(-2, -1).contiguous())):
+        got = slots_module.slot_attention(q, k, values, mask, transposed)
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
 def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> None:

@@ -8,11 +8,14 @@ on the wide-margin test model.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from models import assert_clear_margins, assert_logits_close, make_test_model
 
-from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.cache.paged import FlatPagedKVCache
+from roseinfer.engine import EngineConfig, LLMEngine, model_runner
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
@@ -109,9 +112,10 @@ def test_int8_without_a_window_gives_the_oracle_tokens(model, tokenizer, oracle)
 
 
 def test_the_reference_attention_gives_the_same_tokens(model, tokenizer, oracle) -> None:
-    _, outputs = run_engine(
-        model, tokenizer, kv_cache_dtype="int4", kv_cache_window=16, attention="reference"
-    )
+    """The engine's step against the readable reference (chapter 11's gather-then-attend
+    cache swapped in), both reading the quantized blocks."""
+    with mock.patch.object(model_runner, "PagedKVCache", FlatPagedKVCache):
+        _, outputs = run_engine(model, tokenizer, kv_cache_dtype="int4", kv_cache_window=16)
     _, fast = run_engine(model, tokenizer, kv_cache_dtype="int4", kv_cache_window=16)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in fast]
 

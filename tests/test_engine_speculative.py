@@ -15,7 +15,7 @@ import dataclasses
 import random
 
 import pytest
-from engine_runs import run_checked, schedules
+from engine_runs import assert_one_call_a_step, model_calls, run_checked, schedules
 from hypothesis import given
 from hypothesis import strategies as st
 from models import make_test_model, perturbed_copy
@@ -289,3 +289,28 @@ def test_every_decoding_sequence_drafts_in_the_same_step(model, tokenizer) -> No
         engine.step()
     assert asked and all(0 < n <= k for ks in asked for n in ks), asked
     assert max(len(ks) for ks in asked) == batch, asked  # all four drafted at once
+
+
+def test_verify_chunks_go_through_the_model_with_the_rest_of_the_step(model, tokenizer) -> None:
+    """One forward a step with drafts too: verify chunks (a sequence's newest token and
+    its drafts), plain decoding tokens and prompt chunks in one call, the vocabulary
+    projection over the rows that pick tokens (one per draft more)."""
+    engine = engine_for(
+        model, tokenizer, NgramDrafter(1, 3), 4, max_num_batched_tokens=24, num_kv_blocks=60
+    )
+    rng = random.Random(1)
+    lines = [[rng.randrange(512) for _ in range(rng.randrange(2, 6))] for _ in range(5)]
+    arrivals = [(line * 4, SamplingParams(max_tokens=16, ignore_eos=True)) for line in lines]
+    arrivals.insert(2, ([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=10, seed=1)))
+    verified = mixed = steps = 0
+    while arrivals or engine.has_unfinished():
+        if arrivals and steps % 2 == 0:
+            engine.add_request(*arrivals.pop(0))
+        with model_calls(engine) as calls:
+            engine.step()
+        assert_one_call_a_step(engine, calls)
+        steps += 1
+        if calls:
+            verified += calls[0]["sampled"] > len(engine.last_batch.seqs)
+            mixed += len({min(n, 3) for n in engine.last_batch.num_new_tokens}) > 1
+    assert verified >= 3 and mixed >= 3

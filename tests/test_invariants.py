@@ -18,10 +18,17 @@ from models import assert_clear_margins, make_test_model
 import rosetrainer.model
 from rosecourse.naive import lose_past_kv, positions_from_zero, top_left_causal_mask
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
+from roseinfer.cache.paged import FlatPagedKVCache, KVPool, PagedKVCache
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import RoseError
-from rosetrainer.model import KVCache, causal_mask, one_query_attention, position_ids
+from rosetrainer.model import (
+    AttendingKVCache,
+    KVCache,
+    causal_mask,
+    one_query_attention,
+    position_ids,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -134,6 +141,17 @@ def test_caches_satisfy_the_protocol(model) -> None:
     forwards = (gpt.GPT.forward, gpt.Block.forward, gpt.CausalSelfAttention.forward)
     assert not any("isinstance" in inspect.getsource(f) for f in forwards)
     assert len(inspect.getsource(gpt.GPT.forward).splitlines()) <= 40
+
+
+def test_the_engines_paged_cache_attends_itself(model) -> None:
+    """The engine's paged cache answers the attending form of the protocol (the model hands
+    it queries, keys and values and gets the outputs back); the readable flat one, like
+    the dense caches, the keys-returning form."""
+    pool = KVPool(model.config, 4, 4, torch.float32, torch.device("cpu"))
+    paged = PagedKVCache(pool, [[0]], [0], [2])
+    flat = FlatPagedKVCache(pool, [[0]], [0], [2])
+    assert isinstance(paged, AttendingKVCache) and not isinstance(paged, KVCache)
+    assert isinstance(flat, KVCache) and not isinstance(flat, AttendingKVCache)
 
 
 def test_mismatched_cache_shapes(model) -> None:

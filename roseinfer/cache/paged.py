@@ -4,10 +4,9 @@ through block tables.
 `KVPool` is the memory: per layer, keys and values for num_blocks * kv_block_size token
 slots, allocated once. Slot s is token s % kv_block_size of physical block s // kv_block_size.
 
-`PagedKVCache` is one model call's view of the pool. It implements
-`rosetrainer.model.KVCache` for many sequences at once, each at its own point: some
-start a prompt, some continue one chunk by chunk, most add one decoded token. The
-three invariants of a KV cache get their paged forms, each a named function looked up
+`PagedKVCache` is one model call's view of the pool, for many sequences at once, each
+at its own point: some start a prompt, some continue one chunk by chunk, most add one
+decoded token. The three invariants of a KV cache get their paged forms, each a named function looked up
 at every call (so a chapter or test can swap in a buggy one):
 
 * `paged_positions`: a sequence's new tokens take the positions after the ones it has
@@ -16,21 +15,27 @@ at every call (so a chapter or test can swap in a buggy one):
   block_table[p // kv_block_size] * kv_block_size + p % kv_block_size;
 * `paged_causal_mask`: a query sees the keys of its own sequence at positions up to
   its own (the bottom-right rule, per sequence), and nothing of any other sequence;
-  with a sliding window only the last W of them and the sinks (`window_mask`).
+  with a sliding window only the last W of them and the sinks (`window_mask`). (Each
+  sequence attends over its own keys alone here, so the "own sequence" part only ever
+  compares a sequence with itself; chapter 11 draws the mask of many sequences side by
+  side.)
 
-A sliding-window model reads only its window's keys (and its sinks): the flat layout
-gathers just those, so the engine may free the blocks behind a sequence's window.
+A sliding-window model reads only its window's keys (and its sinks), so the engine may
+free the blocks behind a sequence's window.
 
-Two layouts of the same call:
-
-* "flat" (the readable reference): every new token of every sequence in one row of
-  shape (1, total_new_tokens); attention reads every cached key of those sequences,
-  and the mask keeps each query to its own sequence.
-* "padded" (the decoding path): one row per sequence with one new token, shape
-  (num_seqs, 1); each row reads its own blocks, padded to the longest table.
-  Attention then costs each query only its own context, not everyone's. Its blocks
-  are gathered anew every call; roseinfer.cache.slots keeps the rows instead (the
-  engine's default), written one token a step and read where they lie.
+One engine step is one model call (`PagedKVCache`): every new token of every scheduled
+sequence in one flat row, (1, total_new_tokens), sequence after sequence, so every
+product with the weights runs once over the step's rows. Attention is the cache's own
+step (`rosetrainer.model.AttendingKVCache`): each sequence's queries attend to its own
+keys, read from the pool, never to another sequence's tokens. The sequences that feed
+one token (decoding) come first and attend together, one query per row, each over its
+own blocks (gathered in table order, padded to the longest, the padding masked; or, the
+engine's default, through the decode slots of roseinfer.cache.slots, which keep those
+keys contiguous across steps); each prompt or verify chunk then attends alone over its
+own keys under the bottom-right causal mask. (The readable version that lays every
+sequence's keys side by side under one mask that keeps each query to its own sequence
+is chapter 11's, `FlatPagedKVCache` below: the teaching version, and the tests' reference,
+never an engine setting.)
 
 `QuantizedKVPool` keeps full blocks in int8 or int4 (roseinfer.cache.quantized) and the blocks
 still being written, or in a sequence's recent window, exact; `PagedKVCache` reads
@@ -92,6 +97,23 @@ class KVPool(BlockGeometry):
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
+
+    def before_write(self, slots: torch.Tensor) -> None:
+        """A step is about to write these slots (nothing to do here: every block is exact)."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New keys and values (tokens, n_head, head_dim) at pool slots `slots`."""
+        write_slots(self.k[layer], slots, k)
+        write_slots(self.v[layer], slots, v)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> LayerPast:
+        """Keys and values at pool slots `slots`, (n_head, len(slots), head_dim) each."""
+        return read_slots(self.k[layer], slots), read_slots(self.v[layer], slots)
+
+    def read_tables(self, layer: int, tables: torch.Tensor) -> LayerPast:
+        """Each row's blocks, whole and in table order: (rows, n_head, blocks * kv_block_size,
+        head_dim) each, gathered in one copy (row r, head h, entry i: blocks[tables[r, i], h])."""
+        return gather_tables(self.k[layer], tables), gather_tables(self.v[layer], tables)
 
 
 class QuantizedKVPool(BlockGeometry):
@@ -170,6 +192,10 @@ class QuantizedKVPool(BlockGeometry):
             self.exact_v[layer][places] = self.v[layer].read_rows(blocks, self.dtype)
         self.exact_slot[blocks] = places
 
+    def before_write(self, slots: torch.Tensor) -> None:
+        """A step is about to write these slots: their blocks take their exact places now."""
+        self.make_exact(torch.unique(slots // self.kv_block_size).tolist())
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys and values (tokens, n_head, head_dim) at pool slots `slots` (their
         blocks made exact first): into the exact pool."""
@@ -186,6 +212,24 @@ class QuantizedKVPool(BlockGeometry):
         exact = places >= 0
         keys[exact] = self.exact_k[layer][places[exact]]
         values[exact] = self.exact_v[layer][places[exact]]
+        return keys, values
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> LayerPast:
+        """Keys and values at pool slots `slots`, (n_head, len(slots), head_dim) each: only
+        the blocks they lie in are read (dequantized), numbered 0.. in a local copy."""
+        blocks, local = torch.unique(slots // self.kv_block_size, return_inverse=True)
+        k_blocks, v_blocks = self.read_blocks(layer, blocks)
+        local_slots = local * self.kv_block_size + slots % self.kv_block_size
+        return read_slots(k_blocks, local_slots), read_slots(v_blocks, local_slots)
+
+    def read_tables(self, layer: int, tables: torch.Tensor) -> LayerPast:
+        """Each row's blocks in table order (see KVPool.read_tables), dequantized."""
+        rows, max_blocks = tables.shape
+        k_blocks, v_blocks = self.read_blocks(layer, tables.flatten())
+        _, n_head, kv_block_size, head_dim = k_blocks.shape
+        by_row = (rows, max_blocks, n_head, kv_block_size, head_dim)
+        keys = k_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
+        values = v_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
         return keys, values
 
     def settle(self, tables: list[list[int]], num_tokens: list[int]) -> None:
@@ -256,6 +300,16 @@ def read_slots(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return blocks[slots // kv_block_size, :, slots % kv_block_size].transpose(0, 1)
 
 
+def gather_tables(blocks: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Each row's blocks of one layer, whole and in table order: (rows, n_head,
+    max_blocks * kv_block_size, head_dim), gathered in one copy."""
+    rows, max_blocks = tables.shape
+    _, n_head, kv_block_size, head_dim = blocks.shape
+    heads = torch.arange(n_head, device=blocks.device)
+    gathered = blocks[tables[:, None, :], heads[None, :, None]]  # (rows, h, blocks, bs, d)
+    return gathered.view(rows, n_head, max_blocks * kv_block_size, head_dim)
+
+
 # ---------------------------------------------------------------------------
 # The three invariants, paged
 # ---------------------------------------------------------------------------
@@ -313,141 +367,213 @@ def padded_tables(block_tables: list[list[int]], device: torch.device) -> torch.
 
 
 class PagedKVCache:
-    """The KVCache of one model call over several sequences (see the module's docstring).
+    """One engine step's view of the pool, a `rosetrainer.model.AttendingKVCache` (see the
+    module's docstring): the step's new tokens in one flat row, sequence after sequence.
 
     block_tables, num_computed, num_new: per sequence, its blocks (enough for
     num_computed + num_new tokens), how many of its tokens the pool already holds, and
-    how many new tokens this call feeds.
+    how many new tokens this call feeds. The leading sequences that feed one token each
+    attend together as a decode batch; decode_slots (roseinfer.cache.slots.DecodeSlots),
+    when given, hold those sequences' keys and values in rows 0, 1, .. in that order, and
+    the batch reads them there instead of gathering their blocks.
     """
 
     def __init__(
         self,
-        pool: KVPool,
+        pool: KVPool | QuantizedKVPool,
         block_tables: list[list[int]],
         num_computed: list[int],
         num_new: list[int],
-        layout: str = "flat",
+        decode_slots: DecodeRows | None = None,
     ) -> None:
-        if layout not in ("flat", "padded"):
-            raise RoseError(f"layout must be 'flat' or 'padded', got {layout!r}")
-        if layout == "padded" and any(n != 1 for n in num_new):
-            raise RoseError("the padded layout feeds one new token per sequence")
         self.pool = pool
-        self.layout = layout
         self.kv_block_size = pool.kv_block_size
         self.tables = padded_tables(block_tables, pool.device)
         self.num_computed = torch.tensor(num_computed, dtype=torch.long)
         self.num_new = torch.tensor(num_new, dtype=torch.long)
+        # the decode batch: the leading sequences that feed one token each
+        self.num_decode = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
+        self.decode_slots = decode_slots
         self.written_slots = torch.zeros(0, dtype=torch.long)
-        self.key_slots: torch.Tensor | None = None
 
-    # -- what the model asks of a cache (rosetrainer.model.KVCache) --
+    # -- what the model asks of it (rosetrainer.model.AttendingKVCache) --
 
-    def prepare(
-        self, batch: int, q_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, batch: int, q_len: int, device: torch.device) -> tuple[torch.Tensor, None]:
+        """Positions of the new tokens, (1, total_new); where each is written (written_slots);
+        and, per sequence, which keys its queries read and may see."""
         num_seqs, total_new = len(self.num_new), int(self.num_new.sum())
-        expected = (1, total_new) if self.layout == "flat" else (num_seqs, 1)
-        if (batch, q_len) != expected:
+        if (batch, q_len) != (1, total_new):
             raise RoseError(
-                f"this paged cache was built for ids of shape {expected}, got {(batch, q_len)}"
+                f"this paged cache was built for ids of shape {(1, total_new)}, got {(batch, q_len)}"
             )
         positions = paged_positions(self.num_computed, self.num_new).to(device)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), self.num_new).to(device)
         self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
-        if self.pool.quantized:  # the blocks written in this call take their exact places now
-            self.pool.make_exact(torch.unique(self.written_slots // self.kv_block_size).tolist())
+        self.pool.before_write(self.written_slots)
+        self.decode_positions = positions[: self.num_decode]
+        self.decode_mask = self._decode_mask(device) if self.num_decode else None
+        self.chunks = self._chunks(seq_of_token, positions, device)
+        return positions[None, :], None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Keep this layer's new keys and values (1, n_head, total_new, head_dim) in the
+        pool, then each sequence's queries over its own keys: the outputs, shaped like q."""
+        new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (total_new, *entries)
+        self.pool.write(layer, self.written_slots, new_k, new_v)
+        outputs = []
+        n = self.num_decode
+        if n:  # one query per row: (n, n_head, 1, head_dim)
+            rows_q = q[0, :, :n].transpose(0, 1)[:, :, None]
+            y = self._decode_attention(layer, rows_q, new_k[:n, :, None], new_v[:n, :, None])
+            outputs.append(y[:, :, 0].transpose(0, 1)[None])
+        for start, end, key_slots, mask in self.chunks:
+            keys, values = self.pool.read_slots(layer, key_slots)
+            queries = q[:, :, start:end]
+            outputs.append(gpt.attention(queries, keys[None], values[None], mask))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    # -- the decode batch: one query per row, each over its own keys --
+
+    def decode_width(self) -> int:
+        """The keys each decode row reads: its blocks, padded to the longest table (or the
+        decode slots' rows, whole)."""
+        if self.decode_slots is not None:
+            return self.decode_slots.capacity
+        return self.tables.size(1) * self.kv_block_size
+
+    def _decode_mask(self, device: torch.device) -> torch.Tensor:
+        """(rows, 1, 1, width): row i sees key j (at position j) of its own keys up to its
+        position, inside its window or a sink."""
         window, sinks = self.pool.attention_window, self.pool.attention_sinks
-        if self.layout == "flat":
-            key_seq, key_pos = self._keys_read(device)
-            self.key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
-            mask = paged_causal_mask(
-                seq_of_token[:, None], positions[:, None], key_seq[None, :], key_pos[None, :],
-                window, sinks,
-            )  # fmt: skip
-            return positions[None, :], mask[None, None, :, :]
-        # Padded: row i reads all of its blocks; key j of a row stands at position j.
-        key_pos = torch.arange(self.key_width(), device=device)
-        rows = torch.arange(num_seqs, device=device)
+        key_pos = torch.arange(self.decode_width(), device=device)
+        rows = torch.arange(self.num_decode, device=device)
+        positions = self.decode_positions
         mask = paged_causal_mask(
             rows[:, None], positions[:, None], rows[:, None], key_pos[None, :], window, sinks
         )
-        return positions[:, None], mask[:, None, None, :]
+        return mask[:, None, None, :]
 
-    def key_width(self) -> int:
-        """The keys each row of the padded layout reads: its blocks, padded to the longest table."""
-        return self.tables.size(1) * self.kv_block_size
+    def _decode_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode rows' attention: q, k, v (rows, n_head, 1, head_dim) the new ones."""
+        if self.decode_slots is not None:
+            return self.decode_slots.attend(layer, q, k, v, self.decode_positions, self.decode_mask)
+        keys, values = self.pool.read_tables(layer, self.tables[: self.num_decode])
+        return gpt.one_query_attention(q, keys, values, self.decode_mask)
 
-    def _keys_read(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence, position) of every key the new tokens may read, one sequence after
-        another: positions 0 .. num_computed + num_new - 1, or with a sliding window
-        only the sinks and the positions from the first new token's window on."""
-        context = self.num_computed + self.num_new
-        sinks = context.clamp(max=self.pool.attention_sinks)
-        first = torch.zeros_like(context)
-        if self.pool.attention_window is not None:
-            first = (self.num_computed - self.pool.attention_window + 1).clamp(min=sinks)
-        seqs = torch.arange(len(context))
-        key_seq = torch.cat(
-            [seqs.repeat_interleave(sinks), seqs.repeat_interleave(context - first)]
-        )
-        key_pos = torch.cat(
-            [
-                paged_positions(torch.zeros_like(sinks), sinks),
-                paged_positions(first, context - first),
-            ]
-        )
-        return key_seq.to(device), key_pos.to(device)
+    # -- the chunks: each sequence that feeds several tokens, alone over its own keys --
+
+    def _chunks(
+        self, seq_of_token: torch.Tensor, positions: torch.Tensor, device: torch.device
+    ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per chunk: its tokens' range in the row, the pool slots of the keys it reads (in
+        position order) and its mask, (q_len, keys): the bottom-right causal rule (cut to
+        the window and its sinks)."""
+        window, sinks = self.pool.attention_window, self.pool.attention_sinks
+        ends = torch.cumsum(self.num_new, 0).tolist()
+        chunks = []
+        for i in range(self.num_decode, len(ends)):
+            start, end = ends[i] - int(self.num_new[i]), ends[i]
+            key_pos = self._keys_read(i, device)
+            key_seq = torch.full_like(key_pos, i)
+            key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
+            mask = paged_causal_mask(
+                seq_of_token[start:end, None], positions[start:end, None],
+                key_seq[None, :], key_pos[None, :], window, sinks,
+            )  # fmt: skip
+            chunks.append((start, end, key_slots, mask))
+        return chunks
+
+    def _keys_read(self, i: int, device: torch.device) -> torch.Tensor:
+        pool = self.pool
+        computed, new = int(self.num_computed[i]), int(self.num_new[i])
+        return keys_read(computed, new, pool.attention_window, pool.attention_sinks, device)
+
+
+def keys_read(
+    num_computed: int, num_new: int, window: int | None, sinks: int, device: torch.device
+) -> torch.Tensor:
+    """Positions of the keys a sequence's num_new new tokens may read: 0 .. num_computed +
+    num_new - 1, or with a sliding window only the sinks and the positions from the first
+    new token's window on."""
+    context = num_computed + num_new
+    sinks = min(context, sinks)
+    first = 0 if window is None else max(num_computed - window + 1, sinks)
+    return torch.cat([torch.arange(sinks), torch.arange(first, context)]).to(device)
+
+
+class FlatPagedKVCache:
+    """The readable paged cache (chapter 11; the tests' reference): gather, then attend.
+
+    A plain `rosetrainer.model.KVCache` over the same call as `PagedKVCache` (the same
+    arguments, so a chapter or test can swap it in for the engine's): the step's new
+    tokens in one flat row; `update` writes them to the pool and hands back every key the
+    step's sequences hold, side by side, and the mask of `prepare` keeps each query to its
+    own sequence's keys (`paged_causal_mask`: lower triangles on a diagonal). The model
+    then runs one attention over all of them: each query pays for every sequence's keys,
+    and a mask that forgot whose key is whose would mix sequences, the mistakes the
+    engine's own step (each sequence over its own keys) cannot make.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool | QuantizedKVPool,
+        block_tables: list[list[int]],
+        num_computed: list[int],
+        num_new: list[int],
+        decode_slots: object = None,  # (not read: every key comes from the pool)
+    ) -> None:
+        self.pool = pool
+        self.kv_block_size = pool.kv_block_size
+        self.tables = padded_tables(block_tables, pool.device)
+        self.num_computed, self.num_new = num_computed, num_new
+        self.written_slots = torch.zeros(0, dtype=torch.long)
+
+    def prepare(
+        self, batch: int, q_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_new = torch.tensor(self.num_new)
+        if (batch, q_len) != (1, int(num_new.sum())):
+            raise RoseError(
+                f"this paged cache was built for ids of shape {(1, int(num_new.sum()))}"
+            )
+        positions = paged_positions(torch.tensor(self.num_computed), num_new).to(device)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), num_new).to(device)
+        self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
+        self.pool.before_write(self.written_slots)
+        # Every key the step's sequences may read, one sequence after another.
+        window, sinks = self.pool.attention_window, self.pool.attention_sinks
+        key_pos = [
+            keys_read(computed, new, window, sinks, device)
+            for computed, new in zip(self.num_computed, self.num_new, strict=True)
+        ]
+        key_seq = torch.cat([torch.full_like(pos, i) for i, pos in enumerate(key_pos)])
+        key_pos = torch.cat(key_pos)
+        self.key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
+        mask = paged_causal_mask(
+            seq_of_token[:, None], positions[:, None], key_seq[None, :], key_pos[None, :],
+            window, sinks,
+        )  # fmt: skip
+        return positions[None, :], mask[None, None, :, :]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        if self.pool.quantized:
-            return self._update_quantized(layer, k, v)
-        self.write(layer, k, v)
-        k_blocks, v_blocks = self.pool.k[layer], self.pool.v[layer]
-        if self.layout == "flat":  # every key of the step's sequences: (1, n_head, keys, head_dim)
-            return read_slots(k_blocks, self.key_slots)[None], read_slots(v_blocks, self.key_slots)[
-                None
-            ]
-        return self._read_blocks(k_blocks), self._read_blocks(v_blocks)
+        self.pool.write(layer, self.written_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        keys, values = self.pool.read_slots(layer, self.key_slots)
+        return keys[None], values[None]  # (1, n_head, every key, head_dim)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep this layer's new keys and values (rows, n_head, q_len, head_dim) in the pool:
-        one (n_head, head_dim) entry per new token, in the order of written_slots
-        (sequence by sequence, position by position)."""
-        rows, n_head, q_len, head_dim = k.shape
-        entries = (-1, n_head, head_dim)
-        write_slots(self.pool.k[layer], self.written_slots, k.transpose(1, 2).reshape(entries))
-        write_slots(self.pool.v[layer], self.written_slots, v.transpose(1, 2).reshape(entries))
 
-    def _update_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        """update() on a QuantizedKVPool: write to the exact pool, read the step's blocks
-        dequantized (the exact ones as they are), then pick slots as the plain path does."""
-        rows, n_head, q_len, head_dim = k.shape
-        entries = (-1, n_head, head_dim)
-        self.pool.write(
-            layer,
-            self.written_slots,
-            k.transpose(1, 2).reshape(entries),
-            v.transpose(1, 2).reshape(entries),
-        )
-        if self.layout == "flat":
-            # Only the blocks the step reads, numbered 0.. in a local copy.
-            blocks, local = torch.unique(self.key_slots // self.kv_block_size, return_inverse=True)
-            k_blocks, v_blocks = self.pool.read_blocks(layer, blocks)
-            slots = local * self.kv_block_size + self.key_slots % self.kv_block_size
-            return read_slots(k_blocks, slots)[None], read_slots(v_blocks, slots)[None]
-        # Each row's blocks in table order, then (rows, n_head, max_blocks * kv_block_size, head_dim).
-        rows, max_blocks = self.tables.shape
-        k_blocks, v_blocks = self.pool.read_blocks(layer, self.tables.flatten())
-        by_row = (rows, max_blocks, n_head, self.kv_block_size, head_dim)
-        keys = k_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
-        values = v_blocks.view(by_row).transpose(1, 2).reshape(rows, n_head, -1, head_dim)
-        return keys, values
+class DecodeRows(Protocol):
+    """What the paged cache asks of the decode slots (roseinfer.cache.slots.DecodeSlots)."""
 
-    def _read_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Each row's blocks, whole and in table order: (rows, n_head, max_blocks * kv_block_size,
-        head_dim), gathered in one copy (row r, head h, table entry i: blocks[tables[r, i], h])."""
-        rows, max_blocks = self.tables.shape
-        heads = torch.arange(blocks.size(1), device=blocks.device)
-        gathered = blocks[self.tables[:, None, :], heads[None, :, None]]  # (rows, h, blocks, bs, d)
-        return gathered.view(rows, blocks.size(1), max_blocks * self.kv_block_size, blocks.size(-1))
+    capacity: int
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor: ...

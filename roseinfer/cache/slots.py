@@ -1,9 +1,9 @@
 """Decode slots: each decoding sequence's keys and values kept contiguous, in a row of
 its own, so a decode step's attention reads them where they lie.
 
-The padded layout of the paged cache (roseinfer.cache.paged) gathers every decoding
-sequence's blocks into a new tensor, in every layer, every step: the whole context
-copied to read it once. Here the pool stays the memory of record (every new key and
+Without them the paged cache (roseinfer.cache.paged) gathers every decoding sequence's
+blocks into a new tensor, in every layer, every step: the whole context copied to read
+it once. Here the pool stays the memory of record (every new key and
 value is written there as before, so prefix caching, preemption and the pool's
 invariants are unchanged), and beside it `DecodeSlots` keeps, per layer, a key buffer
 of shape (rows, n_head, capacity, head_dim): row r holds one decoding sequence's keys at
@@ -22,9 +22,10 @@ handed to attention as a transposed view: the softmax weights times the values i
 one matrix-vector product per sequence and head with the matrix's rows contiguous, the
 form CPU BLAS runs near memory speed (over values laid out like the keys it runs as
 many one-row products). In bfloat16 the values are laid out like the keys, the form
-oneDNN's bfloat16 product is fastest on. `one_query_attention` in rosetrainer/model.py
-picks the form from the layout. What each choice saved was measured (docs/benchmarks.md,
-"Figures behind the code"; `python -m benchmarks.kernels` repeats it).
+oneDNN's bfloat16 product is fastest on. `DecodeSlots.attend` writes the step's new keys
+and values and computes the rows' attention in the form their layout wants
+(`slot_attention`). What each choice saved was measured (docs/benchmarks.md, "Figures
+behind the code"; `python -m benchmarks.kernels` repeats it).
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a
@@ -44,13 +45,14 @@ beside the pool's, and keeps it under a budget (`fits`).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 
-from roseinfer.cache.paged import KVPool, PagedKVCache
+from roseinfer.cache.paged import KVPool
+from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
-from rosetrainer.model import LayerPast
 
 ROW_STEP = 8  # rows are allocated in multiples of this
 CAPACITY_STEP = 64  # token capacity in multiples of this (and of kv_block_size)
@@ -123,21 +125,26 @@ class DecodeSlots:
         """The tokens a row holds room for: every row's keys as attention reads them."""
         return self.k[0].size(2)
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> LayerPast:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Write the new key and value of rows 0 .. n - 1 ((n, n_head, 1, head_dim), in row
-        order) at their positions; return the rows' keys and values, whole (views of shape
-        (n, n_head, capacity, head_dim))."""
+        order) at their positions; return each row's query (q, the same shape) attended over
+        its row, whole (mask: (n, 1, 1, capacity), True where the row's query may look)."""
         n = k.size(0)
         rows = torch.arange(n, device=k.device)
         self.k[layer][rows, :, positions] = k[:, :, 0]
-        if not self.values_transposed:
+        if self.values_transposed:
+            self.v[layer][rows, :, :, positions] = v[:, :, 0]
+        else:
             self.v[layer][rows, :, positions] = v[:, :, 0]
-            return self.k[layer][:n], self.v[layer][:n]
-        # (written in the stored layout: through the transposed view it takes longer)
-        self.v[layer][rows, :, :, positions] = v[:, :, 0]
-        return self.k[layer][:n], self.v[layer][:n].transpose(-2, -1)
+        return slot_attention(q, self.k[layer][:n], self.v[layer][:n], mask, self.values_transposed)
 
     def advance(self) -> None:
         """After a decode step: every row holds one more token."""
@@ -247,26 +254,20 @@ def tight(size: int, needed: int, step: int, most: int) -> int:
     return max(needed, min(most, -(-needed // step) * step))
 
 
-class SlotKVCache(PagedKVCache):
-    """The paged cache's padded layout (one decoding sequence per row, the same positions,
-    slots and mask), its sequences given in row order of `slots`: new keys and values go
-    to the pool and to the rows; attention reads the rows."""
-
-    def __init__(self, slots: DecodeSlots, seqs: list[DecodingSequence]) -> None:
-        super().__init__(
-            slots.pool,
-            [seq.block_table for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            [1] * len(seqs),
-            "padded",
-        )
-        self.slots = slots
-        self.positions = self.num_computed.to(slots.pool.device)
-
-    def key_width(self) -> int:
-        # each row's keys as the slots hold them: its whole capacity (see update)
-        return self.slots.capacity
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        self.write(layer, k, v)
-        return self.slots.update(layer, k, v, self.positions)
+def slot_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    values_transposed: bool,
+) -> torch.Tensor:
+    """`rosetrainer.model.one_query_attention` over the slots' rows: the same math, its
+    last product in the form the values' layout wants. Stored transposed ((rows, n_head,
+    head_dim, capacity)), the weighted sum of the values is written matrix first, values @
+    weights^T, the form BLAS runs near memory speed with the matrix's rows contiguous."""
+    if not values_transposed:
+        return gpt.one_query_attention(q, k, v, mask)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return (v @ weights.transpose(-2, -1)).transpose(-2, -1)

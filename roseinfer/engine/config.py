@@ -27,7 +27,7 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
 _UNITS["gb"] = 1000**3
-ATTENTIONS = ("fast", "gather", "reference")  # see EngineConfig.attention
+ATTENTIONS = ("fast", "gather")  # see EngineConfig.attention
 # The decode slots' default budget is the pool's size, but never below this: a small
 # pool (a small model, a test's) would otherwise be smaller than the slots' least
 # allocation (8 rows of 64 tokens) and never decode through them.
@@ -50,11 +50,11 @@ class EngineConfig:
     # Tests: hand out free blocks in a random order drawn from this seed, so a logical
     # block number used where a physical one belongs cannot pass by luck. None: in order.
     shuffle_blocks_seed: int | None = None
-    # "fast": decode sequences attend in one batch (one query per row) over their keys
-    # kept contiguous across steps (roseinfer.cache.slots: no per-step copy), prefill
-    # chunks in one flat row; "gather": the same batch, each row's blocks gathered from
-    # the pool every step (the readable paged decode; a quantized pool always reads so);
-    # "reference": every token of the step in one flat row.
+    # How the decoding sequences read their keys and values in a step's one model call
+    # (the same tokens either way): "fast" from the decode slots, kept contiguous across
+    # steps (roseinfer.cache.slots: no per-step copy, a second copy of those keys);
+    # "gather": each sequence's blocks gathered from the pool every step (a quantized
+    # pool always reads so). Prompt and verify chunks read their own keys from the pool.
     attention: str = "fast"
     # On a CPU: the model's linear layers run with their weights packed once for oneDNN
     # (roseinfer.engine.packed: about one more copy of the weights, a faster step).

@@ -1,16 +1,18 @@
 """One engine step through the model: scheduled sequences in, next-token logits out.
 
-The runner never holds a model of its own: it builds a `PagedKVCache` over the
-pool for the scheduled sequences and calls `GPT.forward` with it, as every other
-generation path calls the model with its cache.
+The runner never holds a model of its own: it builds a `PagedKVCache` over the pool for
+the scheduled sequences and calls `GPT.forward` with it once, as every other generation
+path calls the model with its cache. One call a step: every new token of every
+scheduled sequence (decoding tokens, prompt chunks, verify chunks) in one flat row with
+its sequence's position and pool slot, so every product with the weights runs once, over
+all of the step's rows. The decoding sequences go first (in the order of their decode
+slots' rows), then the chunks; attention is the cache's own step, each sequence over its
+own keys (roseinfer.cache.paged).
 
-With attention="reference" every scheduled token goes in one flat row. With "gather"
-the sequences that feed one token (decoding) go in one padded batch, one row each, so
-each query's attention costs only its own context (its blocks gathered from the pool);
-the others (prompts being read) go in one flat row. "fast" (the default) is "gather"
-whose decode rows read their keys from `DecodeSlots` (roseinfer.cache.slots), kept
-contiguous across steps instead of gathered every step. All give the same tokens
-(tests check it).
+How the decoding sequences read their keys is the one choice (`EngineConfig.attention`):
+"fast" (the default) reads them from `DecodeSlots` (roseinfer.cache.slots), kept
+contiguous across steps; "gather" gathers each sequence's blocks from the pool every
+step. Both give the same tokens (tests check it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import torch
 
 from roseinfer.cache.paged import KVPool, PagedKVCache
-from roseinfer.cache.slots import DecodeSlots, SlotKVCache
+from roseinfer.cache.slots import DecodeSlots
 from roseinfer.engine.config import default_slots_bytes
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
@@ -38,8 +40,8 @@ class ModelRunner:
         pack_weights: bool = False,
         slots_memory: int | None = None,
     ) -> None:
-        # The model the steps run: on a CPU its linear layers packed once for the
-        # decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
+        # The model the steps run: on a CPU its linear layers packed once for oneDNN, for
+        # the decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
         packing = pack_weights and can_pack(model)
         self.model = packed_linears(model, max_num_seqs) if packing else model
         self.pool = pool
@@ -55,7 +57,8 @@ class ModelRunner:
         self.record_writes = record_writes
         self.written_slots: list[int] = []
         self.writer_tables: list[list[int]] = []
-        self.seconds: dict[str, float] = {}  # the last step's model time: decode, prefill
+        self.seconds: dict[str, float] = {}  # the last step's model time ("model")
+        self.num_decode = 0  # the last step's decode batch: sequences feeding one token
 
     @property
     def decode_slot_bytes(self) -> int:
@@ -72,70 +75,25 @@ class ModelRunner:
     def run(
         self, seqs: list[EngineSequence], num_new: list[int]
     ) -> tuple[list[EngineSequence], torch.Tensor]:
-        """Feed each sequence its next num_new tokens; return the sequences that reached
-        their last token (they sample next) and their logits: one row each, or, for a
-        sequence carrying drafts, 1 + len(draft_ids) rows (after its newest token, then
-        after each draft), consecutive and in the order of the sequences returned."""
-        written: list[torch.Tensor] = []
+        """Feed each sequence its next num_new tokens, all in one model call; return the
+        sequences that reached their last token (they sample next) and their logits: one
+        row each, or, for a sequence carrying drafts, 1 + len(draft_ids) rows (after its
+        newest token, then after each draft), consecutive and in the order of the
+        sequences returned."""
+        seqs, num_new, slotted = self._order(seqs, num_new)
         if self.record_writes:
             self.writer_tables = [list(seq.block_table) for seq in seqs]
-        if self.attention == "reference":
-            groups = [(list(range(len(seqs))), "flat")]
-        else:
-            decode = [i for i, n in enumerate(num_new) if n == 1]
-            prefill = [i for i, n in enumerate(num_new) if n != 1]
-            if self.slots is not None and not decode:
-                self.slots.arrange([])  # nobody decodes now: every row is given up
-            groups = [(decode, "padded"), (prefill, "flat")]
-        sampled: list[EngineSequence] = []
-        logits: list[torch.Tensor] = []
-        self.seconds = {}
-        for rows, layout in groups:
-            if not rows:
-                continue
-            started = time.perf_counter()
-            group_seqs = [seqs[i] for i in rows]
-            group_new = [num_new[i] for i in rows]
-            done, group_logits, slots = self._forward(group_seqs, group_new, layout)
-            sampled += done
-            logits.append(group_logits)
-            written.append(slots)
-            # fast: the padded group decodes, the flat one reads prompts; reference: one call
-            phase = (
-                "model"
-                if self.attention == "reference"
-                else {"padded": "decode"}.get(layout, "prefill")
-            )
-            self.seconds[phase] = time.perf_counter() - started
-        if self.record_writes:
-            self.written_slots = torch.cat(written).tolist()
-        return sampled, torch.cat(logits)
-
-    def _forward(
-        self, seqs: list[EngineSequence], num_new: list[int], layout: str
-    ) -> tuple[list[EngineSequence], torch.Tensor, torch.Tensor]:
-        device = self.pool.device
-        slotted = layout == "padded" and self.slots is not None
-        if slotted and not self.slots.fits(seqs):
-            # Past the slots' memory budget this step gathers instead (same tokens).
-            if self.slots.nbytes:
-                self.slots.clear()
-            slotted = False
-        if slotted:
-            rows = self.slots.arrange(seqs)  # batch row i reads slot row i
-            seqs = [seq for _, seq in sorted(zip(rows, seqs, strict=True), key=lambda p: p[0])]
-            cache = SlotKVCache(self.slots, seqs)
-        else:
-            cache = PagedKVCache(
-                self.pool,
-                [seq.block_table for seq in seqs],
-                [seq.num_computed_tokens for seq in seqs],
-                num_new,
-                layout,
-            )
+        cache = PagedKVCache(
+            self.pool,
+            [seq.block_table for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            num_new,
+            self.slots if slotted else None,
+        )
         ids = [
-            seq.fed_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
+            token
             for seq, n in zip(seqs, num_new, strict=True)
+            for token in seq.fed_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
         ]
         # A sequence samples after this step if the step feeds its last known token (and
         # its drafts: a verify chunk is its newest token and the drafts).
@@ -144,21 +102,43 @@ class ModelRunner:
             for i, (seq, n) in enumerate(zip(seqs, num_new, strict=True))
             if seq.num_computed_tokens + n == seq.num_tokens + len(seq.draft_ids)
         ]
-        if layout == "padded":
-            idx = torch.tensor(ids, device=device)  # (num_seqs, 1)
-            out = self.model(idx, cache=cache, last_only=True, validate=False)
-            # (every row samples, as in most decode steps: a view, not a copy of the logits)
-            logits = out.logits[:, -1] if len(done) == len(seqs) else out.logits[done, -1]
-            if slotted:
-                self.slots.advance()
-        else:
-            idx = torch.tensor([sum(ids, [])], device=device)  # (1, total new tokens)
-            ends = torch.cumsum(torch.tensor(num_new), 0) - 1  # each sequence's last new token
-            # Each sampling sequence's last token, or its newest token and every draft.
-            at = torch.cat(
-                [torch.arange(ends[i] - len(seqs[i].draft_ids), ends[i] + 1) for i in done]
-                or [torch.zeros(0, dtype=torch.long)]
-            ).to(device)
-            out = self.model(idx, cache=cache, logits_at=at, validate=False)
-            logits = out.logits[0]
-        return [seqs[i] for i in done], logits, cache.written_slots
+        # Each sampling sequence's last token, or its newest token and every draft (None:
+        # every token of the step samples, as in most decode steps).
+        ends = torch.cumsum(torch.tensor(num_new), 0) - 1
+        at = torch.cat(
+            [torch.arange(ends[i] - len(seqs[i].draft_ids), ends[i] + 1) for i in done]
+            or [torch.zeros(0, dtype=torch.long)]
+        )
+        logits_at = at.to(self.pool.device) if len(at) < len(ids) else None
+        started = time.perf_counter()
+        idx = torch.tensor([ids], device=self.pool.device)  # (1, the step's tokens)
+        out = self.model(idx, cache=cache, logits_at=logits_at, validate=False)
+        self.seconds = {"model": time.perf_counter() - started}
+        self.num_decode = num_new.count(1)  # (they come first)
+        if slotted:
+            self.slots.advance()
+        if self.record_writes:
+            self.written_slots = cache.written_slots.tolist()
+        return [seqs[i] for i in done], out.logits[0]
+
+    def _order(
+        self, seqs: list[EngineSequence], num_new: list[int]
+    ) -> tuple[list[EngineSequence], list[int], bool]:
+        """The step's sequences as the call lays them out: those feeding one token (the
+        decode batch) first, in their decode slots' row order when the slots take them,
+        then the others; and whether the slots take them (within their memory budget)."""
+        decode = [seq for seq, n in zip(seqs, num_new, strict=True) if n == 1]
+        chunks = [(seq, n) for seq, n in zip(seqs, num_new, strict=True) if n != 1]
+        slotted = self.slots is not None and bool(decode)
+        if slotted and not self.slots.fits(decode):
+            # Past the slots' memory budget this step gathers instead (same tokens).
+            if self.slots.nbytes:
+                self.slots.clear()
+            slotted = False
+        if slotted:
+            rows = self.slots.arrange(decode)  # decode row i reads slot row i
+            decode = [seq for _, seq in sorted(zip(rows, decode, strict=True), key=lambda p: p[0])]
+        elif self.slots is not None and not decode:
+            self.slots.arrange([])  # nobody decodes now: every row is given up
+        ordered = decode + [seq for seq, _ in chunks]
+        return ordered, [1] * len(decode) + [n for _, n in chunks], slotted
