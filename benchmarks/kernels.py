@@ -14,7 +14,7 @@ prints their median times and the ratio (the other form's time over rose's):
 * slot view (bfloat16): a decode step's scores over decode slots read whole (rose,
   roseinfer/cache/slots.py) against a view cut to the step's width;
 * values (float32): the attention weights times values stored transposed, matrix first
-  (rose, rosetrainer/model.py `one_query_attention`) against values laid out like the
+  (rose, roseinfer/cache/slots.py `slot_attention`) against values laid out like the
   keys; values (bfloat16): the other way round, as rose stores them in bfloat16.
 
 A form this CPU cannot run (oneDNN without bfloat16 kernels) is left out, saying so.
@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from roseinfer.cache.slots import slot_attention
 from roseinfer.engine.packed import PackedLinear, bfloat16_packing_supported
 from rosetrainer.errors import ArgumentParser, run_cli
-from rosetrainer.model import one_query_attention
 
 PROG = "benchmarks.kernels"
 
@@ -123,10 +123,10 @@ def pairs(shapes: Shapes, generator: torch.Generator) -> tuple[list[Pair], list[
         q = randn(s.rows, s.n_head, 1, head_dim, dtype=dtype)
         k = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
         like_keys = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
-        transposed = like_keys.transpose(-2, -1).contiguous().transpose(-2, -1)  # a view
+        transposed = like_keys.transpose(-2, -1).contiguous()  # stored (.., head_dim, capacity)
         forms = {
-            "values transposed": lambda q=q, k=k, v=transposed: one_query_attention(q, k, v, None),
-            "values like keys": lambda q=q, k=k, v=like_keys: one_query_attention(q, k, v, None),
+            "values transposed": lambda q=q, k=k, v=transposed: slot_attention(q, k, v, None, True),
+            "values like keys": lambda q=q, k=k, v=like_keys: slot_attention(q, k, v, None, False),
         }
         rose = "values transposed" if dtype == torch.float32 else "values like keys"
         other = next(form for form in forms if form != rose)

@@ -258,7 +258,7 @@ def slot_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     values_transposed: bool,
 ) -> torch.Tensor:
     """`rosetrainer.model.one_query_attention` over the slots' rows: the same math, its
@@ -268,6 +268,7 @@ def slot_attention(
     if not values_transposed:
         return gpt.one_query_attention(q, k, v, mask)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return (v @ weights.transpose(-2, -1)).transpose(-2, -1)
