@@ -426,21 +426,37 @@ def test_what_the_library_refuses_raises_with_its_reason(tokenizer, spec, reason
         compile_grammar(spec, tokenizer)
 
 
-def test_a_compile_past_its_time_bound_is_refused(tokenizer, monkeypatch) -> None:
-    """A compile that runs long (here: made to) is refused when its bound runs out; it
-    finishes on its worker thread, and nothing waits for it."""
-    compile_now = structured._compile
+def test_a_compile_past_its_time_bound_is_refused_and_its_process_killed(tokenizer) -> None:
+    """A schema of 10,000 optional properties compiles for about a minute. It is refused
+    when its bound runs out, and the worker process it ran in is killed then: nothing of
+    it runs on, holding a compile slot (it did, on a thread, for its whole minute). A
+    constraint sent meanwhile compiles in the other worker."""
+    from threading import Thread
 
-    def slow(*args: object) -> structured.Grammar:
-        time.sleep(0.5)
-        return compile_now(*args)
+    from roseinfer.request.grammar_process import pool
 
-    monkeypatch.setattr(structured, "_compile", slow)
-    spec = StructuredOutputs(regex="[a-z]{1,7}@time-bound")  # compiled nowhere else
-    started = time.monotonic()
-    with pytest.raises(InvalidParam, match="longer than 0.05 s"):
-        compile_grammar(spec, tokenizer, timeout_s=0.05)
-    assert time.monotonic() - started < 0.4
+    pool.warm()  # both workers started: the quick compile below waits for no start
+    properties = {f"p{i}": {"type": "string"} for i in range(10_000)}
+    slow = StructuredOutputs(json={"type": "object", "properties": properties})
+    refused: list[BaseException] = []
+
+    def compile_slow() -> None:
+        try:
+            compile_grammar(slow, tokenizer, timeout_s=3)
+        except InvalidParam as err:
+            refused.append(err)
+
+    thread = Thread(target=compile_slow)
+    thread.start()
+    while not pool.busy and thread.is_alive():
+        time.sleep(0.01)
+    (worker,) = pool.busy
+    compile_grammar(StructuredOutputs(regex="[a-z]{1,7}@beside"), tokenizer)
+    assert thread.is_alive()  # the quick one did not wait for the slow one
+    thread.join()
+    assert refused and "took longer than 3 s" in str(refused[0])
+    assert worker.process.returncode == -9  # killed (and reaped: no process left)
+    assert worker.pid not in pool.pids
 
 
 def test_a_model_without_the_tokenizers_vocabulary_is_refused(tokenizer) -> None:

@@ -8,6 +8,8 @@ in-process where a test must set its bounds.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -218,3 +220,65 @@ def test_a_dead_end_past_the_first_choice_fails_the_request_not_stop(http: httpx
     streamed = post_raw(http, {"stream": True, "structured_outputs": {"grammar": grammar}})
     errors = [e for e in events(streamed) if "error" in e]
     assert errors and "accepts no text" in errors[0]["error"]["message"]
+
+
+# ---------------------------------------------------------------------------
+# Item 8: a constraint that crashes the grammar library crashes only its worker
+# ---------------------------------------------------------------------------
+
+
+def object_ref_chain(length: int) -> dict:
+    """$defs chaining `length` objects, each with a property that is a $ref to the next
+    (1,500 of them: 113 KB, the hostile pass's schema)."""
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(length)
+    }
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(length: int) -> str:
+    """A Lark grammar of `length` rules, each deriving the next."""
+    rules = [f"rule{i}: rule{i + 1}" for i in range(length)]
+    return "\n".join(["start: rule0", *rules, f'rule{length}: "x"'])
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [{"json": object_ref_chain(1_500)}, {"grammar": rule_chain(4_000)}],
+    ids=["ref-chain", "rule-chain"],
+)
+def test_a_constraint_that_crashes_the_library_is_a_400_and_the_server_lives(
+    http: httpx.Client, server: Server, constraint: dict
+) -> None:
+    """Each overflowed the library's compiler's stack: a segmentation fault that ended
+    the server. Now it ends a worker process, and the request is refused; the server,
+    and the next constraint's compile, go on."""
+    reply = post_raw(http, {"structured_outputs": constraint})
+    assert_400(reply, "crashed the grammar compiler", "SIGSEGV")
+    again = post_raw(http, {"structured_outputs": constraint})  # remembered: no new worker
+    assert again.json() == reply.json()
+    assert server.process.poll() is None
+    assert httpx.get(server.url + "/health").status_code == 200
+    fine = post_raw(http, {"temperature": 0, "structured_outputs": {"regex": "[0-9]{2}"}})
+    assert fine.status_code == 200 and len(fine.json()["choices"][0]["text"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--json-schema", "--grammar"])
+def test_rose_generate_with_a_constraint_that_crashed_the_library_is_one_line(
+    checkpoint: tuple[Path, GPT], tmp_path: Path, flag: str
+) -> None:
+    """The same files to rose-generate: exit 139 (a segmentation fault) before, one line
+    and exit 2 now. A subprocess: the crash, if it came back, must not take the test
+    run with it."""
+    constraint = tmp_path / "chain"
+    chain = json.dumps(object_ref_chain(1_500)) if flag == "--json-schema" else rule_chain(4_000)
+    constraint.write_text(chain)
+    command = [sys.executable, "-m", "roseinfer.cli.generate", "--checkpoint-path",
+               str(checkpoint[0]), "--prompt", "Hi", flag, str(constraint)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "crashed the grammar compiler" in done.stderr, done.stderr

@@ -10,10 +10,12 @@ Reading order:
   (https://github.com/guidance-ai/llguidance). Compiling walks the grammar's lexer over
   the whole token trie once, so a step later costs microseconds; a compiled grammar is
   kept (a bounded LRU, by tokenizer and grammar) and reused by every request that asks
-  for it. A constraint the library refuses, or one that takes longer than
-  COMPILE_TIMEOUT_S to compile, raises `InvalidParam` with the library's reason: the
-  server compiles at admission, in its request handler, so a bad schema is that
-  request's 400 and never reaches the engine.
+  for it. A constraint is compiled first in a worker process
+  (roseinfer/request/grammar_process.py), which a crash of the library ends alone and
+  which is killed past COMPILE_TIMEOUT_S; one the library refuses, that crashes it, that
+  runs past the bound or that accepts no text (`first_steps`) raises `InvalidParam`
+  with the reason: the server compiles at admission, in its request handler, so a bad
+  schema is that request's 400 and never reaches the engine.
 * `GrammarMatcher`: one request's position in its grammar. `Sequence.append_token` is
   the only caller of `advance` (so a speculative verify step, which appends only the
   accepted tokens, keeps it in step with the output); `allowed_tokens` fills the masks
@@ -33,8 +35,8 @@ Three traps closed here, all reported against other engines:
   shortest text that makes it whole (`json_closing`) is forced once it is due
   (`GrammarMatcher.closing_token`).
 * a pathological schema (huge enums, deeply nested $refs, regexes whose automaton
-  explodes): the library's parser limits bound its work, and the compile's wall time is
-  bounded on top of that, so nothing stalls the thread that asked.
+  explodes): the library's parser limits bound its work, and the compile runs first in
+  a process that can crash or be killed alone, so none stalls the thread that asked.
 
 llguidance is imported on first use (it is the `[structured]` extra): a request without
 structured output never needs it.
@@ -42,7 +44,6 @@ structured output never needs it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import re
@@ -161,7 +162,6 @@ _recent: OrderedDict[tuple[str, str], Grammar] = OrderedDict()  # the LRU
 # Every grammar a live request (or a handler about to admit one) holds, however old: the
 # engine finds the one its handler compiled even if the LRU has dropped it since.
 _held: weakref.WeakValueDictionary[tuple[str, str], Grammar] = weakref.WeakValueDictionary()
-_compiler = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
 
 def compile_grammar(
@@ -169,10 +169,13 @@ def compile_grammar(
 ) -> Grammar:
     """`spec` compiled for `tokenizer`'s vocabulary, from the cache when it is there.
 
-    Raises InvalidParam naming the library's reason when the constraint is invalid, or
-    when compiling takes longer than `timeout_s` (the compile runs on a worker thread
-    and finishes there; llguidance's parser limits bound its work).
+    Raises InvalidParam naming the library's reason when the constraint is invalid, when
+    it accepts no text (`check_compile`), when compiling it crashes the library or takes
+    longer than `timeout_s`: it is compiled first in a worker process, which dies alone
+    or is killed (roseinfer/request/grammar_process.py), then here.
     """
+    from roseinfer.request.grammar_process import pool
+
     text = grammar_text(spec)
     key = (tokenizer.name, text)
     with _lock:
@@ -181,15 +184,8 @@ def compile_grammar(
             _recent[key] = grammar
             _recent.move_to_end(key)
             return grammar
-    is_json = spec.json is not None or spec.json_object
-    future = _compiler.submit(_compile, tokenizer.name, text, is_json)
-    try:
-        grammar = future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise InvalidParam(
-            PARAM,
-            f"the {spec.kind} constraint took longer than {timeout_s:g} s to compile: simplify it",
-        ) from None
+    pool.check(tokenizer.name, text, spec.kind, timeout_s)
+    grammar = _compile(tokenizer.name, text, spec.json is not None or spec.json_object)
     with _lock:
         _recent[key] = _held[key] = grammar
         while len(_recent) > CACHE_SIZE:
@@ -198,14 +194,22 @@ def compile_grammar(
 
 
 def _compile(tokenizer_name: str, text: str, is_json: bool) -> Grammar:
-    LLMatcher = _llguidance().LLMatcher
-    tokenizer = ll_tokenizer(tokenizer_name)
+    """The grammar, compiled in this process (once the worker has compiled it)."""
+    return Grammar(text, _matcher(tokenizer_name, text), ll_tokenizer(tokenizer_name), is_json)
+
+
+def _matcher(tokenizer_name: str, text: str) -> llguidance.LLMatcher:
     # log_level 0: the library's warnings would go to stderr; its errors come back here.
-    start = LLMatcher(tokenizer, text, log_level=0)
+    start = _llguidance().LLMatcher(ll_tokenizer(tokenizer_name), text, log_level=0)
     if start.is_error():
         raise InvalidParam(PARAM, f"invalid constraint: {one_line(start.get_error())}")
-    first_steps(start, tokenizer)
-    return Grammar(text, start, tokenizer, is_json)
+    return start
+
+
+def check_compile(tokenizer_name: str, text: str) -> None:
+    """What the worker process runs: compile, then `first_steps`; InvalidParam names
+    what is wrong."""
+    first_steps(_matcher(tokenizer_name, text), ll_tokenizer(tokenizer_name))
 
 
 def first_steps(start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
