@@ -884,6 +884,22 @@ def first_block_only(manager, token_ids):
     return _lookup(manager, token_ids, min(manager.lookup_blocks(len(token_ids)), 1), _chained)
 
 
+@mutant("13")
+def skips_a_missing_block(manager, token_ids):
+    # A block not found is skipped and the run goes on: a later block still cached after
+    # its block 0 was evicted is served without the blocks before it.
+    from roseinfer.engine.block_manager import chain_hash
+
+    size, found, parent = manager.kv_block_size, [], b""
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        tokens = tuple(token_ids[i * size : (i + 1) * size])
+        parent = chain_hash(parent, tokens)
+        block_id = manager.cached.get(parent)
+        if block_id is not None and manager.blocks[block_id].token_ids == tokens:
+            found.append(block_id)
+    return found
+
+
 @alternative("13")
 def while_loop(manager, token_ids):
     from roseinfer.engine.block_manager import chain_hash

@@ -28,6 +28,7 @@ from rosecourse.exercises.engine import (
 from roseinfer.engine.block_manager import BlockManager
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
+from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams
 
 _real_cached_prefix = BlockManager.cached_prefix
@@ -78,7 +79,33 @@ def _prefix_probe(fn: Callable) -> Probe:
         for name, query in queries.items():
             call = f"cached_prefix(manager, {name}), kv_block_size={size}"
             probe[call] = outcome(lambda q=query, m=manager: list(fn(m, q)))
+    manager, prompt = _later_block_without_block_0()
+    call = "cached_prefix(manager, [1, 2, 3, 4, 5]), block 0 evicted, block 1 still cached"
+    probe[call] = outcome(lambda: list(fn(manager, prompt)))
     return probe
+
+
+def _later_block_without_block_0() -> tuple[BlockManager, list[int]]:
+    """A pool (2-token blocks) where a prompt's block 1 is still cached and its block 0 is
+    not: the lookup must stop at block 0 and serve nothing. Reached with the pool's own
+    calls: two copies of the prompt run side by side, the one whose block 0 is keyed
+    ends, another request takes its block 0 (evicted), and the copy that keyed block 1
+    ends."""
+    manager = BlockManager(num_blocks=4, kv_block_size=2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    a, c = EngineSequence(prompt_ids=list(prompt)), EngineSequence(prompt_ids=list(prompt))
+    manager.start(a, [], 2)
+    manager.start(c, [], 2)
+    manager.advance(a, 2)  # a's block 0 keyed; c's copy is not (the key is taken)
+    manager.advance(c, 2)
+    manager.grow(c, 4)
+    manager.advance(c, 2)  # c's block 1 keyed, chained on block 0's key
+    manager.release(a)  # a's block 0: evictable
+    other = EngineSequence(prompt_ids=[9] * 8)
+    manager.start(other, [], 2)  # the one free block
+    manager.grow(other, 4)  # no free block: a's block 0 evicted
+    manager.release(c)  # c's block 1 evictable, still cached
+    return manager, prompt
 
 
 def _unchained(manager, token_ids):

@@ -337,7 +337,8 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
             )
             break
     if result is None and evidence is not None:
-        why = diagnosis or "it differs from the reference on a case these runs never reach"
+        # The fallback says which clause of the contract the answer breaks.
+        why = diagnosis or f"{exercise.fallback} (a case these runs never reach)"
         result = CheckResult(
             exercise.name, False, None, f"every step matches, but on {evidence}: {why}"
         )
