@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -47,6 +48,12 @@ BYTES_CASES = [
         100,
         torch.float32,
     ),
+    (  # no biases: the Linears and LayerNorms hold weights only
+        GPTConfig(vocab_size=200, block_size=32, n_layer=2, n_head=2, n_embd=24, bias=False),
+        3,
+        20,
+        torch.float32,
+    ),
 ]
 
 
@@ -68,13 +75,19 @@ def decode_read_bytes(
     config: GPTConfig, batch: int, context_len: int, bytes_per_number: int
 ) -> int:
     """The reference, from the formula (the check measures it on real objects)."""
-    c = config.n_embd
+    c, b = config.n_embd, int(config.bias)  # no bias in any Linear or LayerNorm without it
+    norm = c + b * c
     per_layer = (
-        2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * c + (c * 4 * c + 4 * c) + (4 * c * c + c)
-    )
-    weights = config.vocab_size * c + config.block_size * c + config.n_layer * per_layer + 2 * c
+        norm + (c * 3 * c + b * 3 * c) + (c * c + b * c)
+        + norm + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c)
+    )  # fmt: skip
+    weights = config.vocab_size * c + config.block_size * c + config.n_layer * per_layer + norm
     kv = 2 * config.n_layer * batch * context_len * c
     return (weights + kv) * bytes_per_number
+
+
+def _biases_always(config, batch, context_len, bytes_per_number):
+    return decode_read_bytes(replace(config, bias=True), batch, context_len, bytes_per_number)
 
 
 def _bytes_probe(fn: Callable) -> Probe:
@@ -126,6 +139,7 @@ def _case_name(case: int) -> str:
     return (
         f"case {case}: {config.n_layer} layers, n_embd {config.n_embd}, vocab "
         f"{config.vocab_size}, batch {batch}, context {length}, {dtype}"
+        + ("" if config.bias else ", bias=False")
     )
 
 
@@ -156,6 +170,12 @@ EXERCISE = Exercise(
             "one_row",
             _one_row,
             "your cache bytes are one row's: every row of the batch has its own keys/values",
+        ),
+        KnownWrong(
+            "biases_always",
+            _biases_always,
+            "you count biases the model does not have: with config.bias False no Linear "
+            "or LayerNorm holds one (count every parameter the config gives the model)",
         ),
         KnownWrong(
             "weights_per_row",
