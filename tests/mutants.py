@@ -2005,3 +2005,10 @@ class UnkeyedBlocksKeptEvictable(reference_block_manager.BlockManager):
             if block.ref_count == 0:  # every block kept for later, keyed or not
                 self.evictable[block_id] = None
         seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+
+@build_mutant("block_manager", "BlockManager", name="num_used_sums_ref_counts")
+class NumUsedSumsRefCounts(reference_block_manager.BlockManager):
+    @property
+    def num_used(self):
+        return sum(block.ref_count for block in self.blocks)  # a shared block counted twice

@@ -259,6 +259,7 @@ def check_pool(
 
     * each block's ref_count equals the number of live block tables that hold it;
     * free + used + cached-unused = total, and no block is in two of those states;
+      num_used counts the blocks live tables hold, a shared block once;
     * no block is written by two live sequences: each slot written in the step lies in
       exactly one of the writers' block tables (as they were when it was written), and
       in at most one live table now.
@@ -278,6 +279,10 @@ def check_pool(
     assert len(free) == manager.num_free, "a block is on the free list twice"
     assert not (free & cached) and not (used & (free | cached)), "a block is in two states"
     assert len(free) + len(cached) + len(used) == manager.num_blocks, "a block went missing"
+    assert manager.num_used == len(used), (
+        f"num_used is {manager.num_used} where live sequences hold {len(used)} blocks: "
+        "num_used counts blocks, and a block shared by several tables is one block"
+    )
     for block_id in cached:
         assert manager.cached.get(manager.blocks[block_id].hash) == block_id
     for block_id in {slot // manager.kv_block_size for slot in written_slots}:
