@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -27,11 +28,14 @@ import uvicorn
 
 from roseinfer.cli.engine_flags import add_engine_flags, engine_from_flags, speculative_config
 from roseinfer.loading import load_model_and_tokenizer
+from roseinfer.request import grammar_process
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
 from roseinfer.serving.connections import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    DEFAULT_PROXIES,
     QuietResourceErrors,
     bounded_protocol,
 )
@@ -122,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s; keep it below the open-file limit, ulimit -n)",
     )
     p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        help="of them from one client address; a new one past it gets 503 and is closed "
+        "(default: %(default)s; the proxies uvicorn trusts, 127.0.0.1 and ::1 unless "
+        "FORWARDED_ALLOW_IPS says otherwise, are not bounded so; a proxy elsewhere is one "
+        "address: raise it there)",
+    )
+    p.add_argument(
         "--request-head-timeout",
         type=float,
         default=DEFAULT_HEAD_TIMEOUT_S,
@@ -165,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
             raise RoseError(
                 f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}"
             )
-    for flag in ("max_connections", "max_live_watchers", "max_live_watchers_per_client"):
+    for flag in (
+        "max_connections",
+        "max_connections_per_client",
+        "max_live_watchers",
+        "max_live_watchers_per_client",
+    ):
         if getattr(args, flag) < 1:
             raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
@@ -214,7 +232,13 @@ def run(args: argparse.Namespace) -> int:
             root_path=args.root_path,
             # uvicorn's h11 with what its settings lack: a time bound on a request's head
             # and a bound on connections (roseinfer/serving/connections.py).
-            http=bounded_protocol(args.request_head_timeout, args.max_connections),
+            http=bounded_protocol(
+                args.request_head_timeout,
+                args.max_connections,
+                args.max_connections_per_client,
+                # the proxies uvicorn trusts, as it reads them (uvicorn.Config)
+                os.environ.get("FORWARDED_ALLOW_IPS", DEFAULT_PROXIES),
+            ),
         ),
         ready_line=f"[{PROG}] serving {settings.model_name} at {url}/v1 (device {device}, "
         f"{args.dtype})",
@@ -256,6 +280,9 @@ class ReadyServer(uvicorn.Server):
         # client then gets a complete answer (finish_reason "abort", a stream's [DONE]),
         # where uvicorn's own timeout would cancel the handlers mid-response.
         timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.abort_all)
+        # A constraint still compiling would hold its request (and the exit) until its
+        # time bound: its worker is killed now, and the request answered 503.
+        grammar_process.pool.stop()
         try:
             await super().shutdown(sockets)
         finally:

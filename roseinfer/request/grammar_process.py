@@ -4,7 +4,7 @@ worker process, killed when it runs past its time bound.
 The grammar library is native code, and a request chooses its input. A $ref chain or a
 rule chain thousands deep overflows the compiler's stack (a segmentation fault: the
 whole server gone, every request in flight with it), and a schema of ten thousand
-optional properties compiles for a minute, on a thread nothing can stop: it kept a
+optional properties compiles for many seconds, on a thread nothing can stop: it kept a
 compile thread busy long after its request had been refused, and the process could not
 exit until it was done. So every constraint is compiled here first, with the checks
 `structured.first_steps` makes, in a worker process of its own:
@@ -155,6 +155,10 @@ class Worker:
         return self.process.poll() is None
 
 
+class CompilerStopped(RoseError):
+    """The workers were stopped (`Workers.stop`) while this compile waited for one."""
+
+
 class Died(Exception):
     def __init__(self, status: int | None) -> None:
         super().__init__(status)
@@ -193,7 +197,7 @@ class Workers:
             )
         except Died as died:
             if worker.stopped:
-                raise RoseError(STOPPED) from None
+                raise CompilerStopped(STOPPED) from None
             error = (
                 f"the {kind} constraint crashed the grammar compiler ({ending(died.status)}): "
                 "simplify it (rules or $refs nested thousands deep overflow its stack)"
@@ -211,7 +215,7 @@ class Workers:
         with self.free:
             while True:
                 if self.closed:
-                    raise RoseError(STOPPED)
+                    raise CompilerStopped(STOPPED)
                 if self.idle:
                     worker = self.idle.pop()
                     break

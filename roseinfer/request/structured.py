@@ -35,8 +35,9 @@ Three traps closed here, all reported against other engines:
   shortest text that makes it whole (`json_closing`) is forced once it is due
   (`GrammarMatcher.closing_token`).
 * a pathological schema (huge enums, deeply nested $refs, regexes whose automaton
-  explodes): the library's parser limits bound its work, and the compile runs first in
-  a process that can crash or be killed alone, so none stalls the thread that asked.
+  explodes): the library's parser limits bound its work, the compile runs first in a
+  process that can crash or be killed alone, and a step's masks are bounded in time
+  (`fill_masks`), so no request stalls the others.
 
 llguidance is imported on first use (it is the `[structured]` extra): a request without
 structured output never needs it.
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import re
 import threading
 import weakref
@@ -82,6 +84,9 @@ CLOSING_WITHIN = 64
 COMPILE_TIMEOUT_S = 10.0  # a constraint that compiles longer than this is refused
 # Masks checked at compile time along the text a grammar forces before any choice.
 FORCED_STEPS = 16
+# The longest a batch's masks may take in one step (`fill_masks`): a request whose mask
+# takes longer is stopped, so that it does not hold up the others.
+MASK_TIMEOUT_S = 2.0
 CACHE_SIZE = 64  # compiled grammars kept after their last request finished
 
 
@@ -297,6 +302,7 @@ class GrammarMatcher:
         self.matcher = grammar.start.deep_copy()
         self.tokens: list[int] = []  # consumed: its output (and an end-of-text that ended it)
         self.closing: list[int] = []  # the tokens that close its JSON, once they must come
+        self.late = False  # a mask of it ran past MASK_TIMEOUT_S (`fill_masks`)
 
     @property
     def num_tokens(self) -> int:
@@ -339,12 +345,14 @@ class GrammarMatcher:
         advancing it leaves this one, and the request's output, alone."""
         fork = GrammarMatcher.__new__(GrammarMatcher)
         fork.grammar, fork.matcher = self.grammar, self.matcher.deep_copy()
-        fork.tokens, fork.closing = list(self.tokens), []
+        fork.tokens, fork.closing, fork.late = list(self.tokens), [], False
         return fork
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write which tokens may come next into `out`: int32, one bit per token id
         (32 ids a word, the lowest bit first), as wide as the tokenizer's vocabulary."""
+        if self.late:  # (its library state is still in a helper's hands)
+            raise RoseError(self.late_error)
         if self.matcher.is_error():
             raise RoseError(f"the grammar matcher failed: {failure(self.matcher.get_error())}")
         # (the library writes through a raw pointer: the buffer must be what it expects)
@@ -362,6 +370,13 @@ class GrammarMatcher:
             raise RoseError(
                 f"the grammar allows no next token: {failure(self.matcher.get_error())}"
             )
+
+    @property
+    def late_error(self) -> str:
+        return (
+            f"the constraint's mask took longer than {MASK_TIMEOUT_S:g} s to compute: "
+            "the request is stopped so that it does not hold up the others (simplify it)"
+        )
 
     def closing_token(self, tokens_left: int) -> int | None:
         """The token that must come next so that the JSON is closed within `tokens_left`
@@ -422,12 +437,9 @@ def allowed_tokens(
     n_vocab = matchers[0].grammar.n_vocab
     words = (n_vocab + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)
-    for row, m in enumerate(matchers):
-        if m.grammar.n_vocab != n_vocab:
-            raise RoseError("the requests of one batch share one tokenizer")
-        # One row after another: a mask takes microseconds, less than handing the rows
-        # to the library's thread pool costs on a small machine (docs/benchmarks.md).
-        m.fill_bitmask(bits[row])
+    if any(m.grammar.n_vocab != n_vocab for m in matchers):
+        raise RoseError("the requests of one batch share one tokenizer")
+    fill_masks(matchers, bits)
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     allowed = np.zeros((len(matchers), width), dtype=bool)
     known = min(width, n_vocab)
@@ -438,6 +450,78 @@ def allowed_tokens(
             allowed[row] = False
             allowed[row, forced] = True
     return allowed
+
+
+def fill_masks(matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
+    """Each matcher's mask into its row of `bits`, within MASK_TIMEOUT_S.
+
+    A mask usually takes microseconds, but its cost is the grammar's, and a request
+    chooses its grammar: the regex `a{100000}` compiles at once and then takes seconds
+    for every mask, and the engine thread, computing it, held every other request up as
+    long. So the rows are filled one after another on a helper thread (one handoff a
+    step, not one a row: a mask costs less than a handoff), and the caller waits for
+    them at most MASK_TIMEOUT_S. Past it, the matcher being filled is marked late and
+    this raises; the engine then fails that request alone (its other rows are filled
+    again, each by itself) and the others keep their step. The library's call cannot
+    be interrupted: the helper finishes that one mask, then ends, and the next batch
+    gets a new helper. A late matcher raises at once ever after.
+    """
+    helper = getattr(_helpers, "helper", None)
+    if helper is None:
+        helper = _helpers.helper = MaskHelper()
+    job = MaskJob(matchers, bits)
+    helper.jobs.put(job)
+    if not job.done.wait(MASK_TIMEOUT_S):
+        with job.lock:
+            job.abandoned = True
+            row = job.row
+        if not job.done.is_set():
+            _helpers.helper = None  # busy with the late mask until it ends
+            matchers[row].late = True
+            raise RoseError(matchers[row].late_error)
+    if job.error is not None:
+        raise job.error
+
+
+class MaskHelper:
+    """A thread that fills batches of masks (`fill_masks`); one per calling thread, so
+    that one engine's late mask is never another's wait."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[MaskJob] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="grammar-masks", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            job.run()
+            if job.abandoned:
+                return  # given up on: a new helper has the next batch
+
+
+class MaskJob:
+    def __init__(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
+        self.matchers, self.bits = matchers, bits
+        self.row = 0  # the row being filled
+        self.abandoned = False  # the caller stopped waiting: fill no further row
+        self.error: BaseException | None = None
+        self.lock, self.done = threading.Lock(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            for row, matcher in enumerate(self.matchers):
+                with self.lock:
+                    if self.abandoned:
+                        return
+                    self.row = row
+                matcher.fill_bitmask(self.bits[row])
+        except BaseException as err:  # (raised in the caller's thread)
+            self.error = err
+        finally:
+            self.done.set()
+
+
+_helpers = threading.local()
 
 
 def json_closing(text: str) -> str | None:

@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.request import grammar_process
 from roseinfer.serving import live
 from roseinfer.serving.auth import OPEN_PATHS, api_key_check
 from roseinfer.serving.chat_template import ChatTemplate, ChatTemplateFailed
@@ -84,6 +85,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         engine_thread.start()
         yield
         engine_thread.stop()
+        # A constraint still compiling is killed with its worker: the process's exit
+        # never waits on it (roseinfer/request/grammar_process.py).
+        grammar_process.pool.stop()
 
     # The live page's files hold no data (it asks for the key, then sends it): open too.
     key_check = api_key_check(settings.api_key, (*OPEN_PATHS, *live.OPEN_PATHS))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from roseinfer.request.grammar_process import CompilerStopped
 from roseinfer.request.sampling_params import (
     MAX_SEED,
     InvalidParam,
@@ -119,6 +120,8 @@ class RequestChecks:
             else:
                 spec = StructuredOutputs(json=fmt.json_schema.schema_)
             grammar = await asyncio.to_thread(grammar_for, spec, self.tokenizer, self.vocab_size)
+        except CompilerStopped as err:  # the server is stopping
+            raise BadRequest(str(err), param, status=503, code="shutting_down") from None
         except RoseError as err:  # (InvalidParam is one)
             raise BadRequest(str(err), param) from None
         return spec, grammar

@@ -15,7 +15,13 @@ requests, so a connection still holds its descriptor until it sends one).
 * a connection must deliver a whole request head within `head_timeout` seconds of
   opening, or of its previous response ending; otherwise it is closed;
 * past `max_connections` open connections, a new one is answered 503 (in OpenAI's
-  error shape) and closed at once.
+  error shape) and closed at once;
+* past `max_per_client` open connections from one client address, so is a new one from
+  there: one client reopening half-sent heads as fast as they are closed held most of
+  the connections, and `/health` answered others about half the time. The
+  addresses uvicorn trusts as proxies (its `forwarded_allow_ips`: 127.0.0.1 and ::1
+  unless told otherwise) are many clients and are not bounded so; a proxy elsewhere
+  is one address to this bound: raise it there.
 
 When the process does run out of descriptors anyway (a low `ulimit -n`), asyncio logs
 every failed accept with a traceback, thousands a second;
@@ -36,23 +42,46 @@ from roseinfer.serving.errors import error_body
 
 DEFAULT_HEAD_TIMEOUT_S = 10.0  # a request head is a few hundred bytes
 DEFAULT_MAX_CONNECTIONS = 512  # well below the usual 1,024 open files of a process
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64  # from one address (an eighth of the default above)
+DEFAULT_PROXIES = "127.0.0.1,::1"  # uvicorn's default forwarded_allow_ips
 RESOURCE_LOG_INTERVAL_S = 60.0
 
 
-def bounded_protocol(head_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a time bound on request heads and a bound on open
-    connections (pass it as `uvicorn.Config(http=...)`)."""
+def bounded_protocol(
+    head_timeout: float,
+    max_connections: int,
+    max_per_client: int = DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    proxies: str | list[str] = DEFAULT_PROXIES,
+) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a time bound on request heads and bounds on open
+    connections, overall and per client address, the addresses of `proxies` (uvicorn's
+    `forwarded_allow_ips`: a list, or comma-separated) aside (pass it as
+    `uvicorn.Config(http=...)`)."""
+    per_client: dict[str, int] = {}  # open connections by client address
+    names = proxies.split(",") if isinstance(proxies, str) else proxies
+    trusted = {name.strip() for name in names}
 
     class BoundedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
+        counted: str | None = None  # the client address it counts against
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            host = self.client[0] if self.client else None
+            if host in trusted or "*" in trusted:
+                host = None  # a proxy: many clients
             if len(self.connections) > max_connections:
-                transport.write(too_many_connections(max_connections))
-                transport.close()
+                refuse = too_many_connections(max_connections)
+            elif host is not None and per_client.get(host, 0) >= max_per_client:
+                refuse = too_many_connections(max_per_client, per_client=True)
+            else:
+                if host is not None:
+                    self.counted = host
+                    per_client[host] = per_client.get(host, 0) + 1
+                self._wait_for_a_head()
                 return
-            self._wait_for_a_head()
+            transport.write(refuse)
+            transport.close()
 
         def handle_events(self) -> None:
             cycle = self.cycle
@@ -69,6 +98,11 @@ def bounded_protocol(head_timeout: float, max_connections: int) -> type[H11Proto
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
+            if self.counted is not None:
+                per_client[self.counted] -= 1
+                if not per_client[self.counted]:
+                    del per_client[self.counted]
+                self.counted = None
             super().connection_lost(exc)
 
         def _wait_for_a_head(self) -> None:
@@ -83,15 +117,15 @@ def bounded_protocol(head_timeout: float, max_connections: int) -> type[H11Proto
     return BoundedH11Protocol
 
 
-def too_many_connections(max_connections: int) -> bytes:
+def too_many_connections(limit: int, per_client: bool = False) -> bytes:
     """A whole HTTP/1.1 503 response, written before any request was read."""
-    body = json.dumps(
-        error_body(
-            f"the server holds {max_connections} connections already (--max-connections): "
-            "try again later",
-            type="server_error",
-        )
-    ).encode()
+    held = (
+        f"this client holds {limit} connections to the server already "
+        "(--max-connections-per-client): close some, or try again later"
+        if per_client
+        else f"the server holds {limit} connections already (--max-connections): try again later"
+    )
+    body = json.dumps(error_body(held, type="server_error")).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
