@@ -1777,6 +1777,44 @@ def norm_per_micro_batch(model, optimizer, batches, step, cfg):
     )  # fmt: skip
 
 
+@build_mutant("training_step", "train_step")
+def gradients_cleared_first(model, optimizer, batches, step, cfg):
+    # Cleared at the start of the step instead of after it: the same updates, and the
+    # gradients left set on return.
+    optimizer.zero_grad(set_to_none=True)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)  # noqa: F821
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    norm = clip_gradients(model.parameters(), cfg.grad_clip or math.inf)  # noqa: F821
+    optimizer.step()
+    return total, norm
+
+
+@build_mutant("training_step", "clip_gradients")
+def clip_iterates_the_parameters_twice(parameters, max_norm):
+    # Right for a list; a generator (model.parameters()) is empty the second time round.
+    norm = torch.stack([p.grad.norm() for p in parameters if p.grad is not None]).norm().item()
+    if max_norm / (norm + 1e-6) < 1.0:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+@build_mutant("training_step", "parameter_groups")
+def frozen_parameters_grouped(model, weight_decay):
+    params = list(model.parameters())  # those that do not require a gradient too
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 class _AdamReading(reference_training_step.AdamW):
     """The reference's AdamW with each group's settings read through `setting`."""
 

@@ -112,7 +112,10 @@ def learners_run(module: types.ModuleType, cfg: TrainConfig, steps: int = STEPS)
         loss, norm = module.train_step(model, optimizer, stream, step, cfg)
         losses.append(float(loss))
         norms.append(float(norm))
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+    # Gradients left on return: train_step clears them after the optimizer's step.
+    left = [n for n, p in model.named_parameters() if p.grad is not None and bool(p.grad.any())]
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, params, norms, left
 
 
 def training(run: str):
@@ -120,7 +123,7 @@ def training(run: str):
 
     def run_part(module: types.ModuleType) -> None:
         want_losses, want_params, want_norms = roses_run(run)
-        losses, params, norms = learners_run(module, RUNS[run])
+        losses, params, norms, left = learners_run(module, RUNS[run])
         for step, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
             if not abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
                 raise Mismatch(
@@ -138,12 +141,25 @@ def training(run: str):
         for name, want in want_params.items():
             tolerance = PARAM_RTOL * max(1.0, float(want.abs().max()))
             expect_close(f"after {STEPS} steps, {name}", params[name], want, tolerance)
+        if left:
+            raise Mismatch(
+                f"after train_step returns, {left[0]} still has a gradient: the step ends "
+                "with the gradients cleared, after the optimizer's step"
+            )
 
     return run_part
 
 
 def _groups(module: types.ModuleType) -> None:
+    _groups_of(module, fresh_model(), "")
+    # A model with frozen parameters: only those that require a gradient are optimised.
     model = fresh_model()
+    for frozen in (model.transformer.wpe.weight, model.transformer.ln_f.bias):
+        frozen.requires_grad_(False)
+    _groups_of(module, model, "with wpe.weight and ln_f.bias frozen (requires_grad False), ")
+
+
+def _groups_of(module: types.ModuleType, model: GPT, case: str) -> None:
     names = {id(p): name for name, p in model.named_parameters()}
     want = {}
     for group in model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups:
@@ -153,16 +169,23 @@ def _groups(module: types.ModuleType) -> None:
         for p in group["params"]:
             name = names.get(id(p), "a tensor that is no parameter of the model")
             if name in got:
-                raise Mismatch(f"{name} is in two groups (or twice in one)")
+                raise Mismatch(f"{case}{name} is in two groups (or twice in one)")
             got[name] = group.get("weight_decay")
     for name, decay in want.items():
         if name not in got:
-            raise Mismatch(f"{name} is in no group")
+            raise Mismatch(f"{case}{name} is in no group")
         if got[name] != decay:
-            raise Mismatch(f"{name} has weight_decay {got[name]} where rose gives it {decay}")
+            raise Mismatch(f"{case}{name} has weight_decay {got[name]} where rose gives it {decay}")
+    frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
+    for name in frozen:
+        if name in got:
+            raise Mismatch(
+                f"{case}{name} is in a group: it does not require a gradient, and only the "
+                "parameters that require one are optimised (and decayed)"
+            )
     extra = sorted(set(got) - set(want))
     if extra:
-        raise Mismatch(f"{extra[0]} is in a group but is no parameter of the model")
+        raise Mismatch(f"{case}{extra[0]} is in a group but is no parameter of the model")
 
 
 SCHEDULES = (
@@ -232,9 +255,13 @@ def gradients(seed: int, scale: float) -> list[torch.nn.Parameter]:
 def _clipping(module: types.ModuleType) -> None:
     for seed, scale, max_norm in ((0, 1.0, 0.5), (1, 0.1, 5.0), (2, 3.0, math.inf)):
         mine, want = gradients(seed, scale), gradients(seed, scale)
-        norm = module.clip_gradients(mine, max_norm)
+        # Given as a generator, as model.parameters() is: it can be iterated only once.
+        norm = module.clip_gradients((p for p in mine), max_norm)
         want_norm = float(torch.nn.utils.clip_grad_norm_(want, max_norm))
-        case = f"gradients of norm {want_norm:.4g} clipped at {max_norm}"
+        case = (
+            f"gradients of norm {want_norm:.4g} clipped at {max_norm}, the parameters given "
+            "as a generator (as model.parameters() is: it can be iterated only once)"
+        )
         if not math.isclose(float(norm), want_norm, rel_tol=1e-6):
             raise Mismatch(f"{case}: it returns {float(norm):.6g} where {want_norm:.6g} is right")
         for i, (got, right) in enumerate(zip(mine[:3], want[:3], strict=True)):
@@ -249,9 +276,12 @@ def _probe(module: types.ModuleType) -> list[object]:
         for p in group["params"]
     ]
     rates = [module.learning_rate(step, ONE_MICRO_BATCH) for step in range(STEPS + 1)]
-    losses, params, norms = learners_run(module, ACCUMULATED, steps=6)
+    losses, params, norms, _ = learners_run(module, ACCUMULATED, steps=6)
     adam = adam_run(module.AdamW, steps=2)
-    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms]
+    clipped = gradients(0, 1.0)
+    module.clip_gradients((p for p in clipped), 0.5)  # a generator, as model.parameters()
+    clipped = [p.grad for p in clipped[:3]]
+    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms, clipped]
 
 
 TRAINING_STEP = Build(
