@@ -69,6 +69,25 @@ MUTANTS: dict[str, list[tuple[str, tuple[tuple[str, str], ...]]]] = {
         ),
         ("query_blind_to_itself", (("device=x.device).tril()", "device=x.device).tril(-1)"),)),
         ("relu", (('F.gelu(self.c_fc(x), approximate="tanh")', "F.relu(self.c_fc(x))"),)),
+        (
+            "layer_norm_eps_1e_6",
+            tuple(
+                (
+                    f"{ln}nn.LayerNorm(config.n_embd, bias",
+                    f"{ln}nn.LayerNorm(config.n_embd, eps=1e-6, bias",
+                )
+                for ln in ("self.ln_1 = ", "self.ln_2 = ", "ln_f=")
+            ),
+        ),
+        (
+            "final_layer_norm_eps_1e_6",
+            (
+                (
+                    "ln_f=nn.LayerNorm(config.n_embd, bias",
+                    "ln_f=nn.LayerNorm(config.n_embd, eps=1e-6, bias",
+                ),
+            ),
+        ),
     ],
     "cached_loop": [
         (
@@ -799,6 +818,10 @@ def test_stub_fails_every_part_in_one_line(build: Build, tmp_path: Path, capsys)
     assert len(lines) == len(build.parts)
     for line, part in zip(lines, build.parts, strict=True):
         assert line.startswith(f"{build.name}/{part.name}: FAILED: not written yet"), line
+    # `rose-course` tells an untouched stub from its source (course.unwritten), without
+    # running it: its lines are the ones the parts print when they run the stub.
+    ran = check_build(build, module_from_source(stub, f"stub_{build.name}"))
+    assert lines == [str(result) for result in ran]
 
 
 def test_list_shows_builds_apart_and_check_grades_one_by_name(tmp_path: Path, capsys) -> None:

@@ -4,7 +4,8 @@ Contract: rosecourse/solutions/build_model.py (its docstrings are the stub). Eac
 loads rose's weights into the learner's module (strict: the names and shapes must be
 rose's) and compares what it computes with rose's own module on the same input:
 attention, MLP and block on hidden states of lengths 1, 7 and block_size, the whole
-model's logits on batches of those lengths (with and without biases), the logits in
+model's logits on batches of those lengths (with and without biases, and with rose's
+own small initialisation, where LayerNorm's eps shows), the logits in
 train mode (the model runs without dropout: train mode computes what eval mode does),
 and every parameter's gradient after a cross-entropy loss, in train mode as a trainer
 takes it. Logits and hidden states are held to
@@ -95,16 +96,25 @@ def _weights(module: types.ModuleType) -> None:
         loaded(module.GPT, rose_model(config), config)
 
 
+def default_model() -> rose.GPT:
+    """rose's GPT as it initialises itself (std 0.02): small activations, where a
+    LayerNorm's eps shows."""
+    torch.manual_seed(0)
+    return rose.GPT(CONFIG)
+
+
 def _logits(module: types.ModuleType) -> None:
-    for config in (CONFIG, NO_BIAS):
-        reference = rose_model(config)
+    models = [(rose_model(config), config, "") for config in (CONFIG, NO_BIAS)]
+    small = " of rose's default-initialised GPT (small activations: LayerNorm's eps, 1e-5, shows)"
+    models.append((default_model(), CONFIG, small))
+    for reference, config, which in models:
         mine = loaded(module.GPT, reference, config)
         with torch.no_grad():
             for seed, (batch, time) in enumerate(SHAPES):
                 idx = token_ids(batch, time, seed, config)
                 want = reference(idx).logits
                 bias = "" if config.bias else " without biases"
-                what = f"logits of a ({batch}, {time}) batch{bias}"
+                what = f"logits of a ({batch}, {time}) batch{bias}{which}"
                 expect_close(what, mine(idx), want, logit_tolerance(want))
 
 

@@ -5,7 +5,7 @@ Four modules, each an `nn.Module`, whose parameters carry rose's names and shape
 `load_state_dict(strict=True)` and the two compute the same function. Create no other
 parameters and no buffers (a mask you keep must be registered with `persistent=False`,
 or built in `forward`). Every Linear and LayerNorm has a bias exactly when
-`config.bias` is True; the model runs without dropout (`config.dropout` is 0 here), in
+`config.bias` is True; every LayerNorm is `nn.LayerNorm`'s, eps 1e-5 (GPT-2's); the model runs without dropout (`config.dropout` is 0 here), in
 train mode as in eval mode.
 `config` is a `rosetrainer.config.GPTConfig`; read only vocab_size, block_size,
 n_layer, n_head, n_embd and bias.
