@@ -28,6 +28,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rosetrainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, RoseError, os_cause
 
@@ -37,19 +38,35 @@ PROG = "rose-course"
 DEFAULT_TIMEOUT = 60.0
 
 
+# The longest --timeout: a week, within what the runner's waits take (select(2) and
+# the like refuse a timeout past about 24.8 days: an OverflowError).
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
 def seconds(text: str) -> float:
-    """argparse type: a positive, finite number of seconds."""
+    """argparse type: a positive number of seconds, at most MAX_TIMEOUT."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise argparse.ArgumentTypeError(
+            f"not a positive number of seconds up to {MAX_TIMEOUT:.0f} (a week): {text!r}"
+        )
     return value
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `rose-course: error: ...` line (exit code 2) like
+    every other mistake, not a usage line and then the error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=PROG,
         description="rose's course: write each chapter's piece, and check it against the oracle.",
     )

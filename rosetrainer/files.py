@@ -15,6 +15,7 @@ save (its process is gone) from one being written right now, and remove it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -161,9 +162,9 @@ def refuse_overlap(path: Path, source: Path) -> None:
     inside it (symbolic links followed: another name for the same place is the place).
     A source that is a link counts twice, as the link (replacing the folder that holds
     the link deletes whatever else that folder holds) and as what it leads to."""
-    out = path.resolve()
-    as_named = source.absolute().parent.resolve() / source.absolute().name
-    for keep in dict.fromkeys([as_named, source.resolve()]):
+    out = _resolved(path)
+    as_named = _resolved(source.absolute().parent) / source.absolute().name
+    for keep in dict.fromkeys([as_named, _resolved(source)]):
         if out == keep or out in keep.parents:
             what = "is" if out == keep else "holds"
             raise RoseError(
@@ -172,6 +173,21 @@ def refuse_overlap(path: Path, source: Path) -> None:
             )
         if keep in out.parents:
             raise RoseError(f"{path} is inside {source}, which it is made from; write elsewhere")
+
+
+def _resolved(path: Path) -> Path:
+    """`path` with every symbolic link followed; a chain of links that comes back to
+    itself is a RoseError naming the path (Python raises RuntimeError or, from 3.13,
+    OSError)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as err:
+        if isinstance(err, OSError) and err.errno != errno.ELOOP:
+            raise RoseError(os_error_line(err, path, "read")) from None
+        raise RoseError(
+            f"{path}: its symbolic links lead back to themselves (a loop): "
+            "point it at a real file or folder"
+        ) from None
 
 
 def _replace_directory(new: Path, path: Path) -> None:

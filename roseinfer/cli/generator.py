@@ -49,13 +49,16 @@ from roseinfer.request.structured import grammar_for
 from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
 from roseinfer.speculative.verify import SpeculativeStats
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError
+from rosetrainer.errors import RoseError, os_cause
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype
 from rosetrainer.tokenizer import Tokenizer
 
 STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
 DEFAULT_BATCH_SIZE = 32
+# The longest --json-schema or --grammar file read (the server takes a whole request
+# body of 1 MiB by default).
+MAX_CONSTRAINT_BYTES = 16 << 20
 
 Say = Callable[[str, object], None]  # one status line: what, value
 OnDone = Callable[[int, GenerationResult], None]  # a prompt's index in its batch, its result
@@ -258,10 +261,24 @@ def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
 
 
 def read_text(path: str, flag: str) -> str:
+    """A constraint's file, read only as far as MAX_CONSTRAINT_BYTES (a device such as
+    /dev/zero never ends), as UTF-8 text."""
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise RoseError(f"{flag}: cannot read {path}: {err.strerror or err}") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONSTRAINT_BYTES + 1)
+    except OSError as err:
+        raise RoseError(f"{flag}: cannot read {path}: {os_cause(err)}") from None
+    if len(raw) > MAX_CONSTRAINT_BYTES:
+        raise RoseError(
+            f"{flag}: {path} is larger than {MAX_CONSTRAINT_BYTES >> 20} MiB: "
+            "no schema or grammar is this long"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RoseError(
+            f"{flag}: {path} is not UTF-8 text (byte {raw[err.start]:#04x} at {err.start})"
+        ) from None
 
 
 def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:

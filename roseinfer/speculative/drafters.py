@@ -297,7 +297,8 @@ class SpeculativeConfig:
         if method == "ngram":
             return cls(k, "ngram", ngram_min=ngram_min, ngram_max=ngram_max)
         name, _, layers = method.partition(":")
-        if name != "self" or not layers.isdigit():
+        # (ASCII digits: str.isdigit also takes "²", which int() does not read)
+        if name != "self" or not (layers.isascii() and layers.isdigit()):
             raise RoseError(
                 f"--speculative-method is ngram or self:N (the target's first N layers), got {method!r}"
             )

@@ -1,0 +1,120 @@
+"""The command-line tools against hostile input (issue 43, item 13): each case was a
+traceback, a crash or a read without end; each is one line on stderr and exit code 2.
+
+The tools run in this process through their `main(argv)` (the same `run_cli` wrapper a
+user's command goes through), except where a case could kill the process it runs in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serving import write_test_checkpoint
+
+from rosecourse import cli as course_cli
+from roseinfer.cli import export_hf as cli_export_hf
+from roseinfer.cli import generate as cli_generate
+from roseinfer.cli import serve as cli_serve
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli-hostile") / "tiny.pt"
+    write_test_checkpoint(path)
+    return path
+
+
+def one_line_exit_2(capsys: pytest.CaptureFixture, main, argv: list[str], *says: str) -> str:
+    try:
+        code = main([str(arg) for arg in argv])
+    except SystemExit as exit:  # (argparse's exit, where a parser reports the mistake)
+        code = exit.code
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert all(s in err for s in says), err
+    return err
+
+
+def loop(tmp_path: Path) -> Path:
+    """A symbolic link that leads to itself through another."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    return tmp_path / "a"
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ('{"type":"array","items":' * 5_000 + "{}" + "}" * 5_000, "nested too deeply"),
+        ('{"type": "integer", "maximum": ' + "9" * 5_000 + "}", "integer longer than"),
+        (b'{"description": "caf\xe9"}', "not UTF-8"),
+    ],
+    ids=["deep", "long-integer", "latin-1"],
+)
+def test_a_json_schema_file_it_cannot_read_is_one_line(
+    capsys: pytest.CaptureFixture,
+    checkpoint: Path,
+    tmp_path: Path,
+    content: str | bytes,
+    says: str,
+) -> None:
+    schema = tmp_path / "schema.json"
+    if isinstance(content, bytes):
+        schema.write_bytes(content)
+    else:
+        schema.write_text(content)
+    argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", "--json-schema", schema]
+    one_line_exit_2(capsys, cli_generate.main, argv, says)
+
+
+def test_a_json_schema_from_a_file_without_end_is_refused(
+    capsys: pytest.CaptureFixture, checkpoint: Path
+) -> None:
+    """/dev/zero never ends: it is read only as far as a schema may be long."""
+    argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", "--json-schema", "/dev/zero"]
+    one_line_exit_2(capsys, cli_generate.main, argv, "/dev/zero", "larger than")
+
+
+def test_a_regex_that_is_not_utf8_is_one_line(
+    capsys: pytest.CaptureFixture, checkpoint: Path
+) -> None:
+    # (Python reads a command line's byte 0xff, not UTF-8, as the surrogate U+DCFF)
+    regex = b"\xff".decode("utf-8", "surrogateescape")
+    argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", "--regex", regex]
+    one_line_exit_2(capsys, cli_generate.main, argv, "not a character")
+
+
+@pytest.mark.parametrize("main", [cli_generate.main, cli_serve.main], ids=["generate", "serve"])
+def test_a_speculative_method_with_a_digit_int_cannot_read_is_one_line(
+    capsys: pytest.CaptureFixture, checkpoint: Path, main
+) -> None:
+    """'²' is a digit to str.isdigit, not to int()."""
+    argv = ["--checkpoint-path", checkpoint, "--speculative-method", "self:²",
+            "--num-speculative-tokens", "2"]  # fmt: skip
+    one_line_exit_2(capsys, main, argv, "self:N", "'self:²'")
+
+
+@pytest.mark.parametrize("which", ["out", "checkpoint"])
+def test_export_with_a_symlink_loop_is_one_line(
+    capsys: pytest.CaptureFixture, checkpoint: Path, tmp_path: Path, which: str
+) -> None:
+    looping = loop(tmp_path)
+    argv = (
+        ["--checkpoint-path", checkpoint, "--out", looping]
+        if which == "out"
+        else ["--checkpoint-path", looping, "--out", tmp_path / "hf"]
+    )
+    one_line_exit_2(capsys, cli_export_hf.main, argv, str(looping), "loop")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_course_check_with_a_timeout_past_what_a_wait_takes_is_one_line(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """3,000,000 s is past what select(2) waits (an OverflowError in the runner)."""
+    argv = ["check", "01", "--dir", tmp_path, "--timeout", "3e6"]
+    one_line_exit_2(capsys, course_cli.main, argv, "--timeout", "3e6")
