@@ -102,10 +102,10 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 def lessons(source: Path = COURSE) -> list[tuple[str, str, str]]:
     """(chapter, name, task) of each lesson `rose-course` grades, read from its source.
 
-    Read, not imported: importing rosecourse.course imports every check and build, which
-    need the course's own dependencies (hypothesis, llguidance, ...) and tiktoken's files,
-    none of which the site's venv (`pip install -e ".[docs]"`) holds. The table is the
-    literal `LESSONS = [Lesson("02", "concat_kv", "keep the past ...", check), ...]`;
+    Read, not imported: the site's venv (`pip install -e ".[docs]"`) need not hold what
+    rose's packages import, and the checks need the course's own dependencies
+    (hypothesis, llguidance, ...) and tiktoken's files. The table is the literal
+    `LESSONS = [Lesson("02", "concat_kv", "keep the past ..."), ...]`;
     tests/test_site_hooks.py holds what is read here to what the module holds.
     """
     tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
@@ -125,7 +125,7 @@ def lessons(source: Path = COURSE) -> list[tuple[str, str, str]]:
         ):
             raise ValueError(
                 f"{source}:{entry.lineno}: the site reads each lesson as "
-                'Lesson("NN", "name", "task", check) with three string literals first'
+                'Lesson("NN", "name", "task") with three string literals first'
             )
         table.append(tuple(field.value for field in fields))
     return table

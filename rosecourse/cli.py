@@ -7,9 +7,11 @@
     rose-course check BUILD [--dir DIR] grade a build's file, one line per part (model, ...)
     rose-course check all [--dir DIR]   grade every chapter's and build's file, then a table
 
-A check swaps the learner's function in for the real piece, runs the real system on a
-small seeded model and compares it with the oracle (rosecourse/exercises/). Its
-verdict is one line: the first step that differs and, for a known mistake, which one.
+A file that is still the untouched stub is "not written yet" at once: read, not run, and
+no torch loaded. A check swaps the learner's function in for the real piece, runs the
+real system on a small seeded model and compares it with the oracle
+(rosecourse/exercises/). Its verdict is one line: the first step that differs and, for a
+known mistake, which one.
 A build (rosecourse/builds/) is one of rose's main pieces written whole; its check runs
 each part of it beside rose's own and prints a line per part.
 Each check runs in a fresh process with a time limit (rosecourse/runner.py): code that
@@ -93,22 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: `rose-course --help` and bad arguments answer without loading torch.
-    from rosecourse.course import BUILDS, LESSONS, CourseError, find, key, write_workspace
-    from rosecourse.runner import grade_in_child, protect_grader
+    # Imported here: `rose-course --help` and bad arguments answer without loading torch;
+    # so do `start` and a check of an untouched stub (rosecourse.course loads no check).
+    from rosecourse import course
+    from rosecourse.course import BUILD_NAMES, LESSONS, CourseError
 
     if args.command == "list":
         for chosen in LESSONS:
             print(f"{chosen.chapter}  {chosen.file_name:<30} {chosen.task}")
         print(f"\nbuilds: rose's main pieces, written whole ({PROG} check NAME)")
-        for build in BUILDS:
+        for build in map(course.build, BUILD_NAMES):
             where = f"chapter{'s' * ('-' in build.chapters)} {build.chapters}"
             print(f"{build.name:<15} {build.file_name:<26} {where:<15} {build.task}")
         return 0
     if args.command == "start":
-        written, kept = write_workspace(args.dir, args.solutions)
+        written, kept = course.write_workspace(args.dir, args.solutions)
         kind = "reference solutions" if args.solutions else "stubs"
-        there = len(LESSONS) + len(BUILDS) - len(written) - len(kept)
+        there = len(LESSONS) + len(BUILD_NAMES) - len(written) - len(kept)
         print(
             f"wrote {len(written)} {kind} in {args.dir}"
             + (f", {there} there already" if there else "")
@@ -118,25 +121,40 @@ def run(args: argparse.Namespace) -> int:
         if not args.solutions:
             print(f"next: write one, then `{PROG} check NN (or a build) --dir {args.dir}`")
         return 0
-    chosen = [*LESSONS, *BUILDS] if args.chapter == "all" else [find(args.chapter)]
+    names = course.check_names() if args.chapter == "all" else [course.check_name(args.chapter)]
     if not args.dir.is_dir():
         raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
-    # One after the other, each in processes of its own: one chapter's code cannot stop,
-    # stall or change the grading of the next, nor reach this process's memory.
-    protect_grader()
-    passed = {key(c): grade_in_child(c, args.dir, args.timeout) for c in chosen}
-    if len(chosen) > 1:
-        width = max(len(c.file_name) for c in chosen)
+    passed = {name: check(name, args.dir, args.timeout) for name in names}
+    if len(names) > 1:
+        files = {name: course.file_name(name) for name in names}
+        width = max(map(len, files.values()))
         print(f"\n{'check':<13}  {'file':<{width}}  verdict")
-        for c in chosen:
-            verdict = "passed" if passed[key(c)] else "FAILED"
-            print(f"{key(c):<13}  {c.file_name:<{width}}  {verdict}")
+        for name in names:
+            verdict = "passed" if passed[name] else "FAILED"
+            print(f"{name:<13}  {files[name]:<{width}}  {verdict}")
         failed = [name for name, ok in passed.items() if not ok]
         print(
-            f"{len(chosen) - len(failed)}/{len(chosen)} passed"
+            f"{len(names) - len(failed)}/{len(names)} passed"
             + (f"; failing: {' '.join(failed)}" if failed else "")
         )
     return 0 if all(passed.values()) else 1
+
+
+def check(name: str, directory: Path, timeout: float) -> bool:
+    """Grade check `name`'s file in `directory`; whether it passed. An untouched stub is
+    answered at once, from its source (`course.unwritten`: no torch, no process); anything
+    else in processes of its own, one check after the other, so that one chapter's code
+    cannot stop, stall or change the grading of the next, nor reach this process's memory."""
+    from rosecourse import course
+
+    lines = course.unwritten(name, directory)
+    if lines is not None:
+        print("\n".join(lines))
+        return False
+    from rosecourse.runner import grade_in_child, protect_grader
+
+    protect_grader()
+    return grade_in_child(course.find(name), directory, timeout)
 
 
 def os_error_line(error: OSError) -> str:

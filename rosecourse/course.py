@@ -8,7 +8,9 @@ contract. A build (rosecourse/builds/) is one of rose's main pieces written whol
 solution (`build_name.py`) holds classes and functions, and its stub keeps every one of
 them with its body cut off after the docstring. `rose-course` (rosecourse/cli.py)
 writes the stubs into a workspace and grades the files there with the lesson's check,
-or the build's parts, each in a process of its own (rosecourse/runner.py).
+or the build's parts, each in a process of its own (rosecourse/runner.py). A file that
+is still the untouched stub is told "not written yet" from its source (`unwritten`), at
+once: this module imports neither torch nor any check until one is asked for.
 """
 
 from __future__ import annotations
@@ -17,44 +19,22 @@ import ast
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from rosecourse.builds.block_manager import BLOCK_MANAGER
-from rosecourse.builds.cached_loop import CACHED_LOOP
-from rosecourse.builds.grading import Build, check_build
-from rosecourse.builds.model import MODEL
-from rosecourse.builds.training_step import TRAINING_STEP
-from rosecourse.builds.verify import VERIFY
-from rosecourse.exercises import (
-    ch00_causal_attention,
-    ch01_greedy_decode,
-    ch02_concat_kv,
-    ch03_causal_mask,
-    ch04_position_ids,
-    ch05_top_p_filter,
-    ch06_static_update,
-    ch07_padded_position_ids,
-    ch08_mask_slice,
-    ch09_window_start,
-    ch10_decode_read_bytes,
-    ch11_slot_mapping,
-    ch12_schedule,
-    ch13_cached_prefix,
-    ch14_held_back,
-    ch15_export_prepare,
-    ch16_stage_forward,
-    ch17_quantize,
-    ch18_rolling_slot,
-    ch20_choice_mask,
-)
-from rosecourse.exercises.common import CheckResult
 from rosetrainer.errors import RoseError, one_line
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
+
+if TYPE_CHECKING:
+    from rosecourse.builds.grading import Build
+    from rosecourse.exercises.common import CheckResult
+
+# The reference solutions, read as text (a stub is made from one without importing it).
+SOLUTIONS = Path(__file__).parent / "solutions"
 
 
 class CourseError(RoseError):
@@ -66,11 +46,17 @@ class Lesson:
     chapter: str  # "02"
     name: str  # the function to write, and the solution module's suffix
     task: str  # one line: what to write
-    check: Callable[[Callable], CheckResult]
 
     @property
     def file_name(self) -> str:
         return f"ch{self.chapter}_{self.name}.py"
+
+    @property
+    def check(self) -> Callable[[Callable], CheckResult]:
+        """The chapter's check, `check_NAME` of rosecourse/exercises/chNN_NAME.py (imported
+        here, when first asked for)."""
+        module = importlib.import_module(f"rosecourse.exercises.ch{self.chapter}_{self.name}")
+        return getattr(module, f"check_{self.name}")
 
     def solution_module(self) -> ModuleType:
         return importlib.import_module(f"rosecourse.solutions.ch{self.chapter}_{self.name}")
@@ -80,117 +66,51 @@ class Lesson:
 
 
 LESSONS = [
-    Lesson(
-        "00",
-        "causal_attention",
-        "the causal self-attention of a training step",
-        ch00_causal_attention.check_causal_attention,
-    ),
-    Lesson(
-        "01", "greedy_decode", "the uncached greedy loop", ch01_greedy_decode.check_greedy_decode
-    ),
-    Lesson(
-        "02", "concat_kv", "keep the past keys/values, add the new", ch02_concat_kv.check_concat_kv
-    ),
-    Lesson(
-        "03",
-        "causal_mask",
-        "the causal mask of a call with a past",
-        ch03_causal_mask.check_causal_mask,
-    ),
-    Lesson(
-        "04",
-        "position_ids",
-        "the positions of new tokens after a past",
-        ch04_position_ids.check_position_ids,
-    ),
-    Lesson("05", "top_p_filter", "nucleus (top-p) filtering", ch05_top_p_filter.check_top_p_filter),
-    Lesson(
-        "06",
-        "static_update",
-        "the static cache's in-place write",
-        ch06_static_update.check_static_update,
-    ),
-    Lesson(
-        "07",
-        "padded_position_ids",
-        "per-row positions of a left-padded batch",
-        ch07_padded_position_ids.check_padded_position_ids,
-    ),
-    Lesson(
-        "08", "mask_slice", "a chunk's rows of a precomputed mask", ch08_mask_slice.check_mask_slice
-    ),
-    Lesson(
-        "09",
-        "window_start",
-        "the window policy past the context",
-        ch09_window_start.check_window_start,
-    ),
-    Lesson(
-        "10",
-        "decode_read_bytes",
-        "the bytes one decode step must read",
-        ch10_decode_read_bytes.check_decode_read_bytes,
-    ),
-    Lesson(
-        "11",
-        "slot_mapping",
-        "each token's slot in the paged pool",
-        ch11_slot_mapping.check_slot_mapping,
-    ),
-    Lesson(
-        "12",
-        "schedule",
-        "the scheduler's decision for one step",
-        ch12_schedule.check_schedule,
-    ),
-    Lesson(
-        "13",
-        "cached_prefix",
-        "the prefix cache's lookup by chained block hash",
-        ch13_cached_prefix.check_cached_prefix,
-    ),
-    Lesson(
-        "14",
-        "held_back",
-        "the stream's stop-string hold-back",
-        ch14_held_back.check_held_back,
-    ),
-    Lesson(
-        "15",
-        "export_prepare",
-        "the exported graph's positions and mask, shapes kept symbolic",
-        ch15_export_prepare.check_export_prepare,
-    ),
-    Lesson(
-        "16",
-        "stage_forward",
-        "one pipeline stage's share of a model call",
-        ch16_stage_forward.check_stage_forward,
-    ),
-    Lesson(
-        "17",
-        "quantize",
-        "group quantization (keys per channel, values per token)",
-        ch17_quantize.check_quantize,
-    ),
+    Lesson("00", "causal_attention", "the causal self-attention of a training step"),
+    Lesson("01", "greedy_decode", "the uncached greedy loop"),
+    Lesson("02", "concat_kv", "keep the past keys/values, add the new"),
+    Lesson("03", "causal_mask", "the causal mask of a call with a past"),
+    Lesson("04", "position_ids", "the positions of new tokens after a past"),
+    Lesson("05", "top_p_filter", "nucleus (top-p) filtering"),
+    Lesson("06", "static_update", "the static cache's in-place write"),
+    Lesson("07", "padded_position_ids", "per-row positions of a left-padded batch"),
+    Lesson("08", "mask_slice", "a chunk's rows of a precomputed mask"),
+    Lesson("09", "window_start", "the window policy past the context"),
+    Lesson("10", "decode_read_bytes", "the bytes one decode step must read"),
+    Lesson("11", "slot_mapping", "each token's slot in the paged pool"),
+    Lesson("12", "schedule", "the scheduler's decision for one step"),
+    Lesson("13", "cached_prefix", "the prefix cache's lookup by chained block hash"),
+    Lesson("14", "held_back", "the stream's stop-string hold-back"),
+    Lesson("15", "export_prepare", "the exported graph's positions and mask, shapes kept symbolic"),
+    Lesson("16", "stage_forward", "one pipeline stage's share of a model call"),
+    Lesson("17", "quantize", "group quantization (keys per channel, values per token)"),
     Lesson(
         "18",
         "rolling_slot",
         "the rolling cache's slot for each position (sinks kept, the window modulo W)",
-        ch18_rolling_slot.check_rolling_slot,
     ),
-    Lesson(
-        "20",
-        "choice_mask",
-        "the allowed-token mask of a choice constraint",
-        ch20_choice_mask.check_choice_mask,
-    ),
+    Lesson("20", "choice_mask", "the allowed-token mask of a choice constraint"),
 ]
 
 
-# Rose's main pieces, written whole (rosecourse/builds/), in the order the chapters meet them.
-BUILDS: list[Build] = [MODEL, TRAINING_STEP, CACHED_LOOP, BLOCK_MANAGER, VERIFY]
+# Rose's main pieces, written whole, in the order the chapters meet them: each is the Build
+# NAME.upper() of rosecourse/builds/NAME.py, imported when first asked for (`BUILDS`).
+BUILD_NAMES = ("model", "training_step", "cached_loop", "block_manager", "verify")
+
+
+def build(name: str) -> Build:
+    """The build called `name` (one of BUILD_NAMES), imported (with torch) on first use."""
+    return getattr(importlib.import_module(f"rosecourse.builds.{name}"), name.upper())
+
+
+def __getattr__(attribute: str) -> object:
+    """`BUILDS`, the Build of each name in BUILD_NAMES, made on first use: importing this
+    module loads neither torch nor any build."""
+    if attribute == "BUILDS":
+        builds = [build(name) for name in BUILD_NAMES]
+        globals()["BUILDS"] = builds  # the next lookup finds it as a plain attribute
+        return builds
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
 
 
 def lesson(chapter: str) -> Lesson:
@@ -201,7 +121,7 @@ def lesson(chapter: str) -> Lesson:
         if candidate.chapter == number:
             return candidate
     chapters = ", ".join(c.chapter for c in LESSONS)
-    builds = ", ".join(b.name for b in BUILDS)
+    builds = ", ".join(BUILD_NAMES)
     raise CourseError(
         f"no exercise for chapter {chapter!r}: choose one of {chapters}, a build ({builds}), or all"
     )
@@ -209,21 +129,38 @@ def lesson(chapter: str) -> Lesson:
 
 def key(chosen: Lesson | Build) -> str:
     """What `rose-course check` calls it: a chapter exercise's number, a build's name."""
-    return chosen.name if isinstance(chosen, Build) else chosen.chapter
+    return chosen.chapter if isinstance(chosen, Lesson) else chosen.name
 
 
-def find(name: str) -> Lesson | Build:
-    """A build by its name ("model"), or the lesson of a chapter number ("2", "02")."""
-    for build in BUILDS:
-        if build.name == name:
-            return build
+def check_name(name: str) -> str:
+    """What `rose-course check` calls the build or chapter `name` names ("2" is "02"), or
+    a CourseError saying what to choose; nothing is imported."""
+    if name in BUILD_NAMES:
+        return name
     if not (name.isascii() and name.isdigit()):
-        builds = ", ".join(b.name for b in BUILDS)
+        builds = ", ".join(BUILD_NAMES)
         raise CourseError(
             f"no build or chapter called {name!r}: choose a build ({builds}), a chapter's "
             "number (as `rose-course list` shows), or all"
         )
-    return lesson(name)
+    return lesson(name).chapter
+
+
+def check_names() -> list[str]:
+    """Every check `rose-course check all` runs, in its order: the chapters', then the
+    builds'."""
+    return [*(c.chapter for c in LESSONS), *BUILD_NAMES]
+
+
+def find(name: str) -> Lesson | Build:
+    """A build by its name ("model"), or the lesson of a chapter number ("2", "02")."""
+    name = check_name(name)
+    return build(name) if name in BUILD_NAMES else lesson(name)
+
+
+def file_name(name: str) -> str:
+    """The workspace file of the check `check_name` calls `name`."""
+    return f"build_{name}.py" if name in BUILD_NAMES else lesson(name).file_name
 
 
 # ---------------------------------------------------------------------------
@@ -231,11 +168,19 @@ def find(name: str) -> Lesson | Build:
 # ---------------------------------------------------------------------------
 
 
-def stub_source(chosen: Lesson | Build) -> str:
+def solution_source(chosen: Lesson | Build | str) -> str:
+    """The text of the reference solution of `chosen` (or of the workspace file named
+    `chosen`), read from rosecourse/solutions/ without importing it."""
+    name = chosen if isinstance(chosen, str) else chosen.file_name
+    return (SOLUTIONS / name).read_text(encoding="utf-8")
+
+
+def stub_source(chosen: Lesson | Build | str) -> str:
     """The learner's starting file: the solution module with the body of every function
     and method cut off after its docstring (the signature and the contract stay), each
     raising NotImplementedError; everything else (imports, constants) as it is."""
-    source = inspect.getsource(chosen.solution_module())
+    name = chosen if isinstance(chosen, str) else chosen.file_name
+    source = solution_source(name)
     lines = source.splitlines()
     cuts = []  # (first line, last line, indent, name) of each body, 1-based
     nodes = [(node, "") for node in ast.parse(source).body]
@@ -246,13 +191,114 @@ def stub_source(chosen: Lesson | Build) -> str:
         elif isinstance(node, ast.FunctionDef):
             contract = node.body[0]
             assert isinstance(contract, ast.Expr) and isinstance(contract.value, ast.Constant), (
-                f"{chosen.file_name}: {owner}{node.name} has no contract docstring"
+                f"{name}: {owner}{node.name} has no contract docstring"
             )
             indent = " " * contract.col_offset
             cuts.append((contract.end_lineno + 1, node.end_lineno, indent, owner + node.name))
-    for first, last, indent, name in sorted(cuts, reverse=True):
-        lines[first - 1 : last] = [f'{indent}raise NotImplementedError("write {name}")']
+    for first, last, indent, function in sorted(cuts, reverse=True):
+        lines[first - 1 : last] = [f'{indent}raise NotImplementedError("write {function}")']
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# A stub nobody has touched: its verdict, read from its source, without running anything
+# ---------------------------------------------------------------------------
+
+# Each build's parts, in order, with the stub function each part meets first (the
+# NotImplementedError its untouched stub raises there): what `check_build` prints for the
+# stub, said without importing torch. tests/test_course.py holds it to those lines.
+UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "model": (
+        ("weights", "GPT.__init__"),
+        ("attention", "CausalSelfAttention.__init__"),
+        ("mlp", "MLP.__init__"),
+        ("block", "Block.__init__"),
+        ("logits", "GPT.__init__"),
+        ("train mode", "GPT.__init__"),
+        ("gradients, in train mode", "GPT.__init__"),
+    ),
+    "training_step": (
+        ("AdamW", "AdamW.__init__"),
+        ("parameter groups", "parameter_groups"),
+        ("learning rate", "learning_rate"),
+        ("clipping", "clip_gradients"),
+        ("20 steps, one micro-batch each", "make_optimizer"),
+        ("20 steps, 3 micro-batches each, clipped", "make_optimizer"),
+    ),
+    "cached_loop": (
+        ("layer update", "StaticLayer.__init__"),
+        ("cache, one row", "StaticCache.__init__"),
+        ("cache, ragged batch of 3", "StaticCache.__init__"),
+        ("cache, prefill in chunks of 3", "StaticCache.__init__"),
+        ("cache, prefill a token a call", "StaticCache.__init__"),
+        ("cache, bfloat16 model", "StaticCache.__init__"),
+        ("cache memory", "StaticCache.__init__"),
+        ("loop, one row", "generate_cached"),
+        ("loop, ragged batch of 3", "generate_cached"),
+        ("loop, prefill in chunks of 3", "generate_cached"),
+        ("loop, prefill a token a call", "generate_cached"),
+        ("loop, prefill_chunk past the prompts", "generate_cached"),
+    ),
+    "block_manager": (
+        ("chain hash", "chain_hash"),
+        ("bookkeeping", "BlockManager.__init__"),
+        ("engine, shared prefixes", "BlockManager.__init__"),
+        ("engine, a short pool", "BlockManager.__init__"),
+        ("engine, random schedules", "BlockManager.__init__"),
+    ),
+    "verify": (
+        ("cache, a pass of k + 1 after a past", "RollbackCache.__init__"),
+        ("cache, rollback", "RollbackCache.__init__"),
+        ("greedy, prompt lookup, k = 1..8", "verify_greedy"),
+        ("greedy, self-draft on a static cache, k = 1..8", "verify_greedy"),
+        ("greedy, the cache's length after every call", "verify_greedy"),
+        ("greedy, the run past a rejection", "verify_greedy"),
+        ("sampled rule", "accept_or_resample"),
+        ("sampled rule, its generator", "accept_or_resample"),
+        ("sampled verify", "verify_sampled"),
+        ("sampled verify, the exact law on a 5-token vocabulary", "verify_sampled"),
+    ),
+}
+
+
+def unwritten(name: str, directory: Path) -> list[str] | None:
+    """The FAILED lines of check `name` (as `check_name` gives it) when its file in
+    `directory` is still the stub `rose-course start` writes, or None when it is anything
+    else: the learner's work, a file that is missing or does not parse (the check's to run
+    and word). The stub is recognised by its code, whatever its comments, layout and
+    docstrings say; nothing is imported or run, so the answer comes at once."""
+    path = directory / file_name(name)
+    try:
+        if not path.is_file() or code_of(path.read_bytes()) != code_of(stub_source(path.name)):
+            return None
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if name in BUILD_NAMES:
+        return [
+            f"{name}/{part}: FAILED: not written yet: replace the stub's body (write {first})"
+            for part, first in UNWRITTEN_PARTS[name]
+        ]
+    function = lesson(name).name
+    return [
+        f"{function}: FAILED: not written yet: replace the stub with your function "
+        f"[it raises NotImplementedError: write {function}]"
+    ]
+
+
+def code_of(source: str | bytes) -> str:
+    """`source`'s code, compared without its comments, layout and docstrings."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            del body[0]
+    return ast.dump(tree)
 
 
 # Where `start` notes the sha256 of each stub it wrote, so that a later `start` can tell a
@@ -273,16 +319,16 @@ def write_workspace(directory: Path, solutions: bool) -> tuple[list[Path], list[
     ensure_writable_dir(directory, "workspace")
     record = read_stub_record(directory)
     to_write, kept = [], []
-    for chosen in [*LESSONS, *BUILDS]:  # every path is checked before anything is written
-        path = directory / chosen.file_name
-        stub = stub_source(chosen).encode()
-        text = inspect.getsource(chosen.solution_module()).encode() if solutions else stub
+    for name in map(file_name, check_names()):  # every path is checked before anything is written
+        path = directory / name
+        stub = stub_source(name).encode()
+        text = solution_source(name).encode() if solutions else stub
         if path.exists() and not path.is_file():
             raise not_a_file(path, directory)
         old = path.read_bytes() if path.is_file() else b""
         if old == text:
             continue  # there already (and no space needed to write it again)
-        if holds_no_work(old, text, {sha256(stub), record.get(chosen.file_name)}):
+        if holds_no_work(old, text, {sha256(stub), record.get(name)}):
             to_write.append((path, text))
         else:
             kept.append(path)
@@ -372,6 +418,9 @@ def load_learner(chosen: Lesson, directory: Path) -> Callable:
 def grade(chosen: Lesson | Build, directory: Path) -> CheckResult:
     """Check the learner's file for `chosen`; a file that cannot be loaded fails in one line.
     A build prints one line per part, and passes when every part does."""
+    from rosecourse.builds.grading import Build, check_build
+    from rosecourse.exercises.common import CheckResult
+
     if isinstance(chosen, Build):
         try:
             parts = check_build(chosen, load_module(chosen, directory))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rosecourse import cli
+from rosecourse import cli, course
 from rosecourse.course import BUILDS, LESSONS, lesson, stub_source
 from rosecourse.exercises import (
     ch00_causal_attention,
@@ -89,12 +89,76 @@ def test_at_least_half_the_exercises_are_more_than_five_lines() -> None:
 
 
 @pytest.mark.parametrize("chosen", LESSONS, ids=[c.chapter for c in LESSONS])
-def test_stub_is_not_written_yet(chosen) -> None:
+def test_stub_is_not_written_yet(chosen, tmp_path: Path) -> None:
     namespace: dict[str, object] = {}
     exec(compile(stub_source(chosen), chosen.file_name, "exec"), namespace)  # noqa: S102
     stub = chosen.check(namespace[chosen.name])
     assert not stub.passed
     assert "not written yet" in str(stub) and "\n" not in str(stub), str(stub)
+    # What `rose-course check` says of the untouched stub without running it (no torch, no
+    # process): the check's words, and what the stub raised.
+    (tmp_path / chosen.file_name).write_text(stub_source(chosen), encoding="utf-8")
+    (told,) = course.unwritten(chosen.chapter, tmp_path)
+    said = "not written yet: replace the stub with your function"
+    assert said in stub.explanation and f"NotImplementedError: write {chosen.name}" in str(stub)
+    assert told == (
+        f"{chosen.name}: FAILED: {said} [it raises NotImplementedError: write {chosen.name}]"
+    )
+
+
+def test_a_stub_is_told_by_its_code_whatever_its_comments_and_docstrings(tmp_path: Path) -> None:
+    chosen = lesson("13")
+    stub = stub_source(chosen)
+    path = tmp_path / chosen.file_name
+
+    def told(text: str) -> list[str] | None:
+        path.write_text(text, encoding="utf-8")
+        return course.unwritten("13", tmp_path)
+
+    assert told(stub) is not None
+    noted = stub.replace('"""', '"""My notes: the hash chains. ', 1).replace("\n\n", "\n\n# hm\n")
+    assert told("# chapter 13\n\n" + noted + "\n\n") == told(stub)
+    written = stub.replace('raise NotImplementedError("write cached_prefix")', "return []")
+    assert told(written) is None
+    assert told(stub + "\nprint('runs at import')\n") is None  # the check must run it
+    assert told(stub + "\n\ndef helper() -> None:\n    pass\n") is None
+    assert told("def cached_prefix(manager, token_ids):\n    return (\n") is None
+    assert told("\0") is None
+    path.unlink()
+    assert course.unwritten("13", tmp_path) is None  # missing: the check's line says so
+    for build in BUILDS:  # a build's stub with a comment: a line per part
+        (tmp_path / build.file_name).write_text("# mine\n" + stub_source(build), encoding="utf-8")
+        assert len(course.unwritten(build.name, tmp_path)) == len(build.parts)
+
+
+# Run in a fresh interpreter: the workspace written, every check asked for, and whether
+# torch was ever imported.
+STUBS_WITHOUT_TORCH = """
+import sys
+from rosecourse import cli
+workspace = sys.argv[1]
+assert cli.main(["start", workspace]) == 0
+code = cli.main(["check", "all", "--dir", workspace])
+print("exit", code, "torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_untouched_stubs_are_told_before_torch_is_imported(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", STUBS_WITHOUT_TORCH, str(tmp_path / "ws")],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "exit 1 torch imported: False", run.stdout[-2000:]
+    failed = [line for line in lines if ": FAILED" in line]
+    assert len(failed) == len(LESSONS) + sum(len(build.parts) for build in BUILDS)
+    assert all(": FAILED: not written yet: replace the stub" in line for line in failed)
+    every = len(LESSONS) + len(BUILDS)
+    assert f"0/{every} passed" in run.stdout
 
 
 @pytest.mark.parametrize(("exercise", "wrong"), WRONG, ids=[f"{e.name}-{w.name}" for e, w in WRONG])
