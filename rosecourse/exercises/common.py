@@ -314,12 +314,17 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
     """
     seen = exercise.probe(fn)
     wanted = exercise.probed(exercise.reference)
-    diagnosis = next(
-        (w.explanation for w in exercise.known_wrong if same(seen, exercise.probed(w.fn))),
-        None,
-    )
     evidence = first_difference(seen, wanted)
-    why = diagnosis or exercise.fallback + (f" (on {evidence})" if evidence else "")
+
+    @functools.cache
+    def diagnosis() -> str | None:
+        # Only a failing answer is named, so the known wrong answers (whose probes may cost
+        # more than the whole check of a right one) are probed only for it.
+        return next(
+            (w.explanation for w in exercise.known_wrong if same(seen, exercise.probed(w.fn))),
+            None,
+        )
+
     result = None
     for label, expected, run in exercise.runs:
         want = expected()  # the reference runs before anything is swapped in
@@ -328,6 +333,8 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
         if divergence is not None:
             if "raised NotImplementedError" in divergence.where:
                 why = "not written yet: replace the stub with your function"
+            else:
+                why = diagnosis() or exercise.fallback + (f" (on {evidence})" if evidence else "")
             result = CheckResult(
                 exercise.name,
                 False,
@@ -338,7 +345,7 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
             break
     if result is None and evidence is not None:
         # The fallback says which clause of the contract the answer breaks.
-        why = diagnosis or f"{exercise.fallback} (a case these runs never reach)"
+        why = diagnosis() or f"{exercise.fallback} (a case these runs never reach)"
         result = CheckResult(
             exercise.name, False, None, f"every step matches, but on {evidence}: {why}"
         )
