@@ -1513,6 +1513,23 @@ class DefaultDtypeValues(reference_cached_loop.StaticCache):
             layer.v = torch.zeros(layer.v.shape)
 
 
+class _CastingLayer(reference_cached_loop.StaticLayer):
+    def update(self, input_pos, k, v):
+        self.k[:, :, input_pos] = k.to(self.k.dtype)
+        self.v[:, :, input_pos] = v.to(self.v.dtype)
+        return self.k.to(k.dtype), self.v.to(v.dtype)  # cast back: the dtype looks right
+
+
+@build_mutant("cached_loop", "StaticCache", name="float32_buffers_cast_back")
+class Float32BuffersCastBack(reference_cached_loop.StaticCache):
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        super().__init__(model, batch_size, max_len, pad_lengths)
+        self.layers = [
+            _CastingLayer(torch.zeros(layer.k.shape), torch.zeros(layer.v.shape))
+            for layer in self.layers
+        ]
+
+
 @build_mutant("cached_loop", "StaticCache", name="padding_queries_see_nothing")
 class PaddingQueriesSeeNothing(reference_cached_loop.StaticCache):
     def prepare(self, batch, q_len, device):

@@ -143,6 +143,20 @@ def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
                 raise Mismatch(
                     f"layer {layer}'s {name} come back with {got.size(0)} rows of {rows}"
                 )
+            # Cast back on the way out is not enough: the buffers themselves, what the
+            # cache's memory is, are in the model's dtype.
+            other = sorted(
+                str(t.dtype)
+                for t in held_tensors(cache).values()
+                if t.is_floating_point() and t.dtype != dtype and t.shape == got.shape
+            )
+            if other:
+                raise Mismatch(
+                    f"layer {layer}'s {name} come back as {dtype}, but the cache holds "
+                    f"{other[0]} buffers of their shape in a {dtype} model: the buffers "
+                    "are zeros in the dtype (and on the device) of the model's weights, as "
+                    "the contract says"
+                )
             if got.isnan().any():
                 raise Mismatch(
                     f"layer {layer}'s {name} hold NaN after call {calls[0]}: a query that may "
