@@ -106,9 +106,6 @@ def grammar_text(spec: StructuredOutputs) -> str:
     LLMatcher = _llguidance().LLMatcher
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else '{"type": "object"}'
-        dead = dead_schema(json.loads(schema))
-        if dead is not None:
-            raise InvalidParam(PARAM, f"invalid JSON schema: {dead}")
         try:
             return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
         except ValueError as err:
@@ -189,6 +186,10 @@ def compile_grammar(
             _recent[key] = grammar
             _recent.move_to_end(key)
             return grammar
+    if spec.json is not None:  # (a schema that refers to itself without end: before the library)
+        dead = dead_schema(json.loads(spec.json))
+        if dead is not None:
+            raise InvalidParam(PARAM, f"invalid JSON schema: {dead}")
     pool.check(tokenizer.name, text, spec.kind, timeout_s)
     grammar = _compile(tokenizer.name, text, spec.json is not None or spec.json_object)
     with _lock:
