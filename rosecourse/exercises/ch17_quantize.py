@@ -32,7 +32,13 @@ from rosecourse.exercises.common import (
     oracle_model,
     outcome,
 )
-from roseinfer.cache.quantized import Quantized, dequantize, make_kv_cache, quantize
+from roseinfer.cache.quantized import (
+    Quantized,
+    _to_float16,
+    dequantize,
+    make_kv_cache,
+    quantize,
+)
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
 
@@ -61,6 +67,8 @@ def _quantize_probe(fn: Callable) -> Probe:
         # the group's number rounded down to float16.
         bound = scale / 2 + 1e-6 * (1 + x.abs()) + torch.where(scale == 0, ulp, 0.0)
         outside = ((back - x).abs() > bound).nonzero()
+        zero = q.zero.float().repeat_interleave(group_size, dim)
+        top, tol = zero + (2**bits - 1) * scale, 1e-6 * (1 + x.abs())
         first = "none"
         if len(outside):
             at = tuple(outside[0].tolist())
@@ -73,6 +81,9 @@ def _quantize_probe(fn: Callable) -> Probe:
             "codes above 2**bits - 1": int((q.codes.long() > 2**bits - 1).sum()),
             "the first number read back farther than scale / 2": first,
             "some number read back above itself": bool((back > x + 1e-6 * (1 + x.abs())).any()),
+            # The stored zero and scale must cover the group: zero at or below its
+            # minimum, zero + (2**bits - 1) * scale at or above its maximum.
+            "numbers above zero + (2**bits - 1) * scale": int((x > top + tol).sum()),
         }
 
     cases = [(4, 4, 3), (8, 8, 2), (4, 2, 2), (2, 8, 3)]
@@ -138,6 +149,20 @@ def _recoded(x, bits, group_size, dim, levels: int, rounding: Callable) -> Quant
     )
 
 
+def _scale_to_nearest(x, bits, group_size, dim):
+    levels = 2**bits - 1
+    groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))
+    zero = _to_float16(groups.amin(-1, keepdim=True), -float("inf"))
+    scale = ((groups.amax(-1, keepdim=True) - zero.float()) / levels).half()  # to nearest
+    divisor = torch.where(scale == 0, 1.0, scale.float())
+    codes = ((groups - zero.float()) / divisor).round().clamp(0, levels).to(torch.uint8)
+    return Quantized(
+        codes.flatten(-2).movedim(-1, dim),
+        scale.squeeze(-1).movedim(-1, dim),
+        zero.squeeze(-1).movedim(-1, dim),
+    )
+
+
 def _truncates(x, bits, group_size, dim):
     return _recoded(x, bits, group_size, dim, 2**bits - 1, torch.floor)
 
@@ -177,8 +202,16 @@ EXERCISE = Exercise(
             "your codes run 0 .. 2**bits, one level too many: the top code does not fit "
             "in `bits` bits (int4 packs two codes a byte)",
         ),
+        KnownWrong(
+            "scale_to_nearest",
+            _scale_to_nearest,
+            "you round scale to the nearest float16, not up: where it rounds down, zero + "
+            "(2**bits - 1) * scale falls short of the group's largest number, which lies "
+            "outside its group's range (round scale up: _to_float16(t, float('inf')))",
+        ),
     ],
-    fallback="some number is not read back within half its group's scale",
+    fallback="some number is not read back within half its group's scale, or lies "
+    "outside its group's range (zero .. zero + (2**bits - 1) * scale)",
 )
 
 
