@@ -197,9 +197,10 @@ EXERCISE = Exercise(
         KnownWrong(
             "baked_length",
             _baked_length,
-            "you read a length as a Python number (int(...)): the trace turns it into a "
-            "constant, and the graph is only right at the example's shapes; keep the "
-            "tensor's .size(), which stays a symbol",
+            "right in eager mode, but the graph exported at the example's shapes breaks "
+            "at others: something in it is fixed to the example's shapes (a length read "
+            "as a Python number, int(...), is the usual cause: the trace turns it into a "
+            "constant; keep the tensor's .size(), which stays a symbol)",
         ),
         KnownWrong(
             "no_padding",
