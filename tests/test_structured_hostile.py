@@ -452,3 +452,28 @@ def test_connections_are_bounded_per_client_as_well_as_overall(server: Server) -
             break
         time.sleep(0.1)
     assert answer.startswith("HTTP/1.1 200"), answer
+
+
+def test_a_mask_helper_left_idle_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each thread that fills masks has its helper; one whose thread stopped asking (an
+    engine gone) ends once idle, leaving no thread behind."""
+    from roseinfer.request import structured
+    from roseinfer.request.sampling_params import StructuredOutputs
+    from rosetrainer.tokenizer import Tokenizer
+
+    monkeypatch.setattr(structured, "HELPER_IDLE_S", 0.2)
+    grammar = structured.compile_grammar(StructuredOutputs(regex="[0-9]{3}"), Tokenizer("gpt2"))
+
+    def helpers() -> int:
+        return sum(t.name == "grammar-masks" for t in threading.enumerate())
+
+    before = helpers()
+    engine = threading.Thread(
+        target=structured.allowed_tokens, args=([structured.GrammarMatcher(grammar)], 50257)
+    )
+    engine.start()
+    engine.join()
+    deadline = time.monotonic() + 30
+    while helpers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert helpers() == before

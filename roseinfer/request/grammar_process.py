@@ -20,8 +20,9 @@ exit until it was done. So every constraint is compiled here first, with the che
 
 The second compile doubles the cost of a new constraint, paid once (compiled grammars
 are cached), for a process boundary around the one that could fail. A refusal is
-remembered (a bounded LRU), so a client sending the same crashing constraint again is
-answered at once instead of costing a worker each time.
+remembered (a bounded LRU; a refusal for time, for a minute only), so a client sending
+the same crashing or runaway constraint again is answered at once instead of costing a
+worker each time.
 
 The worker's side is roseinfer/request/grammar_worker.py. At most WORKERS compile at once; a caller waits for a free one. Workers start on first
 use and stay, each holding the tokenizers' tries it has built; `Workers.stop` (at exit, and
@@ -55,6 +56,10 @@ from rosetrainer.errors import RoseError
 WORKERS = 2  # constraints compiled at once
 START_TIMEOUT_S = 120.0  # a worker's start (Python, the library): not the constraint's time
 REFUSALS_KEPT = 256  # refused constraints remembered (the LRU)
+# A constraint refused as too slow is refused again at once for this long (a client
+# resending it would keep a worker busy for every try); a crash or the library's
+# refusal stands as long as it is remembered.
+SLOW_REMEMBERED_S = 60.0
 PARENT_POLL_S = 1.0  # how often a worker looks whether its parent is still there
 WORKER_MODULE = "roseinfer.request.grammar_worker"  # what a worker runs (python -m)
 STACK_MARGIN = 1 << 20  # bytes of stack the worker's compile has less than the caller's
@@ -178,7 +183,8 @@ class Workers:
         self.busy: set[Worker] = set()
         self.closed = False
         self.free = threading.Condition()
-        self.refused: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # refused constraints: the reason, and until when it stands (monotonic seconds)
+        self.refused: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
     def check(self, tokenizer: str, text: str, kind: str, timeout_s: float) -> None:
         """Raise InvalidParam if `text` does not compile cleanly in a worker within
@@ -186,16 +192,24 @@ class Workers:
         key = (tokenizer, text)
         with self.free:
             if key in self.refused:
-                self.refused.move_to_end(key)
-                raise InvalidParam(PARAM, self.refused[key])
+                error, until = self.refused[key]
+                if time.monotonic() < until:
+                    self.refused.move_to_end(key)
+                    raise InvalidParam(PARAM, error)
+                del self.refused[key]
         worker = self._lend()
+        answered = False  # the exchange ended: the worker is idle, or gone
+        remember = float("inf")  # how long a refusal is remembered
         try:
             error = worker.ask(tokenizer, text, timeout_s)
+            answered = True
         except TimedOut:
+            answered, remember = True, SLOW_REMEMBERED_S  # (the machine may be busier now)
             error = (
                 f"the {kind} constraint took longer than {timeout_s:g} s to compile: simplify it"
             )
         except Died as died:
+            answered = True
             if worker.stopped:
                 raise CompilerStopped(STOPPED) from None
             error = (
@@ -203,10 +217,12 @@ class Workers:
                 "simplify it (rules or $refs nested thousands deep overflow its stack)"
             )
         finally:
+            if not answered:  # (Ctrl-C mid-compile, say): its answer would go to the next
+                worker.kill()
             self._give_back(worker)
         if error is not None:
             with self.free:
-                self.refused[key] = error
+                self.refused[key] = (error, time.monotonic() + remember)
                 while len(self.refused) > REFUSALS_KEPT:
                     self.refused.popitem(last=False)
             raise InvalidParam(PARAM, error)

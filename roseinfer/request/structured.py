@@ -87,6 +87,7 @@ FORCED_STEPS = 16
 # The longest a batch's masks may take in one step (`fill_masks`): a request whose mask
 # takes longer is stopped, so that it does not hold up the others.
 MASK_TIMEOUT_S = 2.0
+HELPER_IDLE_S = 60.0  # a mask helper with nothing to do this long ends
 CACHE_SIZE = 64  # compiled grammars kept after their last request finished
 
 
@@ -467,11 +468,11 @@ def fill_masks(matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
     be interrupted: the helper finishes that one mask, then ends, and the next batch
     gets a new helper. A late matcher raises at once ever after.
     """
-    helper = getattr(_helpers, "helper", None)
-    if helper is None:
-        helper = _helpers.helper = MaskHelper()
     job = MaskJob(matchers, bits)
-    helper.jobs.put(job)
+    helper = getattr(_helpers, "helper", None)
+    if helper is None or not helper.take(job):
+        helper = _helpers.helper = MaskHelper()
+        helper.take(job)
     if not job.done.wait(MASK_TIMEOUT_S):
         with job.lock:
             job.abandoned = True
@@ -486,18 +487,37 @@ def fill_masks(matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
 
 class MaskHelper:
     """A thread that fills batches of masks (`fill_masks`); one per calling thread, so
-    that one engine's late mask is never another's wait."""
+    that one engine's late mask is never another's wait. Idle for HELPER_IDLE_S, it
+    ends (a thread that stopped asking, an engine gone, leaves no thread behind)."""
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[MaskJob] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.alive = True  # takes jobs
         threading.Thread(target=self._run, name="grammar-masks", daemon=True).start()
+
+    def take(self, job: MaskJob) -> bool:
+        """Queue `job`; False when this helper has ended (or is ending)."""
+        with self.lock:
+            if self.alive:
+                self.jobs.put(job)
+            return self.alive
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=HELPER_IDLE_S)
+            except queue.Empty:
+                with self.lock:
+                    if self.jobs.empty():
+                        self.alive = False
+                        return
+                continue
             job.run()
-            if job.abandoned:
-                return  # given up on: a new helper has the next batch
+            if job.abandoned:  # given up on: a new helper has the next batch
+                with self.lock:
+                    self.alive = False
+                return
 
 
 class MaskJob:
