@@ -89,6 +89,7 @@ from rosecourse.course import (
 )
 from rosecourse.exercises import CheckResult
 from rosecourse.exercises.common import Exercise, Raised, check
+from rosetrainer.errors import one_line
 
 # Bytes of a check's output shown on the terminal; more fails the check.
 OUTPUT_LIMIT = 64 * 1024
@@ -344,9 +345,7 @@ def judge(name: str, exercise: Exercise, child: CheckProcess) -> bool:
 def broke_the_check(name: str, error: Exception) -> CheckResult:
     """The FAILED verdict of a check that tripped over the learner's answers (as `grade`
     words it)."""
-    lines = str(error).strip().splitlines()
-    said = f"{type(error).__name__}: {lines[0].strip()}" if lines else type(error).__name__
-    return CheckResult(name, False, None, f"your function broke the check: {said}")
+    return CheckResult(name, False, None, f"your function broke the check: {one_line(error)}")
 
 
 def replayed(type_name: str, message: str) -> Exception:
@@ -658,7 +657,7 @@ def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
         try:
             return ("probe", encode(exercise.probe(fn)))
         except Exception as error:  # it broke the probe itself
-            return ("broke", type(error).__name__, first_line(error))
+            return ("broke", type(error).__name__, one_line(error, with_type=False))
     _, _, run = exercise.runs[request[1]]
     made: dict[int, int] = {}
 
@@ -670,12 +669,8 @@ def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
         with exercise.swapped_in(fn):
             rows = encode(run(on_token))
     except Exception as error:  # anything the learner's code raises is a finding
-        raised = (type(error).__name__, first_line(error))
+        raised = (type(error).__name__, one_line(error, with_type=False))
     return ("run", made, rows, raised)
-
-
-def first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else ""
 
 
 def exit_with_grader(channel: socket.socket) -> None:

@@ -285,7 +285,7 @@ def test_a_later_start_replaces_only_files_that_hold_no_work(
 ) -> None:
     workspace = tmp_path / "ws"
     with monkeypatch.context() as patch:  # the stubs of an earlier rose: other text
-        patch.setattr(course, "stub_source", lambda chosen: f"# {chosen.name}, an old stub\n")
+        patch.setattr(course, "stub_source", lambda chosen: f"# {chosen}, an old stub\n")
         assert cli.main(["start", str(workspace)]) == 0
     files = {chosen.chapter: workspace / chosen.file_name for chosen in LESSONS}
     files["02"].write_text("def concat_kv(layer_past, k, v):\n    return 'my work'\n")
