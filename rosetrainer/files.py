@@ -128,6 +128,10 @@ def new_directory(
     path = Path(path)
     if source is not None:
         refuse_overlap(path, Path(source))
+    if path.is_symlink():
+        # A link to a folder: the folder it leads to is the one filled (or replaced), and
+        # the link stays a link (renaming the link itself aside would turn it into a folder).
+        path = path.resolve()
     if path.exists() and not path.is_dir():
         raise RoseError(f"{path} is a file, not a directory; pass a directory path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:

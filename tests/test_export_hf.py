@@ -261,6 +261,23 @@ def test_an_out_that_holds_a_linked_checkpoint_is_refused(
     assert (run / "notes.txt").read_text() == "mine\n" and (run / "best.pt").is_symlink()
 
 
+def test_an_out_that_is_a_link_fills_the_folder_it_leads_to(
+    tiny_run_dir: Path, tmp_path: Path
+) -> None:
+    """--out LINK --overwrite replaces what LINK leads to; the link stays a link, and no
+    moved-aside folder is left beside it (it was, renamed to .LINK.<pid>.old.tmp)."""
+    target = tmp_path / "hf-target"
+    target.mkdir()
+    (target / "old.txt").write_text("old export\n")
+    link = tmp_path / "hf"
+    link.symlink_to(target)
+    args = ["--checkpoint-path", str(tiny_run_dir), "--out", str(link), "--overwrite"]
+    assert main(args) == 0
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert (target / "config.json").is_file() and not (target / "old.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf-target"]
+
+
 def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(
     tiny_run_dir: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
