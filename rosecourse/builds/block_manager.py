@@ -30,11 +30,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
-
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import strategies as st
 
 import roseinfer.engine.llm_engine
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part
@@ -486,8 +484,8 @@ def _short_pool(module: types.ModuleType) -> None:
 PIECES = ("ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "Good night, good night")
 
 
-@st.composite
-def schedules(draw: st.DrawFn) -> Schedule:
+def draw_schedule(draw: Callable, st: types.ModuleType) -> Schedule:
+    """A schedule drawn by hypothesis (`draw`, its strategies `st`)."""
     size = draw(st.sampled_from([3, 5, 7]))
     pieces = [chunk(text, size) for text in PIECES]
     requests = []
@@ -511,6 +509,11 @@ def schedules(draw: st.DrawFn) -> Schedule:
 
 
 def _random_schedules(module: types.ModuleType) -> None:
+    # Imported here: the grader imports this module to name the parts, and only this part
+    # draws (hypothesis takes a third of a second to import).
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import strategies as st
+
     @settings(
         max_examples=EXAMPLES,
         derandomize=True,
@@ -521,7 +524,7 @@ def _random_schedules(module: types.ModuleType) -> None:
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
     )
-    @given(schedules())
+    @given(st.composite(draw_schedule)(st))
     def each(schedule: Schedule) -> None:
         compare_schedule(schedule, module)
 

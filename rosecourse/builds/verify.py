@@ -45,7 +45,7 @@ from rosetrainer.numerics import logit_tolerance
 
 NEW = 16  # tokens generated per run
 DRAWS = 4000  # draws of the sampled rule per case
-BONUS_DRAWS = 300  # sampled verify steps whose bonus token is counted
+BONUS_DRAWS = 150  # sampled verify steps whose bonus token is counted
 P_VALUE = 1e-4  # the chi-square test's threshold: a right rule falls below it once in 10,000 seeds
 # The rule's cases: a draft that disagrees with the target, and deterministic drafts (q one-hot).
 RULE_CASES = (

@@ -15,6 +15,7 @@ The contract is the docstring of rosecourse/solutions/ch20_choice_mask.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from unittest import mock
@@ -37,6 +38,7 @@ from rosecourse.exercises.common import (
     outcome,
 )
 from roseinfer.loops.generate import generate, generate_batch
+from roseinfer.request import grammar_process
 from roseinfer.request.sampling_params import SamplingParams, StructuredOutputs
 from roseinfer.request.structured import (
     Grammar,
@@ -105,13 +107,22 @@ class _SmallTokenizer:
         return [self.vocab.index(bytes([b])) for b in text]
 
 
+def own_grammars() -> contextlib.AbstractContextManager:
+    """rose compiling only the check's own grammars: without the worker process that first
+    compiles a request's constraint where a crash or a runaway costs only that constraint
+    (roseinfer/request/grammar_process.py), which guards a server against hostile ones and
+    here would only start a Python process to compile these again."""
+    return mock.patch.object(grammar_process.pool, "check", lambda *args: None)
+
+
 @functools.cache
 def library_grammar(vocab_size: int, choices: tuple[str, ...]) -> Grammar:
     """The choices compiled by llguidance, forcing off, for GPT-2's vocabulary (as rose
     compiles any request's constraint) or for a small one (SMALL_VOCABS)."""
     text = NO_FORCING + choice_lark(choices)
     if vocab_size == len(gpt2_vocab()):
-        return compile_grammar(StructuredOutputs(grammar=text), tokenizer())
+        with own_grammars():
+            return compile_grammar(StructuredOutputs(grammar=text), tokenizer())
     assert vocab_size in SMALL_VOCABS, "the library's mask is known for three vocabularies"
     import llguidance
 
@@ -259,14 +270,15 @@ def _masks_of(fn: Callable) -> Callable:
 @functools.cache
 def _library_run(prompt: str, choices: tuple[str, ...]) -> tuple[int, ...]:
     """One request alone, uncached, masked by the library."""
-    run = generate(
-        oracle_model(),
-        list(encoded(prompt)),
-        _params(list(choices)),
-        use_cache=False,
-        eot_id=tokenizer().eot_id,
-        tokenizer=tokenizer(),
-    )
+    with own_grammars():
+        run = generate(
+            oracle_model(),
+            list(encoded(prompt)),
+            _params(list(choices)),
+            use_cache=False,
+            eot_id=tokenizer().eot_id,
+            tokenizer=tokenizer(),
+        )
     return tuple(run.token_ids)
 
 
@@ -275,9 +287,8 @@ def _runs() -> list[tuple[str, Callable, Callable]]:
         return [_library_run(prompt, tuple(choices)) for prompt, choices in RUN_REQUESTS]
 
     def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
-        with mock.patch.object(
-            roseinfer.request.sampling, "allowed_tokens", _masks_of(held_function())
-        ):
+        masks = _masks_of(held_function())
+        with own_grammars(), mock.patch.object(roseinfer.request.sampling, "allowed_tokens", masks):
             runs = generate_batch(
                 oracle_model(),
                 [list(encoded(prompt)) for prompt, _ in RUN_REQUESTS],
