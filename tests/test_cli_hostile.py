@@ -118,3 +118,19 @@ def test_course_check_with_a_timeout_past_what_a_wait_takes_is_one_line(
     """3,000,000 s is past what select(2) waits (an OverflowError in the runner)."""
     argv = ["check", "01", "--dir", tmp_path, "--timeout", "3e6"]
     one_line_exit_2(capsys, course_cli.main, argv, "--timeout", "3e6")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--cache", "offloaded", "--no-kv-cache"], "--no-kv-cache"),
+        (["--kv-cache-window", "4"], "--kv-cache-window"),
+    ],
+    ids=["uncached-offloaded", "window-unquantized"],
+)
+def test_generate_flags_that_would_be_ignored_are_refused(
+    capsys: pytest.CaptureFixture, checkpoint: Path, flags: list[str], says: str
+) -> None:
+    """A flag the chosen path would not use is told, not silently dropped."""
+    argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", *flags]
+    one_line_exit_2(capsys, cli_generate.main, argv, says)

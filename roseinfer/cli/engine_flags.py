@@ -89,7 +89,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--kv-cache-window",
         type=int,
-        default=DEFAULTS.kv_cache_window,
+        default=None,  # (None: not given; a window without int8/int4 is refused)
         help="with int8/int4: the latest tokens kept exact, in the model's dtype; older ones "
         "are quantized a group at a time (0: none but a group still filling; the engine "
         f"rounds the window out to whole KV blocks; default: {DEFAULTS.kv_cache_window})",
@@ -157,6 +157,12 @@ def engine_from_flags(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace
     return speculative_engine(model, tokenizer, engine_config(args), speculative_config(args))
 
 
+def kv_cache_window(args: argparse.Namespace) -> int:
+    """--kv-cache-window, or the default where it was not given."""
+    window = args.kv_cache_window
+    return DEFAULTS.kv_cache_window if window is None else window
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The flags as an EngineConfig (which checks them: a bad value is one clear line)."""
     return EngineConfig(
@@ -169,6 +175,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pack_weights=not args.no_pack_weights,
         decode_slots_memory=args.decode_slots_memory,
         kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_window=args.kv_cache_window,
+        kv_cache_window=kv_cache_window(args),
         kv_cache_group_size=args.kv_cache_group_size,
     )

@@ -33,7 +33,12 @@ from roseinfer.cache.dense import CACHE_KINDS, ConcatKVCache, StaticKVCache
 from roseinfer.cache.offloaded import OffloadedKVCache
 from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
 from roseinfer.cache.rolling import RollingKVCache
-from roseinfer.cli.engine_flags import engine_config, engine_from_flags, speculative_config
+from roseinfer.cli.engine_flags import (
+    engine_config,
+    engine_from_flags,
+    kv_cache_window,
+    speculative_config,
+)
 from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
@@ -146,7 +151,11 @@ def torch_generator(
     grammar_for(params.structured_outputs, tokenizer, model.config.vocab_size)
     kind = cache_kind(args, model.config)
     check_quant_settings(
-        model.config, args.kv_cache_dtype, args.kv_cache_group_size, args.kv_cache_window, "channel"
+        model.config,
+        args.kv_cache_dtype,
+        args.kv_cache_group_size,
+        kv_cache_window(args),
+        "channel",
     )
     engine = None
     if engine_settings is not None:
@@ -179,7 +188,7 @@ def torch_generator(
         say(
             "kv cache dtype",
             f"{args.kv_cache_dtype} (group size {args.kv_cache_group_size}, latest "
-            f"{args.kv_cache_window} tokens exact)",
+            f"{kv_cache_window(args)} tokens exact)",
         )
     if engine is not None:
         return EngineGenerator(prompts, prompt_ids, params, tokenizer, engine, say)
@@ -202,7 +211,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
             "--onnx runs the exported graph with its own past key/values: drop "
             "--no-kv-cache, --cache and --compile"
         )
+    if args.no_kv_cache and args.cache:
+        raise RoseError(f"--no-kv-cache runs uncached: drop --cache {args.cache} or --no-kv-cache")
     quantized = args.kv_cache_dtype != "auto"
+    if args.kv_cache_window is not None and not quantized:
+        raise RoseError(
+            "--kv-cache-window keeps the latest tokens exact in a quantized cache: add "
+            "--kv-cache-dtype int8 or int4, or drop --kv-cache-window"
+        )
     if quantized and (args.no_kv_cache or args.cache in ("concat", "offloaded") or args.onnx):
         raise RoseError(
             f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache or the "
@@ -416,7 +432,7 @@ def make_cache(
         batch_size=len(batch),
         max_len=max_len,
         kv_cache_dtype=args.kv_cache_dtype,
-        window=args.kv_cache_window,
+        window=kv_cache_window(args),
         group_size=args.kv_cache_group_size,
     )
 
