@@ -171,6 +171,43 @@ def test_a_choice_of_10000_strings_is_followed(http: httpx.Client) -> None:
     assert choice["text"] in choices and choice["finish_reason"] == "stop"
 
 
+ALTERNATIVES = " | ".join(f'"t{i}"' for i in range(2_001))
+
+
+@pytest.mark.parametrize(
+    ("grammar", "stream"),
+    [
+        ("start: " + ALTERNATIVES, False),
+        ('start: "x" a\na: ' + ALTERNATIVES, False),
+        ("start: " + ALTERNATIVES, True),
+        ('start: /[a-z]+/ " " a\na:\n    ' + ALTERNATIVES.replace(" | ", "\n    | "), False),
+    ],
+    ids=["start", "sub-rule", "streamed", "after-free-text"],
+)
+def test_a_rule_of_more_alternatives_than_the_library_allows_is_a_400(
+    http: httpx.Client, grammar: str, stream: bool
+) -> None:
+    """The grammar compiles and the library's parser fails at its first token (a row of
+    2,002 items, its limit 2,000): refused at compile time, never a 500."""
+    body = {"temperature": 0, "stream": stream, "structured_outputs": {"grammar": grammar}}
+    assert_400(post_raw(http, body), "alternatives")
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        '"minimum": 1e30, "maximum": 1e30',
+        '"minimum": ' + "1" + "0" * 30 + ', "maximum": ' + "1" + "0" * 30,
+        '"minimum": -' + "1" + "0" * 30 + ', "maximum": -' + "1" + "0" * 30,
+    ],
+    ids=["float", "31-digits", "negative"],
+)
+def test_integer_bounds_past_64_bits_are_a_400(http: httpx.Client, bounds: str) -> None:
+    """The library clamps them: 1e30..1e30 gave "9223372036854775807" with "stop"."""
+    schema = '{"type": "integer", ' + bounds + "}"
+    assert_400(post_raw(http, {"structured_outputs": {"json": schema}}), "minimum", "64-bit")
+
+
 # ---------------------------------------------------------------------------
 # Item 10: a grammar that accepts no text is refused, never "stop" with invalid text
 # ---------------------------------------------------------------------------

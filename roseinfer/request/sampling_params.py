@@ -121,6 +121,7 @@ def _schema_text(schema: object) -> str:
             raise InvalidParam(
                 STRUCTURED, f"a JSON schema is a JSON object, got {type(schema).__name__}"
             )
+        check_integer_bounds(schema)
         return json.dumps(schema)
     except json.JSONDecodeError as err:
         raise InvalidParam(STRUCTURED, f"the JSON schema is not JSON: {err}") from None
@@ -132,6 +133,36 @@ def _schema_text(schema: object) -> str:
         if "integer string conversion" in str(err):
             err = f"it holds an integer longer than {sys.get_int_max_str_digits()} digits"
         raise InvalidParam(STRUCTURED, f"the JSON schema cannot be read: {err}") from None
+
+
+INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+INT64 = (-(2**63), 2**63 - 1)  # the grammar library's integers (it clamps those past)
+
+
+def check_integer_bounds(schema: dict) -> None:
+    """Refuse an integer's bound outside the 64-bit range: the grammar library clamps it
+    (a minimum of 1e30 would allow 9223372036854775807)."""
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        kind = node.get("type")
+        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
+            continue
+        for name in INTEGER_BOUNDS:
+            bound = node.get(name)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+                if not INT64[0] <= bound <= INT64[1]:
+                    raise InvalidParam(
+                        STRUCTURED,
+                        f"the JSON schema's integer {name} {bound} is outside the 64-bit "
+                        f"range [{INT64[0]}, {INT64[1]}] the grammar library can honour",
+                    )
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,11 @@ FORCED_STEPS = 16
 MASK_TIMEOUT_S = 2.0
 HELPER_IDLE_S = 60.0  # a mask helper with nothing to do this long ends
 CACHE_SIZE = 64  # compiled grammars kept after their last request finished
+# llguidance's parser holds at most this many items in a row (LLParserLimits'
+# max_items_in_row): a rule of as many alternatives or more fails at its first token.
+MAX_ALTERNATIVES = 2000
+# Tokens tried on copies of the matcher at the first choice (`first_steps`).
+PROBE_TOKENS = 8
 
 
 def _llguidance() -> Any:
@@ -115,7 +120,55 @@ def grammar_text(spec: StructuredOutputs) -> str:
         return LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return LLMatcher.grammar_from_lark(choice_lark(spec.choice))
+    check_alternatives(spec.grammar)
     return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+def check_alternatives(lark: str) -> None:
+    """Refuse a Lark rule of MAX_ALTERNATIVES alternatives or more: it compiles, and the
+    library's parser fails at its first token (a row over its item limit)."""
+    rule, count = "", 0
+    for line in lark.splitlines():
+        head = re.match(r"\s*[?!]?([A-Za-z_][A-Za-z_0-9]*)(\.-?\d+)?\s*:", line)
+        if head and not line[: head.start(1)].strip(" \t?!"):
+            rule, count = head.group(1), 1
+            line = line[head.end() :]
+        elif not line.strip() or line.lstrip().startswith("//"):
+            continue
+        elif not line[:1].isspace() and not line.lstrip().startswith("|"):
+            rule, count = "", 0  # (a directive ends a rule)
+            continue
+        if not rule:
+            continue
+        count += _top_level_bars(line)
+        if count >= MAX_ALTERNATIVES:
+            raise InvalidParam(
+                PARAM,
+                f"invalid constraint: rule {rule!r} has {MAX_ALTERNATIVES} alternatives or "
+                f"more; the grammar library allows fewer (match them with one regex instead)",
+            )
+
+
+def _top_level_bars(text: str) -> int:
+    """The `|` in one line of a Lark rule outside strings, regexes, groups and comments."""
+    bars = depth = 0
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if text.startswith("//", i):
+            break
+        if c in '"/':  # a string or a regex: skip to its unescaped end
+            i += 1
+            while i < len(text) and text[i] != c:
+                i += 2 if text[i] == "\\" else 1
+        elif c in "([":
+            depth += 1
+        elif c in ")]":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            bars += 1
+        i += 1
+    return bars
 
 
 def choice_lark(choices: Sequence[str]) -> str:
@@ -236,8 +289,22 @@ def first_steps(start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) 
         if matcher.is_error():
             raise InvalidParam(PARAM, f"invalid constraint: {failure(matcher.get_error())}")
         forced = matcher.compute_ff_bytes()
-        if not forced or not matcher.consume_tokens(tokenizer.tokenize_bytes(forced)):
+        if not forced:
+            probe_tokens(matcher, bits)
             return
+        if not matcher.consume_tokens(tokenizer.tokenize_bytes(forced)):
+            return
+
+
+def probe_tokens(matcher: llguidance.LLMatcher, bits: np.ndarray) -> None:
+    """Consume a few of the allowed tokens, each on a copy: a grammar over the parser's
+    limits (a rule of too many alternatives) passes its first mask and fails only here."""
+    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+    for token in allowed[:PROBE_TOKENS]:
+        probe = matcher.deep_copy()
+        probe.consume_token(int(token))
+        if probe.is_error() and "Parser Error" in probe.get_error():
+            raise InvalidParam(PARAM, f"invalid constraint: {failure(probe.get_error())}")
 
 
 def failure(reason: str) -> str:
