@@ -9,16 +9,35 @@ alternatives (other answers that meet the contract) pass.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from rosecourse.solutions import build_block_manager as reference_block_manager
 from rosecourse.solutions import build_cached_loop as reference_cached_loop
 from rosecourse.solutions import build_model as reference_model
 from rosecourse.solutions import build_training_step as reference_training_step
+
+# The names the builds' mutants read (each runs with the learner module's globals: these
+# are the reference's, for the reader and the linter).
+from rosecourse.solutions.build_block_manager import chain_hash
+from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
+from rosecourse.solutions.build_model import MLP, Block, CausalSelfAttention
+from rosecourse.solutions.build_training_step import (
+    AdamW,
+    clip_gradients,
+    learning_rate,
+    parameter_groups,
+)
+from rosecourse.solutions.build_verify import RollbackCache, accept_or_resample, score
+from roseinfer.cache.dense import DenseKVCache
+from roseinfer.engine.sequence import EngineSequence
+from rosetrainer.config import GPTConfig, TrainConfig
+from rosetrainer.model import GPT
 
 MUTANTS: dict[str, list[Callable]] = {}
 ALTERNATIVES: dict[str, list[Callable]] = {}
@@ -1336,10 +1355,18 @@ BUILD_ALTERNATIVES: dict[str, list[tuple[str, dict[str, object]]]] = {}
 
 def build_mutant(build: str, replaces: str, name: str | None = None) -> Callable:
     """Register the decorated function or class as a wrong answer: the reference with
-    `replaces` swapped for it."""
+    `replaces` (a module-level name, or "Class.method") swapped for it. Registered again
+    under the same name, it replaces that piece too (one mistake in two places)."""
 
     def register(obj: Callable) -> Callable:
-        BUILD_MUTANTS.setdefault(build, []).append((name or obj.__name__, {replaces: obj}))
+        mutants = BUILD_MUTANTS.setdefault(build, [])
+        key = name or obj.__name__
+        same = [replacements for named, replacements in mutants if named == key]
+        if same:
+            assert replaces not in same[0], f"{build}: {key} replaces {replaces} twice"
+            same[0][replaces] = obj
+        else:
+            mutants.append((key, {replaces: obj}))
         return obj
 
     return register
@@ -2067,3 +2094,915 @@ class NumUsedSumsRefCounts(reference_block_manager.BlockManager):
     @property
     def num_used(self):
         return sum(block.ref_count for block in self.blocks)  # a shared block counted twice
+
+
+# == The builds: wrong answers first written as edits of the reference's text ==============
+#
+# Each is the reference solution (rosecourse/solutions/build_NAME.py) with the method or
+# function named in its decorator written wrong: "# the mistake" marks the line. A mutant
+# that replaces two pieces is registered twice under one name.
+
+
+# -- build model: CausalSelfAttention, MLP, Block, GPT -----------------------------------
+
+
+@build_mutant("model", "CausalSelfAttention.forward")
+def scaled_by_sqrt_n_embd(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    # the mistake: was `scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)`
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(C)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+@build_mutant("model", "CausalSelfAttention.forward")
+def softmax_over_queries(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # the mistake: was `y = torch.softmax(scores, dim=-1) @ v`
+    y = torch.softmax(scores, dim=-2) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+@build_mutant("model", "CausalSelfAttention.forward")
+def keys_first(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    # the mistake: was `q, k, v = self.c_attn(x).split(C, dim=2)`
+    k, q, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+@build_mutant("model", "CausalSelfAttention.forward")
+def heads_joined_without_transpose(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    # the mistake: was `y = y.transpose(1, 2).contiguous().view(B, T, C)`
+    y = y.reshape(B, T, C)
+    return self.c_proj(y)
+
+
+@build_mutant("model", "Block.forward")
+def attention_without_residual(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `x = x + self.attn(self.ln_1(x))`
+    x = self.attn(self.ln_1(x))
+    return x + self.mlp(self.ln_2(x))
+
+
+@build_mutant("model", "Block.forward")
+def ln_2_for_attention(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `x = x + self.attn(self.ln_1(x))`
+    x = x + self.attn(self.ln_2(x))
+    return x + self.mlp(self.ln_2(x))
+
+
+@build_mutant("model", "GPT.forward")
+def no_final_layer_norm(self, idx: torch.Tensor) -> torch.Tensor:
+    T = idx.size(1)
+    positions = torch.arange(T, device=idx.device)
+    x = self.transformer.wte(idx) + self.transformer.wpe(positions)
+    for block in self.transformer.h:
+        x = block(x)
+    # the mistake: was `return self.lm_head(self.transformer.ln_f(x))`
+    return self.lm_head(x)
+
+
+@build_mutant("model", "CausalSelfAttention.forward")
+def query_blind_to_itself(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    # the mistake: was `allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()`
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+@build_mutant("model", "MLP.forward")
+def relu(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))`
+    return self.c_proj(F.relu(self.c_fc(x)))
+
+
+@build_mutant("model", "Block.__init__", name="layer_norm_eps_1e_6")
+def layer_norm_eps_1e_6_block__init(self, config: GPTConfig) -> None:
+    nn.Module.__init__(self)
+    # the mistake: was `self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)`
+    self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-6, bias=config.bias)
+    self.attn = CausalSelfAttention(config)
+    # the mistake: was `self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)`
+    self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-6, bias=config.bias)
+    self.mlp = MLP(config)
+
+
+@build_mutant("model", "GPT.__init__", name="layer_norm_eps_1e_6")
+def layer_norm_eps_1e_6_gpt__init(self, config: GPTConfig) -> None:
+    nn.Module.__init__(self)
+    self.transformer = nn.ModuleDict(
+        dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            # the mistake: was `ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),`
+            ln_f=nn.LayerNorm(config.n_embd, eps=1e-6, bias=config.bias),
+        )
+    )
+    self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+    self.lm_head.weight = self.transformer.wte.weight
+
+
+@build_mutant("model", "GPT.__init__")
+def final_layer_norm_eps_1e_6(self, config: GPTConfig) -> None:
+    nn.Module.__init__(self)
+    self.transformer = nn.ModuleDict(
+        dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            # the mistake: was `ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),`
+            ln_f=nn.LayerNorm(config.n_embd, eps=1e-6, bias=config.bias),
+        )
+    )
+    self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+    self.lm_head.weight = self.transformer.wte.weight
+
+
+# -- build training_step: AdamW, parameter_groups, learning_rate, clip_gradients, train_step
+
+
+@build_mutant("training_step", "AdamW.step")
+@torch.no_grad()
+def adam_with_l2(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            # the mistake: was `t, m, v, grad = state["t"], state["m"], state["v"], p.grad`
+            t, m, v, grad = state["t"], state["m"], state["v"], p.grad + group["weight_decay"] * p
+            # the mistake: `p.mul_(1 - lr * group["weight_decay"])` left out
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**t)
+            v_hat = v / (1 - beta2**t)
+            p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+@build_mutant("training_step", "AdamW.step")
+@torch.no_grad()
+def no_bias_correction(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            m, v, grad = state["m"], state["v"], p.grad
+            p.mul_(1 - lr * group["weight_decay"])
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            # the mistake: was `m_hat = m / (1 - beta1**t)`, t = state["t"]
+            m_hat = m
+            # the mistake: was `v_hat = v / (1 - beta2**t)`
+            v_hat = v
+            p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+@build_mutant("training_step", "AdamW.step")
+@torch.no_grad()
+def eps_inside_the_root(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+            p.mul_(1 - lr * group["weight_decay"])
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**t)
+            v_hat = v / (1 - beta2**t)
+            # the mistake: was `p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))`
+            p.sub_(lr * m_hat / (v_hat + group["eps"]).sqrt())
+
+
+@build_mutant("training_step", "AdamW.step")
+@torch.no_grad()
+def decay_before_the_rate_is_known(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+            # the mistake: was `p.mul_(1 - lr * group["weight_decay"])`
+            p.mul_(1 - group["weight_decay"])
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**t)
+            v_hat = v / (1 - beta2**t)
+            p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+@build_mutant("training_step", "parameter_groups")
+def everything_decays(model: nn.Module, weight_decay: float) -> list[dict]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # the mistake: was `decay = [p for p in params if p.dim() >= 2]`
+    decay = params
+    # the mistake: was `no_decay = [p for p in params if p.dim() < 2]`
+    no_decay = []
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+@build_mutant("training_step", "train_step")
+def gradients_never_cleared(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    # the mistake: `optimizer.zero_grad(set_to_none=True)` left out
+    return total, norm
+
+
+@build_mutant("training_step", "train_step")
+def rate_never_set(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    # the mistake: `for group in optimizer.param_groups: group["lr"] = learning_rate(step,
+    # cfg)` left out
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+@build_mutant("training_step", "learning_rate")
+def cosine_to_zero(step: int, cfg: TrainConfig) -> float:
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if step >= decay_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    # the mistake: was `return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)`
+    return cosine * cfg.learning_rate
+
+
+@build_mutant("training_step", "learning_rate")
+def no_floor(step: int, cfg: TrainConfig) -> float:
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    # the mistake: `if step >= decay_steps: return cfg.min_lr` left out
+    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+
+
+@build_mutant("training_step", "learning_rate")
+def progress_from_step_0(step: int, cfg: TrainConfig) -> float:
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if step >= decay_steps:
+        return cfg.min_lr
+    # the mistake: was `progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)`
+    progress = step / decay_steps
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+
+
+@build_mutant("training_step", "train_step")
+def a_micro_batch_short(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    # the mistake: was `for _ in range(cfg.grad_accum_steps):`
+    for _ in range(cfg.grad_accum_steps - 1):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+@build_mutant("training_step", "clip_gradients")
+def always_scaled(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.stack([g.norm() for g in grads]).norm().item()  # the norm of the norms
+    scale = max_norm / (norm + 1e-6)
+    # the mistake: was `if scale < 1.0: for g in grads: g.mul_(scale)`
+    for g in grads:
+        g.mul_(scale)
+    return norm
+
+
+@build_mutant("training_step", "make_optimizer")
+def betas_swapped(model: nn.Module, cfg: TrainConfig) -> AdamW:
+    groups = parameter_groups(model, cfg.weight_decay)
+    # the mistake: was `return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))`
+    return AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta2, cfg.beta1))
+
+
+@build_mutant("training_step", "train_step")
+def last_micro_batch_loss(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        # the mistake: was `total += loss.item()`
+        total = loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+# -- build cached_loop: StaticLayer, StaticCache, generate_cached ------------------------
+
+
+@build_mutant("cached_loop", "StaticLayer.update")
+def written_out_of_place(
+    self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # the mistake: was `self.k[:, :, input_pos] = k`
+    self.k = self.k.index_copy(2, input_pos, k)
+    # the mistake: was `self.v[:, :, input_pos] = v`
+    self.v = self.v.index_copy(2, input_pos, v)
+    return self.k, self.v
+
+
+@build_mutant("cached_loop", "StaticCache.prepare", name="query_blind_to_itself")
+def query_blind_to_itself_in_the_cache(
+    self, batch: int, q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+    self.filled += q_len
+    slots = torch.arange(self.max_len, device=device)
+    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
+    # the mistake: was `causal = slots[None, :] <= self.input_pos[:, None]`
+    causal = slots[None, :] < self.input_pos[:, None]
+    mask = causal[None, None, :, :] & self.real[:, None, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
+    return pos, mask
+
+
+@build_mutant("cached_loop", "StaticCache.prepare")
+def filled_never_advances(
+    self, batch: int, q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+    # the mistake: `self.filled += q_len` left out
+    slots = torch.arange(self.max_len, device=device)
+    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
+    causal = slots[None, :] <= self.input_pos[:, None]
+    mask = causal[None, None, :, :] & self.real[:, None, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
+    return pos, mask
+
+
+@build_mutant("cached_loop", "StaticCache.__init__")
+def padding_taken_from_the_right(
+    self, model: GPT, batch_size: int, max_len: int, pad_lengths: list[int] | None = None
+) -> None:
+    cfg = model.config
+    weight = model.lm_head.weight
+    shape = (batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    self.layers = [
+        StaticLayer(
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        )
+        for _ in range(cfg.n_layer)
+    ]
+    self.max_len = max_len
+    self.filled = 0
+    self.input_pos = torch.zeros(0, dtype=torch.long, device=weight.device)
+    self.pads = torch.tensor(pad_lengths or [0] * batch_size, device=weight.device)
+    slots = torch.arange(max_len, device=weight.device)
+    # (B, max_len): the slot holds a real token of the row, not padding.
+    # the mistake: was `self.real = slots[None, :] >= self.pads[:, None]`
+    self.real = slots[None, :] < max_len - self.pads[:, None]
+
+
+@build_mutant("cached_loop", "StaticCache.__init__")
+def one_real_slot_masked(
+    self, model: GPT, batch_size: int, max_len: int, pad_lengths: list[int] | None = None
+) -> None:
+    cfg = model.config
+    weight = model.lm_head.weight
+    shape = (batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    self.layers = [
+        StaticLayer(
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        )
+        for _ in range(cfg.n_layer)
+    ]
+    self.max_len = max_len
+    self.filled = 0
+    self.input_pos = torch.zeros(0, dtype=torch.long, device=weight.device)
+    self.pads = torch.tensor(pad_lengths or [0] * batch_size, device=weight.device)
+    slots = torch.arange(max_len, device=weight.device)
+    # (B, max_len): the slot holds a real token of the row, not padding.
+    # the mistake: was `self.real = slots[None, :] >= self.pads[:, None]`
+    self.real = slots[None, :] > self.pads[:, None]
+
+
+@build_mutant("cached_loop", "StaticCache.prepare")
+def keeps_every_mask(
+    self, batch: int, q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+    self.filled += q_len
+    slots = torch.arange(self.max_len, device=device)
+    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
+    causal = slots[None, :] <= self.input_pos[:, None]
+    mask = causal[None, None, :, :] & self.real[:, None, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
+    # the mistake: was `return pos, mask`
+    self.masks = [*getattr(self, "masks", []), mask]
+    return pos, mask
+
+
+@build_mutant("cached_loop", "generate_cached")
+@torch.no_grad()
+def argmax_over_rows(
+    model: GPT, prompts: list[list[int]], max_new_tokens: int, prefill_chunk: int | None = None
+) -> list[list[int]]:
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    rows = [[0] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
+    ids = torch.tensor(rows, device=model.lm_head.weight.device)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    for start in range(0, longest, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    new_tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        # the mistake: was `next_ids = logits.argmax(dim=-1)`
+        next_ids = logits.argmax(dim=0)
+        for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+            row.append(token)
+        if step + 1 < max_new_tokens:  # the last token is never fed back
+            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
+@build_mutant("cached_loop", "generate_cached")
+@torch.no_grad()
+def last_chunk_skipped(
+    model: GPT, prompts: list[list[int]], max_new_tokens: int, prefill_chunk: int | None = None
+) -> list[list[int]]:
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    rows = [[0] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
+    ids = torch.tensor(rows, device=model.lm_head.weight.device)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    # the mistake: was `for start in range(0, longest, chunk):`
+    for start in range(0, longest - chunk, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    new_tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        next_ids = logits.argmax(dim=-1)
+        for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+            row.append(token)
+        if step + 1 < max_new_tokens:  # the last token is never fed back
+            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
+@build_mutant("cached_loop", "generate_cached")
+@torch.no_grad()
+def prefill_logits_of_the_first_token(
+    model: GPT, prompts: list[list[int]], max_new_tokens: int, prefill_chunk: int | None = None
+) -> list[list[int]]:
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    rows = [[0] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
+    ids = torch.tensor(rows, device=model.lm_head.weight.device)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    for start in range(0, longest, chunk):
+        # the mistake: was `logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+        # new_tokens: list[list[int]] = [[] for _ in prompts]`
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, 0]
+    new_tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        next_ids = logits.argmax(dim=-1)
+        for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+            row.append(token)
+        if step + 1 < max_new_tokens:  # the last token is never fed back
+            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
+# -- build block_manager: chain_hash, BlockManager ---------------------------------------
+
+
+@build_mutant("block_manager", "chain_hash")
+def key_without_separator(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    # the mistake: was `data = parent + b"|" + ",".join(map(str, token_ids)).encode()`
+    data = parent + b"|" + "".join(map(str, token_ids)).encode()
+    return hashlib.sha256(data).digest()
+
+
+@build_mutant("block_manager", "BlockManager.release")
+def released_first_block_first(self, seq: EngineSequence) -> None:
+    # the mistake: was `for block_id in reversed(seq.block_table):`
+    for block_id in seq.block_table:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+    seq.block_table = []
+    seq.block_hashes = []
+    seq.num_computed_tokens = 0
+
+
+@build_mutant("block_manager", "BlockManager.can_start")
+def blocks_rounded_down(self, cached_ids: list[int], num_tokens: int) -> bool:
+    unheld = sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)
+    # the mistake: was `needed = -(-num_tokens // self.kv_block_size) - len(cached_ids)`
+    needed = num_tokens // self.kv_block_size - len(cached_ids)
+    return needed <= self.num_free + len(self.evictable) - unheld
+
+
+@build_mutant("block_manager", "BlockManager.grow")
+def grows_a_block_too_many(self, seq: EngineSequence, num_tokens: int) -> None:
+    # the mistake: was `while len(seq.block_table) * self.kv_block_size < num_tokens:`
+    while len(seq.block_table) * self.kv_block_size <= num_tokens:
+        if self.free_ids:
+            block_id = self.free_ids.pop()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        seq.block_table.append(block_id)
+
+
+@build_mutant("block_manager", "BlockManager.start")
+def hits_not_counted(self, seq: EngineSequence, cached_ids: list[int], num_tokens: int) -> None:
+    self.prefix_cache_queries += self.lookup_blocks(len(seq.all_ids))
+    # the mistake: `self.prefix_cache_hits += len(cached_ids)` left out
+    for block_id in cached_ids:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.evictable[block_id]
+        block.ref_count += 1
+    seq.block_table = list(cached_ids)
+    seq.block_hashes = [self.blocks[block_id].hash for block_id in cached_ids]
+    seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
+    if not seq.output_ids:
+        seq.num_cached_tokens = seq.num_computed_tokens
+    self.grow(seq, num_tokens)
+
+
+@build_mutant("block_manager", "BlockManager.start")
+def served_count_reset_on_restart(
+    self, seq: EngineSequence, cached_ids: list[int], num_tokens: int
+) -> None:
+    self.prefix_cache_queries += self.lookup_blocks(len(seq.all_ids))
+    self.prefix_cache_hits += len(cached_ids)
+    for block_id in cached_ids:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.evictable[block_id]
+        block.ref_count += 1
+    seq.block_table = list(cached_ids)
+    seq.block_hashes = [self.blocks[block_id].hash for block_id in cached_ids]
+    seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
+    # the mistake: was `if not seq.output_ids: seq.num_cached_tokens = seq.num_computed_tokens`
+    if True:
+        seq.num_cached_tokens = seq.num_computed_tokens
+    self.grow(seq, num_tokens)
+
+
+@build_mutant("block_manager", "BlockManager.advance")
+def cached_key_moved_to_the_copy(self, seq: EngineSequence, num_new: int) -> None:
+    seq.num_computed_tokens += num_new
+    if not self.enable_prefix_caching:
+        return
+    size = self.kv_block_size
+    while len(seq.block_hashes) < seq.num_computed_tokens // size:
+        i = len(seq.block_hashes)
+        tokens = tuple(seq.all_ids[i * size : (i + 1) * size])
+        key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens)
+        seq.block_hashes.append(key)
+        block = self.blocks[seq.block_table[i]]
+        # the mistake: was `if block.hash is None and key not in self.cached:`
+        if block.hash is None:
+            block.hash, block.token_ids = key, tokens
+            self.cached[key] = block.block_id
+
+
+# -- build verify: RollbackCache, verify_greedy, accept_or_resample, verify_sampled ------
+
+
+@build_mutant("verify", "RollbackCache.prepare")
+def top_left_mask(
+    self, batch: int, q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    past, kv_len = self.seq_len, self.seq_len + q_len
+    query_pos = torch.arange(past, kv_len, device=device)
+    key_pos = torch.arange(kv_len, device=device)
+    # the mistake: was `return query_pos[None, :], key_pos[None, :] <= query_pos[:, None]`
+    return query_pos[None, :], key_pos[None, :] <= query_pos[:, None] - past
+
+
+@build_mutant("verify", "RollbackCache.prepare", name="positions_one_late")
+def rollback_positions_one_late(
+    self, batch: int, q_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    past, kv_len = self.seq_len, self.seq_len + q_len
+    # the mistake: was `query_pos = torch.arange(past, kv_len, device=device)`
+    query_pos = torch.arange(past + 1, kv_len + 1, device=device)
+    key_pos = torch.arange(kv_len, device=device)
+    return query_pos[None, :], key_pos[None, :] <= query_pos[:, None]
+
+
+@build_mutant("verify", "RollbackCache.truncate")
+def truncate_keeps_one_more(self, n: int) -> None:
+    # the mistake: was `self.past = [(k[:, :, :n], v[:, :, :n]) for k, v in self.past]`
+    self.past = [(k[:, :, : n + 1], v[:, :, : n + 1]) for k, v in self.past]
+
+
+@build_mutant("verify", "verify_greedy")
+@torch.no_grad()
+def rollback_one_too_far(
+    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
+) -> list[int]:
+    held = cache.seq_len
+    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()
+    accepted = 0
+    for drafted, chosen in zip(drafts, choices, strict=False):
+        if drafted != chosen:
+            break
+        accepted += 1
+    tokens = drafts[:accepted] + [choices[accepted]]
+    # the mistake: was `cache.truncate(held + len(tokens)) return tokens`
+    cache.truncate(held + len(tokens) - 1)
+    return tokens
+
+
+@build_mutant("verify", "verify_greedy")
+@torch.no_grad()
+def drafts_read_against_the_next_row(
+    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
+) -> list[int]:
+    held = cache.seq_len
+    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()
+    accepted = 0
+    # the mistake: was `for drafted, chosen in zip(drafts, choices, strict=False):`
+    for drafted, chosen in zip(drafts, choices[1:], strict=False):
+        if drafted != chosen:
+            break
+        accepted += 1
+    tokens = drafts[:accepted] + [choices[accepted]]
+    cache.truncate(held + len(tokens))
+    return tokens
+
+
+@build_mutant("verify", "verify_greedy")
+@torch.no_grad()
+def scored_one_token_a_call(
+    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
+) -> list[int]:
+    held = cache.seq_len
+    # the mistake: was `choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()`
+    choices = [int(score(target, cache, t, []).argmax()) for t in [last_token, *drafts]]
+    accepted = 0
+    for drafted, chosen in zip(drafts, choices, strict=False):
+        if drafted != chosen:
+            break
+        accepted += 1
+    tokens = drafts[:accepted] + [choices[accepted]]
+    cache.truncate(held + len(tokens))
+    return tokens
+
+
+@build_mutant("verify", "accept_or_resample")
+def ratio_inverted(
+    p: torch.Tensor, q: torch.Tensor, drafted: int, generator: torch.Generator
+) -> tuple[int, bool]:
+    u = torch.rand((), generator=generator)
+    # the mistake: was `if u * q[drafted] < p[drafted]: # u < p / q, without dividing by a zero q`
+    if u * p[drafted] < q[drafted]:  # u < p / q, without dividing by a zero q
+        return drafted, True
+    residual = (p - q).clamp(min=0)
+    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return int(token), False
+
+
+@build_mutant("verify", "accept_or_resample")
+def residual_reversed(
+    p: torch.Tensor, q: torch.Tensor, drafted: int, generator: torch.Generator
+) -> tuple[int, bool]:
+    u = torch.rand((), generator=generator)
+    if u * q[drafted] < p[drafted]:  # u < p / q, without dividing by a zero q
+        return drafted, True
+    # the mistake: was `residual = (p - q).clamp(min=0)`
+    residual = (q - p).clamp(min=0)
+    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return int(token), False
+
+
+@build_mutant("verify", "verify_sampled")
+@torch.no_grad()
+def bonus_from_the_last_draft_row(
+    target: GPT,
+    cache: DenseKVCache | RollbackCache,
+    last_token: int,
+    drafts: list[int],
+    draft_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> list[int]:
+    held = cache.seq_len
+    p = torch.softmax(score(target, cache, last_token, drafts), dim=-1)
+    tokens = []
+    for i, drafted in enumerate(drafts):
+        token, kept = accept_or_resample(p[i], draft_probs[i].float(), drafted, generator)
+        tokens.append(token)
+        if not kept:
+            break
+    else:  # every draft kept: the bonus token
+        # the mistake: was `tokens.append(int(torch.multinomial(p[len(drafts)], 1,
+        # generator=generator)))`
+        tokens.append(int(torch.multinomial(p[len(drafts) - 1], 1, generator=generator)))
+    cache.truncate(held + len(tokens))
+    return tokens
+
+
+@build_mutant("verify", "verify_sampled")
+@torch.no_grad()
+def sampled_step_never_rolls_back(
+    target: GPT,
+    cache: DenseKVCache | RollbackCache,
+    last_token: int,
+    drafts: list[int],
+    draft_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> list[int]:
+    p = torch.softmax(score(target, cache, last_token, drafts), dim=-1)
+    tokens = []
+    for i, drafted in enumerate(drafts):
+        token, kept = accept_or_resample(p[i], draft_probs[i].float(), drafted, generator)
+        tokens.append(token)
+        if not kept:
+            break
+    else:  # every draft kept: the bonus token
+        tokens.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    # the mistake: `cache.truncate(held + len(tokens))` left out (held: the cache's seq_len
+    # before the pass), so the rejected drafts' keys stay
+    return tokens
+
+
+@build_mutant("verify", "verify_sampled")
+@torch.no_grad()
+def sampled_rows_shifted(
+    target: GPT,
+    cache: DenseKVCache | RollbackCache,
+    last_token: int,
+    drafts: list[int],
+    draft_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> list[int]:
+    held = cache.seq_len
+    p = torch.softmax(score(target, cache, last_token, drafts), dim=-1)
+    tokens = []
+    for i, drafted in enumerate(drafts):
+        # the mistake: was `token, kept = accept_or_resample(p[i], draft_probs[i].float(), drafted,
+        # generator)`
+        token, kept = accept_or_resample(p[i + 1], draft_probs[i].float(), drafted, generator)
+        tokens.append(token)
+        if not kept:
+            break
+    else:  # every draft kept: the bonus token
+        tokens.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    cache.truncate(held + len(tokens))
+    return tokens

@@ -6,10 +6,12 @@ inputs and raises `Mismatch` with what differs, in values a learner can read. A 
 the learner's code breaks in any other way (it raises, returns the wrong kind of thing)
 fails with what was raised; a stub's NotImplementedError is "not written yet".
 
-A known wrong answer is the reference solution with a line or two changed (`Edit`), so
-the mistakes graded are exactly the ones a learner writes into this file. When a part
-fails, the build's probe (a few small outcomes of the learner's module) is compared with
-each known wrong answer's probe; the mistake is named only when they are the same.
+A known wrong answer is the reference solution with a method or a function replaced by
+code written with the mistake (`KnownWrong.replacements`, in the build's module: a reader
+opens each as code), so the mistakes graded are exactly the ones a learner writes into
+this file, and reformatting the solution breaks none of them. When a part fails, the
+build's probe (a few small outcomes of the learner's module) is compared with each known
+wrong answer's probe; the mistake is named only when they are the same.
 """
 
 from __future__ import annotations
@@ -32,15 +34,14 @@ class Mismatch(Exception):
     """What a part found to differ from rose, in one line."""
 
 
-Edit = tuple[str, str]  # (a line of the reference solution, what the mistake writes instead)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (hashed as itself: a Build's known answers are cached by it)
 class KnownWrong:
-    """A mistake learners make, as edits of the reference, and what it does."""
+    """A mistake learners make, as the reference with some of its pieces replaced (see
+    `replaced`: "Class.method" or a module-level name -> the code written wrong), and
+    what it does."""
 
     name: str
-    edits: tuple[Edit, ...]
+    replacements: dict[str, object]
     explanation: str
 
 
@@ -98,43 +99,57 @@ def module_from_source(source: str, name: str) -> types.ModuleType:
     return module
 
 
-def edited(build: Build, edits: tuple[Edit, ...], name: str = "edited") -> types.ModuleType:
-    """The reference solution with `edits` made: a wrong answer to grade."""
-    source = inspect.getsource(build.solution_module())
-    for old, new in edits:
-        count = source.count(old)
-        assert count == 1, f"{build.file_name}: {old!r} occurs {count} times, not once"
-        source = source.replace(old, new)
-    return module_from_source(source, f"rose_build_{build.name}_{name}")
-
-
 def replaced(
     build: Build, replacements: dict[str, object], name: str = "replaced"
 ) -> types.ModuleType:
-    """The reference solution with some of its classes or functions replaced: a wrong
-    answer (or another right one) written as code. A replacing function is rebound to the
-    new module's globals, so it calls the module's own names (what a check swaps in); the
-    helpers it calls that the module lacks come along, rebound the same way."""
+    """The reference solution with some of its classes, functions or methods replaced: a
+    wrong answer (or another right one) written as code. `replacements` maps a module-level
+    name, or "Class.method" for a method of one of its classes, to the code put there. A
+    replacing function (a method too) is rebound to the new module's globals, so it calls
+    the module's own names (what a check swaps in), as if written in the learner's file;
+    the helpers it calls that the module lacks come along, rebound the same way."""
     module = module_from_source(
         inspect.getsource(build.solution_module()), f"rose_build_{build.name}_{name}"
     )
     for attribute, value in replacements.items():
-        assert hasattr(module, attribute), f"{build.file_name} has no {attribute}"
-        setattr(module, attribute, _rebound(value, module.__dict__))
+        owner_name, _, member = attribute.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        assert hasattr(owner, member), f"{build.file_name} has no {attribute}"
+        setattr(owner, member, _rebound(value, module.__dict__))
     return module
 
 
 def _rebound(value: object, namespace: dict[str, object]) -> object:
-    """`value`, a function, reading `namespace` as its globals; whatever else, as it is."""
+    """`value`, a function, reading `namespace` as its globals; whatever else, as it is. A
+    decorated function (`@torch.no_grad()`: a wrapper holding it, functools.wraps) keeps
+    its decorator, and the function inside is rebound too."""
     if not isinstance(value, types.FunctionType):
         return value
+    closure = value.__closure__
+    wrapped = getattr(value, "__wrapped__", None)
+    if closure and isinstance(wrapped, types.FunctionType):
+        inner = _rebound(wrapped, namespace)
+        closure = tuple(
+            types.CellType(inner) if _holds(cell, wrapped) else cell for cell in closure
+        )
     for needed in _global_names(value.__code__):
         if needed not in namespace and needed in value.__globals__:
             namespace[needed] = None  # taken: a helper that calls itself stops here
             namespace[needed] = _rebound(value.__globals__[needed], namespace)
-    return types.FunctionType(
-        value.__code__, namespace, value.__name__, value.__defaults__, value.__closure__
+    function = types.FunctionType(
+        value.__code__, namespace, value.__name__, value.__defaults__, closure
     )
+    function.__kwdefaults__ = value.__kwdefaults__
+    if closure is not value.__closure__:
+        function.__wrapped__ = inner
+    return function
+
+
+def _holds(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -149,7 +164,7 @@ def _global_names(code: types.CodeType) -> set[str]:
 def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object] | None], ...]:
     """Each known wrong answer of `build` with its probe's outcomes (computed once)."""
     return tuple(
-        (wrong, probed(build, edited(build, wrong.edits, wrong.name)))
+        (wrong, probed(build, replaced(build, wrong.replacements, wrong.name)))
         for wrong in build.known_wrong
     )
 

@@ -18,6 +18,7 @@ tolerance; the head stays tied, as in rose.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from torch.nn import functional as F
 
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, first_gap
 from rosecourse.demo import wide_random_init
+from rosecourse.solutions.build_model import Block
 from rosetrainer import model as rose
 from rosetrainer.config import GPTConfig
 from rosetrainer.numerics import logit_tolerance
@@ -188,6 +190,106 @@ def _call(reference: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return reference(x)
 
 
+# ---------------------------------------------------------------------------
+# Known wrong answers: the reference with one method or function written wrong
+# ---------------------------------------------------------------------------
+# Each runs as if written in the learner's file (grading.replaced rebinds it to the
+# module's globals); the names it reads are imported above from the reference solution.
+
+
+def _scaled_by_d(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    # the mistake: was `scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)`
+    scores = (q @ k.transpose(-2, -1)) / head_dim
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+def _future_visible(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    # the mistake: was `allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()`
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).triu()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+def _heads_without_transpose(self, x: torch.Tensor) -> torch.Tensor:
+    B, T, C = x.shape
+    head_dim = C // self.n_head
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    # (B, T, C) -> (B, n_head, T, head_dim): each head its own (T, head_dim) matrix.
+    # the mistake: was `q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)`
+    q = q.reshape(B, self.n_head, T, head_dim)
+    # the mistake: was `k = k.view(B, T, self.n_head, head_dim).transpose(1, 2)`
+    k = k.reshape(B, self.n_head, T, head_dim)
+    # the mistake: was `v = v.view(B, T, self.n_head, head_dim).transpose(1, 2)`
+    v = v.reshape(B, self.n_head, T, head_dim)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    # Query i (a row) may read key j (a column) only when j <= i: the lower triangle.
+    allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    # Back to (B, T, C): the heads side by side along the features.
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.c_proj(y)
+
+
+def _post_ln(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `x = x + self.attn(self.ln_1(x))`
+    x = self.ln_1(x + self.attn(x))
+    # the mistake: was `return x + self.mlp(self.ln_2(x))`
+    return self.ln_2(x + self.mlp(x))
+
+
+def _untied_head(self, config: GPTConfig) -> None:
+    nn.Module.__init__(self)
+    self.transformer = nn.ModuleDict(
+        dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        )
+    )
+    self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+    # the mistake: `self.lm_head.weight = self.transformer.wte.weight` left out
+
+
+def _positions_missing(self, idx: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `x = self.transformer.wte(idx) + self.transformer.wpe(positions)`
+    x = self.transformer.wte(idx)
+    for block in self.transformer.h:
+        x = block(x)
+    return self.lm_head(self.transformer.ln_f(x))
+
+
+def _exact_gelu(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: was `return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))`
+    return self.c_proj(F.gelu(self.c_fc(x)))
+
+
 MODEL = Build(
     name="model",
     chapters="00",
@@ -205,57 +307,43 @@ MODEL = Build(
     known_wrong=(
         KnownWrong(
             "scaled_by_d",
-            (("/ math.sqrt(head_dim)", "/ head_dim"),),
+            {"CausalSelfAttention.forward": _scaled_by_d},
             "the scores are divided by head_dim; the paper divides by its square root",
         ),
         KnownWrong(
             "future_visible",
-            (("device=x.device).tril()", "device=x.device).triu()"),),
+            {"CausalSelfAttention.forward": _future_visible},
             "the mask keeps the upper triangle: each query sees itself and the future, "
             "not the past",
         ),
         KnownWrong(
             "heads_without_transpose",
-            tuple(
-                (
-                    f"{t} = {t}.view(B, T, self.n_head, head_dim).transpose(1, 2)",
-                    f"{t} = {t}.reshape(B, self.n_head, T, head_dim)",
-                )
-                for t in "qkv"
-            ),
+            {"CausalSelfAttention.forward": _heads_without_transpose},
             "the heads are cut by reshaping to (B, n_head, T, head_dim) straight away: each "
             "'head' then mixes positions and features; split the features into heads "
             "(B, T, n_head, head_dim), then swap the time and head axes",
         ),
         KnownWrong(
             "post_ln",
-            (
-                ("x = x + self.attn(self.ln_1(x))", "x = self.ln_1(x + self.attn(x))"),
-                ("return x + self.mlp(self.ln_2(x))", "return self.ln_2(x + self.mlp(x))"),
-            ),
+            {"Block.forward": _post_ln},
             "the layer norms come after each residual sum (the original transformer's "
             "post-LN); GPT-2 normalises what each half reads, and adds to x unnormalised",
         ),
         KnownWrong(
             "untied_head",
-            (("        self.lm_head.weight = self.transformer.wte.weight\n", ""),),
+            {"GPT.__init__": _untied_head},
             "lm_head has a weight of its own: rose's loads into it, but training moves the "
             "two apart (see wte's gradient); tie it to the token embedding",
         ),
         KnownWrong(
             "positions_missing",
-            (
-                (
-                    "self.transformer.wte(idx) + self.transformer.wpe(positions)",
-                    "self.transformer.wte(idx)",
-                ),
-            ),
+            {"GPT.forward": _positions_missing},
             "the position embeddings are never added: every token looks the same wherever "
             "it stands",
         ),
         KnownWrong(
             "exact_gelu",
-            (('F.gelu(self.c_fc(x), approximate="tanh")', "F.gelu(self.c_fc(x))"),),
+            {"MLP.forward": _exact_gelu},
             "the GELU is the exact (erf) one; GPT-2 uses the tanh approximation "
             '(approximate="tanh")',
         ),

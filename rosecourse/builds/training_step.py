@@ -29,8 +29,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.solutions.build_training_step import clip_gradients, learning_rate
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.data import get_batch
 from rosetrainer.model import GPT
@@ -284,6 +286,84 @@ def _probe(module: types.ModuleType) -> list[object]:
     return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms, clipped]
 
 
+# ---------------------------------------------------------------------------
+# Known wrong answers: the reference with one method or function written wrong
+# ---------------------------------------------------------------------------
+# Each runs as if written in the learner's file (grading.replaced rebinds it to the
+# module's globals); the names it reads are imported above from the reference solution.
+
+
+def _decay_on_layernorm(model: nn.Module, weight_decay: float) -> list[dict]:
+    # the mistake: was `decay = [p for p in params if p.dim() >= 2]` and `no_decay = [p for p in
+    # params if p.dim() < 2]`, params the parameters that require a gradient
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if not n.endswith("bias")]
+    no_decay = [p for n, p in named if n.endswith("bias")]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _unscaled_accumulation(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        # the mistake: was `loss = model(x, y).loss / cfg.grad_accum_steps`
+        loss = model(x, y).loss
+        loss.backward()
+        # the mistake: was `total += loss.item()`
+        total += loss.item() / cfg.grad_accum_steps
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def _clipped_after_the_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+) -> tuple[float, float]:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    # the mistake: was `norm = clip_gradients(model.parameters(), max_norm) optimizer.step()`
+    optimizer.step()
+    norm = clip_gradients(model.parameters(), max_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def _schedule_one_step_off(step: int, cfg: TrainConfig) -> float:
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        # the mistake: was `return cfg.learning_rate * (step + 1) / cfg.warmup_steps`
+        return cfg.learning_rate * step / cfg.warmup_steps
+    if step >= decay_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+
+
 TRAINING_STEP = Build(
     name="training_step",
     chapters="00",
@@ -303,51 +383,25 @@ TRAINING_STEP = Build(
     known_wrong=(
         KnownWrong(
             "decay_on_layernorm",
-            (
-                (
-                    "    decay = [p for p in params if p.dim() >= 2]\n"
-                    "    no_decay = [p for p in params if p.dim() < 2]\n",
-                    "    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]\n"
-                    '    decay = [p for n, p in named if not n.endswith("bias")]\n'
-                    '    no_decay = [p for n, p in named if n.endswith("bias")]\n',
-                ),
-            ),
+            {"parameter_groups": _decay_on_layernorm},
             "the LayerNorm weights decay: weight decay pulls a LayerNorm's gain toward 0; "
             "decay only the matrices (two dimensions or more)",
         ),
         KnownWrong(
             "unscaled_accumulation",
-            (
-                ("loss = model(x, y).loss / cfg.grad_accum_steps", "loss = model(x, y).loss"),
-                (
-                    "        total += loss.item()\n",
-                    "        total += loss.item() / cfg.grad_accum_steps\n",
-                ),
-            ),  # fmt: skip
+            {"train_step": _unscaled_accumulation},  # fmt: skip
             "each micro-batch's loss is backpropagated unscaled: the gradients add up to the "
             "sum of the micro-batches' losses, not their mean (clipping then sees them "
             "grad_accum_steps times too large)",
         ),
         KnownWrong(
             "clipped_after_the_step",
-            (
-                (
-                    "    norm = clip_gradients(model.parameters(), max_norm)\n"
-                    "    optimizer.step()\n",
-                    "    optimizer.step()\n"
-                    "    norm = clip_gradients(model.parameters(), max_norm)\n",
-                ),
-            ),
+            {"train_step": _clipped_after_the_step},
             "the gradients are clipped after the optimizer's step has used them: clip first",
         ),
         KnownWrong(
             "schedule_one_step_off",
-            (
-                (
-                    "cfg.learning_rate * (step + 1) / cfg.warmup_steps",
-                    "cfg.learning_rate * step / cfg.warmup_steps",
-                ),
-            ),  # fmt: skip
+            {"learning_rate": _schedule_one_step_off},  # fmt: skip
             "the warmup starts at 0: the first step (step 0) must already take "
             "learning_rate / warmup_steps, and step warmup_steps - 1 the full rate",
         ),
