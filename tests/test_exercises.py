@@ -133,3 +133,29 @@ def test_an_unknown_wrong_answer_gets_the_exercise_own_explanation() -> None:
     assert not result.passed and result.step == 0
     assert result.explanation.startswith(ch04_position_ids.EXERCISE.fallback)
     assert str(result).startswith("position_ids: FAILED at step 0 (the prefill's token): ")
+
+
+def test_a_broken_pool_says_which_invariant_and_after_which_step(monkeypatch) -> None:
+    from rosecourse.exercises import engine
+    from roseinfer.engine.block_manager import BlockManager, check_pool
+
+    # Block 3 evictable under a key the prefix cache maps to block 2: check_pool's reason.
+    manager = BlockManager(4, 2)
+    manager.free_ids.remove(3)
+    manager.blocks[3].hash = b"key"
+    manager.evictable[3] = None
+    manager.cached[b"key"] = 2
+    with pytest.raises(AssertionError, match="maps that key to 2"):
+        check_pool(manager, [])
+
+    # An engine exercise's run says it in one sentence: after which step, which invariant.
+    def broken(*args: object) -> None:
+        raise AssertionError("block 1: ref_count 2, held by 1 table(s)")
+
+    monkeypatch.setattr(engine, "check_pool", broken)
+    requests = [(list(engine.chapter_prompts()[0]), engine.greedy(2))]
+    with pytest.raises(engine.PoolBroken) as raised:
+        engine.drive(engine.make_engine(), requests, lambda *_: None)
+    assert str(raised.value) == (
+        "after engine step 0, the pool's invariants break: block 1: ref_count 2, held by 1 table(s)"
+    )

@@ -89,13 +89,23 @@ def drive(
                 on_token(ids.index(output.request_id), token)
         steps.append(observe(engine, outputs))
         runner = engine.runner
-        check_pool(
-            engine.block_manager,
-            list(engine.requests.values()),
-            runner.written_slots,
-            runner.writer_tables,
-        )
+        try:
+            check_pool(
+                engine.block_manager,
+                list(engine.requests.values()),
+                runner.written_slots,
+                runner.writer_tables,
+            )
+        except AssertionError as error:  # one sentence: which step, which invariant
+            raise PoolBroken(
+                f"after engine step {len(steps) - 1}, the pool's invariants break: {error}"
+            ) from None
     return EngineRun(tokens, steps)
+
+
+class PoolBroken(Exception):
+    """The block pool's invariants (check_pool) broke after an engine step: its message
+    says after which step and which invariant."""
 
 
 def greedy(max_tokens: int = ENGINE_NEW, **options: object) -> SamplingParams:

@@ -284,7 +284,11 @@ def check_pool(
         "num_used counts blocks, and a block shared by several tables is one block"
     )
     for block_id in cached:
-        assert manager.cached.get(manager.blocks[block_id].hash) == block_id
+        key = manager.blocks[block_id].hash
+        assert manager.cached.get(key) == block_id, (
+            f"block {block_id} is evictable with its key, but `cached` maps that key to "
+            f"{manager.cached.get(key)}: the prefix cache would serve another block's KV"
+        )
     for block_id in {slot // manager.kv_block_size for slot in written_slots}:
         writers = sum(block_id in table for table in writer_tables)
         assert writers == 1 and holders[block_id] <= 1, (
