@@ -129,7 +129,7 @@ def test_tiny_offload_bench_prints_one_table_with_equal_tokens(
 def test_quick_kernels_bench_times_both_forms_of_every_choice(
     capsys: pytest.CaptureFixture, one_torch_thread: None
 ) -> None:
-    from benchmarks import kernels
+    from benchmarks import kernel_choices as kernels
 
     assert kernels.main(["--quick", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)

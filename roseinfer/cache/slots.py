@@ -25,7 +25,7 @@ many one-row products). In bfloat16 the values are laid out like the keys, the f
 oneDNN's bfloat16 product is fastest on. `DecodeSlots.attend` writes the step's new keys
 and values and computes the rows' attention in the form their layout wants
 (`slot_attention`). What each choice saved was measured (docs/benchmarks.md, "Figures
-behind the code"; `python -m benchmarks.kernels` repeats it).
+behind the code"; `python -m benchmarks.kernel_choices` repeats it).
 
 A sequence gets a row the first step it decodes (its context copied from the pool
 once) and keeps it while it decodes step after step; a sequence that was not in a

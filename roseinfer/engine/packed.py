@@ -6,7 +6,7 @@ it out for its kernel on every call; for so few rows that work rivals the produc
 itself. oneDNN (the CPU library PyTorch ships with) can lay each weight out once, for
 the row count expected, and then read it straight through, which takes a decode step's
 products much less time (docs/benchmarks.md, "Figures behind the code", has the
-measurements; `python -m benchmarks.kernels` repeats them). These are operations
+measurements; `python -m benchmarks.kernel_choices` repeats them). These are operations
 PyTorch's compiler (inductor) emits for a CPU model whose weights it freezes; here they
 are called directly, without compiling anything.
 

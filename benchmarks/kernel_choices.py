@@ -1,4 +1,7 @@
-"""python -m benchmarks.kernels: the measurements behind the kernel choices the code makes.
+"""python -m benchmarks.kernel_choices: the measurements behind the kernel choices the code makes.
+
+(Not kernels.py: vllm_runner.py runs as a script from this folder, so the folder is first on
+its path, and transformers imports a package named `kernels` there: vLLM failed to start.)
 
 The code says why it takes one form of an operation over another; how much that saved on
 one machine belongs here, where it can be measured again. Each row times the two forms
@@ -38,7 +41,7 @@ from roseinfer.cache.slots import slot_attention
 from roseinfer.engine.packed import PackedLinear, bfloat16_packing_supported
 from rosetrainer.errors import ArgumentParser, run_cli
 
-PROG = "benchmarks.kernels"
+PROG = "benchmarks.kernel_choices"
 
 
 @dataclass
