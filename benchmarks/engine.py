@@ -23,9 +23,9 @@ static preallocation), and a shared-prefix workload's prefill saved by the prefi
 
 Then the decode floor: for 32 and 64 running sequences (built directly: prompts of
 --floor-context tokens, read first), the engine's decode steps timed with each decode
-attention ("fast": the contiguous decode slots, "gather": the blocks gathered every
-step) and with the linear layers' weights packed for oneDNN (the default on a CPU) or
-read as stored, beside what a step cannot beat: the bytes it must read (every weight once, and
+attention ("kernel": the pool's blocks read in place by the compiled kernel, "gather":
+the blocks gathered every step) and with the linear layers' weights packed for oneDNN
+(the default on a CPU) or read as stored, beside what a step cannot beat: the bytes it must read (every weight once, and
 each live sequence's keys and values) over the streaming bandwidth measured here, and
 its floating-point work at the matrix-product rate measured here; "x floor" is the step
 over the larger of the two. Nor can a step beat its serial floor, which is never below
@@ -250,7 +250,7 @@ class EngineRun:
     outputs: list[list[int]]
     engine: LLMEngine
     steps: int
-    held_bytes: float  # summed over steps: pool bytes held by live sequences, decode slots'
+    held_bytes: float  # summed over steps: pool bytes held by live sequences
     live_tokens: int  # summed over steps: tokens those sequences hold
 
 
@@ -280,9 +280,8 @@ def run_engine(
             ids.extend(engine.add_request(prompt, params_for(n)) for prompt, n in later)
             later = []
         seen["steps"] += 1
-        # the pool's blocks in use, and the decode slots (the decoding sequences' copy)
-        used = engine.block_manager.num_used * block_bytes + engine.runner.decode_slot_bytes
-        seen["held_bytes"] += used
+        # the pool's blocks in use (the only copy of the keys and values)
+        seen["held_bytes"] += engine.block_manager.num_used * block_bytes
         seen["live_tokens"] += sum(seq.num_computed_tokens for seq in engine.scheduler.running)
 
     done = {output.request_id: output.token_ids for output in engine.drain(after_step)}
@@ -371,13 +370,13 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
 
     One engine per n reads the prompts once; its decode steps then run through one model
     runner per decode attention in turn, over the same pool and sequences (the first step
-    of each is left out: the fast one fills its rows then)."""
+    of each is left out)."""
     quick = args.quick
     device = str(args.device)
     bandwidth = streaming_read_bandwidth(device, (64 if quick else 1024) << 20)
     rate = matmul_rate(device, 256 if quick else 1024)
     # (attention, weights packed for oneDNN): the engine's default first
-    variants = [("fast", True), ("fast", False), ("gather", False)]
+    variants = [("kernel", True), ("kernel", False), ("gather", False)]
     prefill_steps = -(
         -max(args.floor_seqs) * args.floor_context // config["max_num_batched_tokens"]
     )
@@ -531,10 +530,11 @@ def bench(argv: list[str] | None = None) -> int:
         )
     paged = engine_run.held_bytes / max(engine_run.live_tokens, 1)
     static = static_held_per_token(model, requests, args.batch_size)
+    one_token = kv_bytes_per_token(config, "auto", itemsize=model.lm_head.weight.element_size())
     say(
-        f"KV bytes held per live token: paged (pool + decode slots) {paged:,.0f}, static batches {static:,.0f} "
-        f"({static / paged:.2f}x); exactly one token's keys and values: "
-        f"{2 * config.n_layer * config.n_embd * 4:,}"
+        f"KV bytes held per live token: paged (the pool, its only copy) {paged:,.0f} "
+        f"({paged / one_token:.2f}x one token's keys and values, {one_token:,}), "
+        f"static batches {static:,.0f} ({static / paged:.2f}x)"
     )
     prefix_report(model, tokenizer, work, args.seed, engine_config)
     with torch.inference_mode():

@@ -14,11 +14,11 @@ prints their median times and the ratio (the other form's time over rose's):
   (rose, roseinfer/engine/packed.py) against PyTorch's product on the weight as stored;
 * mlp gelu: the MLP's first product with its GELU done by the packed product (rose)
   against the packed product, then the GELU (32 and 500 rows);
-* slot view (bfloat16): a decode step's scores over decode slots read whole (rose,
-  roseinfer/cache/slots.py) against a view cut to the step's width;
-* values (float32): the attention weights times values stored transposed, matrix first
-  (rose, roseinfer/cache/slots.py `slot_attention`) against values laid out like the
-  keys; values (bfloat16): the other way round, as rose stores them in bfloat16.
+* decode attention (float32, bfloat16): one layer of a decode step's attention, 32
+  sequences over their blocks in a shuffled paged pool, read in place by the compiled
+  kernel (rose, roseinfer/cache/kernels.py) against the blocks gathered, then attended
+  in PyTorch (`one_query_attention`; EngineConfig(attention="gather")). Left out, saying
+  so, where the kernel cannot be built.
 
 A form this CPU cannot run (oneDNN without bfloat16 kernels) is left out, saying so.
 docs/benchmarks.md ("Figures behind the code") holds the figures and their machines.
@@ -37,9 +37,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from roseinfer.cache.slots import slot_attention
+from roseinfer.cache import kernels
+from roseinfer.cache.paged import KVPool
 from roseinfer.engine.packed import PackedLinear, bfloat16_packing_supported
+from rosetrainer.config import GPTConfig
 from rosetrainer.errors import ArgumentParser, run_cli
+from rosetrainer.model import one_query_attention
 
 PROG = "benchmarks.kernel_choices"
 
@@ -51,12 +54,14 @@ class Shapes:
     n_head: int
     vocab: int
     context: int  # tokens each sequence holds
-    capacity: int  # a decode slot's length (the context rounded up)
+    kv_block_size: int  # tokens per block of the paged pool
     wide_rows: int  # the MLP's second row count (a prefill's tokens)
 
 
-GPT2 = Shapes(rows=32, n_embd=768, n_head=12, vocab=50257, context=200, capacity=256, wide_rows=500)
-QUICK = Shapes(rows=4, n_embd=64, n_head=4, vocab=512, context=20, capacity=32, wide_rows=16)
+GPT2 = Shapes(
+    rows=32, n_embd=768, n_head=12, vocab=50257, context=200, kv_block_size=16, wide_rows=500
+)
+QUICK = Shapes(rows=4, n_embd=64, n_head=4, vocab=512, context=20, kv_block_size=4, wide_rows=16)
 
 
 @dataclass
@@ -113,27 +118,36 @@ def pairs(shapes: Shapes, generator: torch.Generator) -> tuple[list[Pair], list[
                  lambda x=x, f=fused: f(x), lambda x=x, p=plain, g=gelu: g(p(x)))
             )  # fmt: skip
 
-    q = randn(s.rows, s.n_head, 1, head_dim, dtype=torch.bfloat16)
-    slots = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=torch.bfloat16)
-    cut = slots[:, :, : s.context]
-    found.append(
-        ("slot scores (bfloat16)", "whole slots", "view cut to the width",
-         lambda: q @ slots.transpose(-2, -1), lambda: q @ cut.transpose(-2, -1))
-    )  # fmt: skip
-
+    blocks_each = -(-s.context // s.kv_block_size)
+    order = torch.randperm(s.rows * blocks_each, generator=generator)
+    tables = order.view(s.rows, blocks_each)  # each sequence's blocks, anywhere in the pool
+    lens = torch.full((s.rows,), s.context)
+    mask = torch.ones(s.rows, 1, 1, blocks_each * s.kv_block_size, dtype=torch.bool)
+    mask[..., s.context :] = False
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        q = randn(s.rows, s.n_head, 1, head_dim, dtype=dtype)
-        k = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
-        like_keys = randn(s.rows, s.n_head, s.capacity, head_dim, dtype=dtype)
-        transposed = like_keys.transpose(-2, -1).contiguous()  # stored (.., head_dim, capacity)
-        forms = {
-            "values transposed": lambda q=q, k=k, v=transposed: slot_attention(q, k, v, None, True),
-            "values like keys": lambda q=q, k=k, v=like_keys: slot_attention(q, k, v, None, False),
-        }
-        rose = "values transposed" if dtype == torch.float32 else "values like keys"
-        other = next(form for form in forms if form != rose)
-        found.append((f"attention values ({name})", rose, other, forms[rose], forms[other]))
+        pool = KVPool(
+            GPTConfig(n_layer=1, n_head=s.n_head, n_embd=s.n_embd),
+            len(order),
+            s.kv_block_size,
+            dtype,
+            torch.device("cpu"),
+        )
+        pool.k[0].copy_(randn(*pool.k[0].shape, dtype=dtype))
+        pool.v[0].copy_(randn(*pool.v[0].shape, dtype=dtype))
+        if not kernels.runs_on(pool):
+            left_out.append(f"decode attention in {name}: the kernel cannot be built here")
+            continue
+        q = randn(s.rows, s.n_head, head_dim, dtype=dtype)
+
+        def in_place(q=q, pool=pool) -> torch.Tensor:
+            return kernels.paged_decode_attention(q, pool.k[0], pool.v[0], tables, lens, None, 0)
+
+        def gathered(q=q, pool=pool) -> torch.Tensor:
+            keys, values = pool.read_tables(0, tables)
+            return one_query_attention(q[:, :, None], keys, values, mask)
+
+        found.append((f"decode attention ({name})", "in place", "gathered", in_place, gathered))
     return found, left_out
 
 

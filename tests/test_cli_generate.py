@@ -211,9 +211,9 @@ BAD_INPUTS = {
         ["--prompt", "a", "--prompt", "b", "--max-num-seqs", "0"],
         "max_num_seqs must be an integer >= 1, got 0",
     ),
-    "decode slots memory that is not a size": (
-        ["--prompt", "a", "--prompt", "b", "--decode-slots-memory", "lots"],
-        "decode_slots_memory must be a byte count or a size like '2GiB'",
+    "an attention the engine does not have": (
+        ["--prompt", "a", "--prompt", "b", "--attention", "fast"],
+        r"argument --attention: invalid choice: 'fast' \(choose from .*'kernel'",
     ),
     "float16 on CPU": (
         ["--device", "cpu", "--dtype", "float16"],
@@ -272,7 +272,7 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
     argv = ["--kv-block-size", "8", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
     argv += ["--kv-cache-memory", "1MiB", "--no-prefix-caching", "--kv-cache-dtype", "int8"]
     argv += ["--kv-cache-window", "0", "--kv-cache-group-size", "16", "--no-pack-weights"]
-    argv += ["--decode-slots-memory", "64MiB"]
+    argv += ["--attention", "gather"]
     wanted = EngineConfig(
         kv_block_size=8,
         max_num_seqs=3,
@@ -283,7 +283,7 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
         kv_cache_window=0,
         kv_cache_group_size=16,
         pack_weights=False,
-        decode_slots_memory="64MiB",
+        attention="gather",
     )
     for front_door in (serve, cli_generate):
         assert engine_config(front_door.build_parser().parse_args(argv)) == wanted

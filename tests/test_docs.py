@@ -395,7 +395,7 @@ def test_search_has_every_page_in_its_index(site: Path) -> None:
     index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
     located = {entry["location"].split("#")[0] for entry in index["docs"]}
     assert {"benchmarks.html", "serving.html", "notebooks/04_position_offsets.html"} <= located
-    assert any("decode slots" in entry["text"].lower() for entry in index["docs"])
+    assert any("paged attention kernel" in entry["text"].lower() for entry in index["docs"])
 
 
 def stored_outputs(notebook: Path) -> tuple[list[str], int]:
@@ -476,7 +476,7 @@ def test_a_chapter_renders_in_a_browser_with_its_output_and_search(served: str) 
         # Search, in the browser, over the index the build wrote.
         query = browser.find_element(By.CSS_SELECTOR, "input[data-md-component='search-query']")
         query.click()
-        query.send_keys("decode slots")
+        query.send_keys("paged attention kernel")
         WebDriverWait(browser, 30).until(
             lambda _: any(
                 "engine.html" in (link.get_attribute("href") or "")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -29,8 +30,8 @@ from models import assert_clear_margins, make_test_model
 from torch import nn
 
 import roseinfer
+from roseinfer.cache import kernels
 from roseinfer.cache import paged as paged_cache
-from roseinfer.cache import slots as slots_module
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
@@ -92,14 +93,10 @@ def run_to_end(
     return finished
 
 
-def note_the_road(engine: LLMEngine, seen: set[str], budget: int | None = None) -> None:
-    """After a step: which road the step's decode took (and the slots within budget)."""
-    slots = engine.runner.slots
-    if budget is not None:
-        assert slots.nbytes <= budget
-    # (after the last request the slots are given back: nothing to tell there)
-    if engine.runner.num_decode and engine.requests:
-        seen.add("slots" if slots is not None and slots.owners else "gather")
+def note_the_road(engine: LLMEngine, seen: set[str]) -> None:
+    """After a step: which road the step's decode rows took (in place, or gathered)."""
+    if engine.runner.num_decode:
+        seen.add("kernel" if engine.runner.in_place else "gather")
 
 
 # ---------------------------------------------------------------------------
@@ -313,8 +310,8 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
 
 
 def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
-    """Both decode reads ("fast": the decode slots, "gather": the blocks gathered every
-    step) against the readable reference, chapter 11's gather-then-attend cache
+    """Both decode reads ("kernel": the blocks read in place, "gather": the blocks gathered
+    every step) against the readable reference, chapter 11's gather-then-attend cache
     (`FlatPagedKVCache`: every key of the step's sequences side by side under one mask)
     swapped in for the engine's."""
     rng = random.Random(2)
@@ -334,10 +331,8 @@ def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
             watch = functools.partial(note_the_road, engine, roads)
             finished = run_to_end(engine, after_step=watch)
         runs[attention] = [finished[i] for i in ids]
-        # "fast" decodes through the slots (a budget too small would make it gather)
-        assert (
-            roads == {"fast": {"slots"}, "gather": {"gather"}, "reference": {"gather"}}[attention]
-        )
+        # (the kernel builds on this machine: a test below takes the road without it)
+        assert roads == {"kernel": {"kernel"}}.get(attention, {"gather"})
     for attention in ATTENTIONS:
         for fast, reference in zip(runs[attention], runs["reference"], strict=True):
             assert fast.token_ids == reference.token_ids
@@ -370,134 +365,122 @@ def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, atte
     assert mixed >= 3  # steps with decodes and prompt chunks both
 
 
-@pytest.mark.parametrize("transposed", [True, False], ids=["values-transposed", "values-as-keys"])
-def test_decode_slots_hold_each_decoding_sequence_contiguous(model, tokenizer, transposed) -> None:
-    """The fast path's rows are the pool's keys and values, copied in order: after every
-    step, row r holds exactly what row r's sequence's blocks hold, in every layer; rows
-    follow the sequences that decode, and nothing else is allocated on the way; every
-    request gets its solo tokens. Both layouts of the values (float32 stores them
-    transposed, bfloat16 like the keys), each here in float32, where tokens are exact."""
-    rng = random.Random(3)
-    layout = (torch.float32,) if transposed else ()
-    with mock.patch.object(slots_module, "TRANSPOSED_VALUES", layout):
-        engine = engine_for(model, tokenizer, num_kv_blocks=80, max_num_seqs=4)
-    slots = engine.runner.slots
-    assert slots.values_transposed == transposed
-    requests = {}
-    for length in (9, 3, 17, 5, 12):
-        prompt = [rng.randrange(512) for _ in range(length)]
-        params = SamplingParams(max_tokens=rng.randrange(2, 14))
-        requests[engine.add_request(prompt, params)] = (prompt, params)
-    most_rows = 0
-    finished = {}
-    while engine.has_unfinished():
-        finished |= {out.request_id: out for out in engine.step() if out.finished}
-        decoding = [seq for seq in engine.last_batch.seqs if seq in slots.owners]
-        most_rows = max(most_rows, len(slots.owners))
-        assert len(decoding) == len(slots.owners)
-        for row, (seq, held) in enumerate(zip(slots.owners, slots.held, strict=True)):
-            if seq.request_id not in engine.requests:
-                continue  # finished this step: its blocks are freed (the row goes next step)
-            assert held == seq.num_computed_tokens
-            blocks = torch.tensor(seq.block_table)
-            for layer in range(model.config.n_layer):
-                values = slots.v[layer][row]  # (n_head, head_dim, capacity) if transposed
-                rows = (slots.k[layer][row], values.mT if slots.values_transposed else values)
-                for pool, mine in zip((engine.pool.k, engine.pool.v), rows, strict=True):
-                    context = pool[layer][blocks].transpose(0, 1).flatten(1, 2)[:, :held]
-                    assert torch.equal(mine[:, :held], context)
-    assert most_rows > 1
-    assert slots.k[0].size(0) <= 4  # never more rows than running sequences
-    assert slots.nbytes == 0 and not slots.owners  # no request left: every row given back
-    for request_id, (prompt, params) in requests.items():
-        assert finished[request_id].token_ids == solo(model, tokenizer, prompt, params)
+def kernel_case(
+    seed: int, dtype: torch.dtype, head_dim: int, kv_block_size: int, lens: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """A shuffled pool of one layer, tables for sequences of `lens` tokens, their queries."""
+    generator = torch.Generator().manual_seed(seed)
+    n_head, blocks = 3, [-(-n // kv_block_size) for n in lens]
+    order = torch.randperm(sum(blocks) + 3, generator=generator)
+    tables, start = [], 0
+    for count in blocks:
+        tables.append(order[start : start + count].tolist())
+        start += count
+    shape = (len(order), n_head, kv_block_size, head_dim)
+    k_pool, v_pool = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), n_head, head_dim, generator=generator).to(dtype)
+    return q, k_pool, v_pool, paged_cache.padded_tables(tables, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_slot_attention_is_one_query_attention_in_either_layout(dtype) -> None:
-    """The decode slots' attention (values stored transposed, or laid out as the keys)
-    equals the model's one-query attention, under a mask that hides a different number
-    of keys per row."""
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 4, n, 16, generator=generator).to(dtype) for n in (1, 37, 37))
-    mask = (torch.arange(37)[None, :] <= torch.tensor([36, 20, 0])[:, None])[:, None, None, :]
-    want = gpt.one_query_attention(q, k, v, mask)
-    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
-    for transposed, values in ((False, v), (True, v.transpose(-2, -1).contiguous())):
-        got = slots_module.slot_attention(q, k, values, mask, transposed)
-        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+@pytest.mark.parametrize(("head_dim", "kv_block_size"), [(64, 16), (16, 4), (24, 3)])
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (7, 0), (9, 2)])
+def test_the_kernel_reads_the_blocks_in_place_as_attention_over_them_gathered(
+    dtype, head_dim, kv_block_size, window, sinks
+) -> None:
+    """The compiled kernel's decode attention equals the model's one-query attention over
+    each sequence's blocks gathered in table order (the gather road), masked to its own
+    positions (and its window and sinks): contexts inside one block, ending on a block's
+    edge and across many, in a shuffled pool; GPT-2's head size and others."""
+    lens = [1, kv_block_size, kv_block_size + 1, 5 * kv_block_size - 1, 2, 40]
+    q, k_pool, v_pool, tables = kernel_case(0, dtype, head_dim, kv_block_size, lens)
+    assert kernels.runs_on(SimpleNamespace(k=[k_pool]))
+    lens = torch.tensor(lens)
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, tables, lens, window, sinks)
+    keys, values = (
+        paged_cache.gather_tables(k_pool, tables),
+        paged_cache.gather_tables(v_pool, tables),
+    )
+    positions = torch.arange(keys.size(2))[None, :]
+    mask = gpt.window_mask(lens[:, None] - 1, positions, window, sinks)[:, None, None, :]
+    want = gpt.one_query_attention(q[:, :, None], keys, values, mask)[:, :, 0]
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # (the kernel sums in float32)
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
-def test_decode_slots_follow_the_step_and_give_memory_back(model, tokenizer) -> None:
-    """The rows' buffers hold what the step needs, never over three times that (a long
-    request gone, they shrink); the engine reports their bytes beside the pool's. (Small steps of
-    rows and capacity, so that the test's short contexts show both.)"""
-    with mock.patch.multiple(slots_module, ROW_STEP=2, CAPACITY_STEP=8):
-        engine = engine_for(model, tokenizer, num_kv_blocks=200, max_num_seqs=8)
-    slots = engine.runner.slots
-    long_one = engine.add_request(list(range(40)), SamplingParams(max_tokens=20))
-    for i in range(6):
-        engine.add_request(list(range(i, i + 5)), SamplingParams(max_tokens=30 + i))
-    shrank = False
-    while engine.has_unfinished():
-        before = slots.k[0].shape
-        engine.step()
-        rows, _, capacity, _ = slots.k[0].shape
-        # (a request that finished in this step keeps its row until the next one)
-        if slots.owners and all(seq.request_id in engine.requests for seq in slots.owners):
-            width = max(len(seq.block_table) for seq in slots.owners) * KV_BLOCK
-            assert len(slots.owners) <= rows <= 3 * max(len(slots.owners), 2)
-            assert width <= capacity < width + 2 * 8  # CAPACITY_STEP, patched
-        shrank |= long_one not in engine.requests and capacity < before[2]
-        stats = engine.stats()
-        assert (stats.decode_slot_bytes, stats.kv_pool_bytes) == (slots.nbytes, engine.pool.nbytes)
-    assert shrank  # the long request's capacity went with it
-    assert engine.stats().decode_slot_bytes == 0
-
-
-def test_rows_allocated_ahead_may_hold_anything(model, tokenizer) -> None:
-    """Rows the slots allocate but have not filled are never written (their memory is
-    taken only when used), so they may hold anything: here NaN after every reallocation.
-    A row filled later still gives the solo tokens (its unwritten tail is zeroed: masked
-    keys' values are multiplied by zero, and NaN times zero is NaN)."""
-    original = slots_module.DecodeSlots._fit
-
-    def fit_then_poison(self, rows: int, width: int) -> None:
-        original(self, rows, width)
-        for buffer in self.k + self.v:
-            buffer[len(self.owners) :] = float("nan")
-
-    rng = random.Random(8)
-    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+def test_without_the_kernel_the_engine_gathers_with_the_same_tokens(
+    model, tokenizer, monkeypatch, caplog, tmp_path
+) -> None:
+    """Where the kernel cannot be built (here: no C compiler) the engine says so once and
+    its decode rows gather their blocks: the same tokens; where it runs, decode rows read
+    in place, and no copy of any key or value is kept beside the pool."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
     params = SamplingParams(max_tokens=10)
-    with mock.patch.object(slots_module.DecodeSlots, "_fit", fit_then_poison):
-        engine = engine_for(model, tokenizer, num_kv_blocks=80)
+    runs = {}
+    for buildable in (True, False):
+        kernels.library.cache_clear()
+        if not buildable:
+            monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+            monkeypatch.setenv("ROSE_KERNEL_CACHE", str(tmp_path / "kernels"))
+        with caplog.at_level("WARNING", logger=kernels.__name__):
+            engine = engine_for(model, tokenizer, num_kv_blocks=80)
+            engine_for(model, tokenizer, num_kv_blocks=80)  # said once only
+        notes = [r.getMessage() for r in caplog.records if r.name == kernels.__name__]
+        assert engine.runner.in_place == buildable
+        assert len(notes) == (0 if buildable else 1)
+        assert buildable or "decode steps gather" in notes[0]
         ids = [engine.add_request(p, params) for p in prompts]
-        finished = run_to_end(engine)
-    for i, prompt in zip(ids, prompts, strict=True):
-        assert finished[i].token_ids == solo(model, tokenizer, prompt, params)
+        roads: set[str] = set()
+        finished = run_to_end(engine, after_step=functools.partial(note_the_road, engine, roads))
+        assert roads == {"kernel" if buildable else "gather"}
+        runs[buildable] = [finished[i].token_ids for i in ids]
+        monkeypatch.undo()
+        caplog.clear()
+    kernels.library.cache_clear()
+    assert runs[True] == runs[False] == [solo(model, tokenizer, p, params) for p in prompts]
 
 
-def test_past_the_slots_budget_a_step_gathers_with_the_same_tokens(model, tokenizer) -> None:
-    """The decode slots never take more than decode_slots_memory: a step that would need
-    more reads its decoding sequences through the gather (the slots given up), and every
-    request still gets its solo tokens. Under a budget that holds a few sequences but
-    not all of them, the engine takes both roads in one run. (Rows and capacity sized
-    to the token, so that the buffers follow the step closely.)"""
-    rng = random.Random(6)
-    prompts = [[rng.randrange(512) for _ in range(rng.randrange(10, 30))] for _ in range(6)]
-    params = [SamplingParams(max_tokens=4 + 5 * i) for i in range(6)]
-    per_token = 2 * model.config.n_layer * model.config.n_embd * torch.float32.itemsize
-    for budget, roads in ((1, {"gather"}), (100 * per_token, {"gather", "slots"})):
-        with mock.patch.multiple(slots_module, ROW_STEP=1, CAPACITY_STEP=1):
-            engine = engine_for(model, tokenizer, num_kv_blocks=120, decode_slots_memory=budget)
-        ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
-        seen = set()
-        watch = functools.partial(note_the_road, engine, seen, budget)
-        finished = run_to_end(engine, after_step=watch)
-        assert seen == roads
-        for i, prompt, q in zip(ids, prompts, params, strict=True):
-            assert finished[i].token_ids == solo(model, tokenizer, prompt, q)
+@pytest.mark.slow
+def test_the_kernel_built_for_avx2_gives_the_oracle_tokens(tmp_path) -> None:
+    """ATEN_CPU_CAPABILITY=avx2 (what PyTorch runs on an AVX2-only CPU) builds the kernel for
+    x86-64-v3: an engine in float32 and in bfloat16 decodes in place with it, float32's
+    tokens the uncached oracle's."""
+    script = (
+        "import torch\n"
+        "from models import make_test_model\n"
+        "from roseinfer.cache import kernels\n"
+        "from roseinfer.engine import LLM\n"
+        "from roseinfer.loops.generate import generate\n"
+        "from roseinfer.request.sampling import SamplingParams\n"
+        "from rosetrainer.tokenizer import Tokenizer\n"
+        "assert '-march=x86-64-v3' in kernels.build_flags(), kernels.build_flags()\n"
+        "model = make_test_model(0, block_size=64)\n"
+        "params = SamplingParams(max_tokens=12)\n"
+        "prompts = [[1, 2, 3], list(range(40, 70))]\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    llm = LLM.from_model(model.to(dtype), Tokenizer('gpt2'), kv_block_size=4)\n"
+        "    assert llm.engine.runner.in_place\n"
+        "    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]\n"
+        "    if dtype == torch.float32:\n"
+        "        want = [generate(model, p, params, use_cache=False).token_ids for p in prompts]\n"
+        "        assert got == want, (got, want)\n"
+        "print('ok')\n"
+    )
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ROSE_KERNEL_CACHE": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), str(Path(roseinfer.__file__).parents[1])]
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    assert len(list(tmp_path.glob("paged_attention-*.so"))) == 1
 
 
 def test_packed_weights_are_a_view_of_the_model_with_the_oracle_tokens(model, tokenizer) -> None:

@@ -160,14 +160,14 @@ def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     prefilled = [int(line.split("prefilled ")[1].split(",")[0]) for line in (off, on)]
     assert prefilled[1] < prefilled[0]
     assert "same tokens with and without: True" in out
-    # The decode floor: the fast attention with packed and plain weights, and the gather
+    # The decode floor: the in-place kernel with packed and plain weights, and the gather
     # one, at 2 and 4 running sequences, each step beside a positive floor (the bytes it
     # reads over the bandwidth measured), and the serial floor, never below it.
     floor = [line.split() for line in out.split("decode floor:")[1].splitlines()[2:]]
     assert [tuple(row[:3]) for row in floor] == [
         (n, attention, weights)
         for n in ("2", "4")
-        for attention, weights in (("fast", "packed"), ("fast", "plain"), ("gather", "plain"))
+        for attention, weights in (("kernel", "packed"), ("kernel", "plain"), ("gather", "plain"))
     ], out
     for row in floor:
         step_ms, byte_floor_ms, flop_floor_ms = float(row[3]), float(row[6]), float(row[8])

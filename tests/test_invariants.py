@@ -101,7 +101,8 @@ def test_the_naive_functions_are_the_bugs_they_name() -> None:
 def test_one_query_attention_is_sdpa(dtype: torch.dtype) -> None:
     """The decode step's written-out attention equals SDPA's for one query: over every key,
     and under a padding mask that hides a different number of keys per row; with the
-    values laid out as usual and stored transposed (as the engine's decode slots hold them)."""
+    values laid out as usual and stored transposed (a view whose last dimension is not the
+    contiguous one)."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, n, 16, generator=generator) for n in (1, 37, 37))
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

@@ -381,8 +381,8 @@ def test_metrics_counters_move_with_a_request(client: openai.OpenAI, server: Ser
         assert moved[f"rose_{histogram}_seconds_count"] == 1
         assert moved[f"rose_{histogram}_seconds_sum"] > 0
     assert after["rose_kv_blocks_used"] == 0 and after["rose_kv_blocks_total"] > 0
-    # idle: the pool stays allocated, the decode slots are given back
-    assert after["rose_kv_pool_bytes"] > 0 and after["rose_decode_slot_bytes"] == 0
+    # idle: the pool stays allocated (the only copy of the keys and values)
+    assert after["rose_kv_pool_bytes"] > 0
     assert moved["rose_prefix_cache_queries_total"] >= moved["rose_prefix_cache_hits_total"] >= 0
 
 

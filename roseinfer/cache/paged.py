@@ -29,10 +29,11 @@ product with the weights runs once over the step's rows. Attention is the cache'
 step (`rosetrainer.model.AttendingKVCache`): each sequence's queries attend to its own
 keys, read from the pool, never to another sequence's tokens. The sequences that feed
 one token (decoding) come first and attend together, one query per row, each over its
-own blocks (gathered in table order, padded to the longest, the padding masked; or, the
-engine's default, through the decode slots of roseinfer.cache.slots, which keep those
-keys contiguous across steps); each prompt or verify chunk then attends alone over its
-own keys under the bottom-right causal mask. (The readable version that lays every
+own blocks: read where they lie by a compiled kernel on a CPU (roseinfer.cache.kernels:
+no copy of any key or value, the engine's default), or gathered in table order, padded
+to the longest, the padding masked (one copy a step, in PyTorch: anywhere else, or
+asked for). Each prompt or verify chunk then attends alone over its own keys under the
+bottom-right causal mask. (The readable version that lays every
 sequence's keys side by side under one mask that keeps each query to its own sequence
 is chapter 11's, `FlatPagedKVCache` below: the teaching version, and the tests' reference,
 never an engine setting.)
@@ -48,6 +49,7 @@ from typing import Protocol
 
 import torch
 
+from roseinfer.cache import kernels
 from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
@@ -373,9 +375,9 @@ class PagedKVCache:
     block_tables, num_computed, num_new: per sequence, its blocks (enough for
     num_computed + num_new tokens), how many of its tokens the pool already holds, and
     how many new tokens this call feeds. The leading sequences that feed one token each
-    attend together as a decode batch; decode_slots (roseinfer.cache.slots.DecodeSlots),
-    when given, hold those sequences' keys and values in rows 0, 1, .. in that order, and
-    the batch reads them there instead of gathering their blocks.
+    attend together as a decode batch: with in_place, through the compiled kernel reading
+    their blocks where they lie (the caller checked `kernels.runs_on(pool)`), else over
+    their blocks gathered.
     """
 
     def __init__(
@@ -384,7 +386,7 @@ class PagedKVCache:
         block_tables: list[list[int]],
         num_computed: list[int],
         num_new: list[int],
-        decode_slots: DecodeRows | None = None,
+        in_place: bool = False,
     ) -> None:
         self.pool = pool
         self.kv_block_size = pool.kv_block_size
@@ -393,7 +395,7 @@ class PagedKVCache:
         self.num_new = torch.tensor(num_new, dtype=torch.long)
         # the decode batch: the leading sequences that feed one token each
         self.num_decode = next((i for i, n in enumerate(num_new) if n != 1), len(num_new))
-        self.decode_slots = decode_slots
+        self.in_place = in_place
         self.written_slots = torch.zeros(0, dtype=torch.long)
 
     # -- what the model asks of it (rosetrainer.model.AttendingKVCache) --
@@ -411,7 +413,8 @@ class PagedKVCache:
         self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
         self.pool.before_write(self.written_slots)
         self.decode_positions = positions[: self.num_decode]
-        self.decode_mask = self._decode_mask(device) if self.num_decode else None
+        gathered = self.num_decode and not self.in_place
+        self.decode_mask = self._decode_mask(device) if gathered else None
         self.chunks = self._chunks(seq_of_token, positions, device)
         return positions[None, :], None
 
@@ -422,10 +425,9 @@ class PagedKVCache:
         self.pool.write(layer, self.written_slots, new_k, new_v)
         outputs = []
         n = self.num_decode
-        if n:  # one query per row: (n, n_head, 1, head_dim)
-            rows_q = q[0, :, :n].transpose(0, 1)[:, :, None]
-            y = self._decode_attention(layer, rows_q, new_k[:n, :, None], new_v[:n, :, None])
-            outputs.append(y[:, :, 0].transpose(0, 1)[None])
+        if n:  # one query per row: (n, n_head, head_dim)
+            y = self._decode_attention(layer, q[0, :, :n].transpose(0, 1))
+            outputs.append(y.transpose(0, 1)[None])
         for start, end, key_slots, mask in self.chunks:
             keys, values = self.pool.read_slots(layer, key_slots)
             queries = q[:, :, start:end]
@@ -434,18 +436,12 @@ class PagedKVCache:
 
     # -- the decode batch: one query per row, each over its own keys --
 
-    def decode_width(self) -> int:
-        """The keys each decode row reads: its blocks, padded to the longest table (or the
-        decode slots' rows, whole)."""
-        if self.decode_slots is not None:
-            return self.decode_slots.capacity
-        return self.tables.size(1) * self.kv_block_size
-
     def _decode_mask(self, device: torch.device) -> torch.Tensor:
-        """(rows, 1, 1, width): row i sees key j (at position j) of its own keys up to its
-        position, inside its window or a sink."""
+        """For the gathered decode rows: (rows, 1, 1, blocks * kv_block_size), row i sees
+        key j (at position j) of its own keys up to its position, inside its window or a
+        sink (its table's padding and the blocks freed behind a window never)."""
         window, sinks = self.pool.attention_window, self.pool.attention_sinks
-        key_pos = torch.arange(self.decode_width(), device=device)
+        key_pos = torch.arange(self.tables.size(1) * self.kv_block_size, device=device)
         rows = torch.arange(self.num_decode, device=device)
         positions = self.decode_positions
         mask = paged_causal_mask(
@@ -453,14 +449,17 @@ class PagedKVCache:
         )
         return mask[:, None, None, :]
 
-    def _decode_attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """The decode rows' attention: q, k, v (rows, n_head, 1, head_dim) the new ones."""
-        if self.decode_slots is not None:
-            return self.decode_slots.attend(layer, q, k, v, self.decode_positions, self.decode_mask)
-        keys, values = self.pool.read_tables(layer, self.tables[: self.num_decode])
-        return gpt.one_query_attention(q, keys, values, self.decode_mask)
+    def _decode_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The decode rows' attention: q (rows, n_head, head_dim) -> the same shape."""
+        tables, pool = self.tables[: self.num_decode], self.pool
+        if self.in_place:  # every row's blocks read where they lie, nothing copied
+            lens = self.decode_positions + 1  # (each query sees up to its own position)
+            window, sinks = pool.attention_window, pool.attention_sinks
+            return kernels.paged_decode_attention(
+                q, pool.k[layer], pool.v[layer], tables, lens, window, sinks
+            )
+        keys, values = pool.read_tables(layer, tables)  # (rows, n_head, width, head_dim)
+        return gpt.one_query_attention(q[:, :, None], keys, values, self.decode_mask)[:, :, 0]
 
     # -- the chunks: each sequence that feeds several tokens, alone over its own keys --
 
@@ -522,7 +521,7 @@ class FlatPagedKVCache:
         block_tables: list[list[int]],
         num_computed: list[int],
         num_new: list[int],
-        decode_slots: object = None,  # (not read: every key comes from the pool)
+        in_place: bool = False,  # (not read: the flat row attends in the model, over gathered keys)
     ) -> None:
         self.pool = pool
         self.kv_block_size = pool.kv_block_size
@@ -561,19 +560,3 @@ class FlatPagedKVCache:
         self.pool.write(layer, self.written_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         keys, values = self.pool.read_slots(layer, self.key_slots)
         return keys[None], values[None]  # (1, n_head, every key, head_dim)
-
-
-class DecodeRows(Protocol):
-    """What the paged cache asks of the decode slots (roseinfer.cache.slots.DecodeSlots)."""
-
-    capacity: int
-
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor: ...

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from roseinfer.cache.quantized import KV_CACHE_DTYPES
-from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.config import ATTENTIONS, EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine, speculative_engine
 from roseinfer.speculative.drafters import SpeculativeConfig
 from rosetrainer.model import GPT
@@ -66,10 +66,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="do not reuse the KV blocks of prompts' shared prefixes",
     )
     engine.add_argument(
-        "--decode-slots-memory",
-        help="bytes the decode slots may take, e.g. 512MiB: a second copy of the decoding "
-        "requests' keys and values, read without a gather; past it a step gathers from the "
-        "pool (default: as much as the KV pool, at least 64MiB)",
+        "--attention",
+        choices=ATTENTIONS,
+        default=DEFAULTS.attention,
+        help="how decoding requests read their keys and values from the KV pool: 'kernel', "
+        "in place, by a small C kernel built at first use (on a CPU; elsewhere, or without "
+        "a C compiler, it gathers), or 'gather', each request's blocks gathered every step "
+        f"(the same tokens; default: {DEFAULTS.attention})",
     )
     engine.add_argument(
         "--no-pack-weights",
@@ -173,7 +176,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         pack_weights=not args.no_pack_weights,
-        decode_slots_memory=args.decode_slots_memory,
+        attention=args.attention,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_window=kv_cache_window(args),
         kv_cache_group_size=args.kv_cache_group_size,

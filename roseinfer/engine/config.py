@@ -27,11 +27,7 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
 _UNITS["gb"] = 1000**3
-ATTENTIONS = ("fast", "gather")  # see EngineConfig.attention
-# The decode slots' default budget is the pool's size, but never below this: a small
-# pool (a small model, a test's) would otherwise be smaller than the slots' least
-# allocation (8 rows of 64 tokens) and never decode through them.
-MIN_SLOTS_BYTES = 64 * 1024**2
+ATTENTIONS = ("kernel", "gather")  # see EngineConfig.attention
 
 
 @dataclass(frozen=True)
@@ -51,18 +47,15 @@ class EngineConfig:
     # block number used where a physical one belongs cannot pass by luck. None: in order.
     shuffle_blocks_seed: int | None = None
     # How the decoding sequences read their keys and values in a step's one model call
-    # (the same tokens either way): "fast" from the decode slots, kept contiguous across
-    # steps (roseinfer.cache.slots: no per-step copy, a second copy of those keys);
-    # "gather": each sequence's blocks gathered from the pool every step (a quantized
-    # pool always reads so). Prompt and verify chunks read their own keys from the pool.
-    attention: str = "fast"
+    # (the same tokens either way; the pool is the only copy): "kernel", in place, by a
+    # small C kernel compiled at first use (roseinfer.cache.kernels; on a CPU, for a plain
+    # pool: a quantized or GPU pool, or no C compiler, gathers instead); "gather", each
+    # sequence's blocks gathered into one tensor every step, then attention in PyTorch.
+    # Prompt and verify chunks read their own keys from the pool either way.
+    attention: str = "kernel"
     # On a CPU: the model's linear layers run with their weights packed once for oneDNN
     # (roseinfer.engine.packed: about one more copy of the weights, a faster step).
     pack_weights: bool = True
-    # The decode slots ("fast") hold a second copy of the decoding sequences' keys and
-    # values, padded to the longest: at most this many bytes (None: as many as the pool,
-    # and at least MIN_SLOTS_BYTES), past which a step's decode gathers instead.
-    decode_slots_memory: int | str | None = None
     # Record each step's written slots and the writers' block tables (runner.written_slots
     # / writer_tables), so that tests and chapters can check the pool's invariants after
     # every step (block_manager.check_pool); the engine itself checks nothing. Work a
@@ -85,8 +78,6 @@ class EngineConfig:
             raise RoseError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
-        if self.decode_slots_memory is not None:
-            parse_bytes(self.decode_slots_memory, "decode_slots_memory")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise RoseError(
                 f"unknown KV cache dtype {self.kv_cache_dtype!r}: choose one of "
@@ -96,12 +87,6 @@ class EngineConfig:
             raise RoseError(
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
             )
-
-    def slots_bytes(self, pool_bytes: int) -> int:
-        """The decode slots' budget in bytes, beside a pool of pool_bytes."""
-        if self.decode_slots_memory is None:
-            return default_slots_bytes(pool_bytes)
-        return parse_bytes(self.decode_slots_memory, "decode_slots_memory")
 
     def check_model(self, model: GPTConfig) -> None:
         """The settings that depend on the model (a quantized pool's group size)."""
@@ -155,12 +140,6 @@ class EngineConfig:
         full_context = -(-model.block_size // self.kv_block_size)
         cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
         return max(1, min(self.max_num_seqs * full_context, cap))
-
-
-def default_slots_bytes(pool_bytes: int) -> int:
-    """The decode slots' budget when none is given: as much as the pool, at least
-    MIN_SLOTS_BYTES."""
-    return max(pool_bytes, MIN_SLOTS_BYTES)
 
 
 def parse_bytes(size: int | str, name: str = "kv_cache_memory") -> int:

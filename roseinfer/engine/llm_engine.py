@@ -110,7 +110,6 @@ class LLMEngine:
             config.record_writes,
             config.max_num_seqs,
             config.pack_weights,
-            config.slots_bytes(self.pool.nbytes),
         )
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
@@ -193,8 +192,6 @@ class LLMEngine:
         seq.finish("abort")
         self._finish(seq)
         self.aborted.append(seq)
-        if not self.requests:
-            self.runner.release()
 
     # -- one step: schedule -> run -> postprocess --
 
@@ -267,8 +264,6 @@ class LLMEngine:
                 if seq.is_finished:
                     self._finish(seq)
                     del self.requests[seq.request_id]
-            if not self.requests:
-                self.runner.release()
             return [seq.report() for seq in sampling]
 
     def _finish(self, seq: EngineSequence) -> None:
@@ -419,7 +414,6 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             kv_pool_bytes=self.pool.nbytes,
-            decode_slot_bytes=self.runner.decode_slot_bytes,
             speculative=dataclasses.replace(self.speculative_stats)
             if self.speculative_stats is not None
             else None,

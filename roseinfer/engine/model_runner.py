@@ -5,14 +5,15 @@ the scheduled sequences and calls `GPT.forward` with it once, as every other gen
 path calls the model with its cache. One call a step: every new token of every
 scheduled sequence (decoding tokens, prompt chunks, verify chunks) in one flat row with
 its sequence's position and pool slot, so every product with the weights runs once, over
-all of the step's rows. The decoding sequences go first (in the order of their decode
-slots' rows), then the chunks; attention is the cache's own step, each sequence over its
-own keys (roseinfer.cache.paged).
+all of the step's rows. The decoding sequences go first, then the chunks; attention is
+the cache's own step, each sequence over its own keys (roseinfer.cache.paged).
 
 How the decoding sequences read their keys is the one choice (`EngineConfig.attention`):
-"fast" (the default) reads them from `DecodeSlots` (roseinfer.cache.slots), kept
-contiguous across steps; "gather" gathers each sequence's blocks from the pool every
-step. Both give the same tokens (tests check it).
+"kernel" (the default) reads each one's blocks where they lie in the pool with a small
+compiled kernel (roseinfer.cache.kernels: on a CPU, for a plain pool; elsewhere, or
+where it cannot be built, the gather); "gather" gathers each sequence's blocks into one
+tensor every step and attends in PyTorch. Both give the same tokens (tests check it).
+The pool is the only copy of the keys and values.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import time
 
 import torch
 
-from roseinfer.cache.paged import KVPool, PagedKVCache
-from roseinfer.cache.slots import DecodeSlots
-from roseinfer.engine.config import default_slots_bytes
+from roseinfer.cache import kernels
+from roseinfer.cache.paged import KVPool, PagedKVCache, QuantizedKVPool
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
@@ -33,12 +33,11 @@ class ModelRunner:
     def __init__(
         self,
         model: GPT,
-        pool: KVPool,
-        attention: str = "fast",
+        pool: KVPool | QuantizedKVPool,
+        attention: str = "kernel",
         record_writes: bool = False,
         max_num_seqs: int = 64,
         pack_weights: bool = False,
-        slots_memory: int | None = None,
     ) -> None:
         # The model the steps run: on a CPU its linear layers packed once for oneDNN, for
         # the decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
@@ -46,11 +45,8 @@ class ModelRunner:
         self.model = packed_linears(model, max_num_seqs) if packing else model
         self.pool = pool
         self.attention = attention
-        # A quantized pool's old blocks are read dequantized, so its decode rows gather.
-        fast = attention == "fast" and not pool.quantized
-        # The decode slots take at most slots_memory bytes (None: the default budget).
-        budget = default_slots_bytes(pool.nbytes) if slots_memory is None else slots_memory
-        self.slots = DecodeSlots(model.config, max_num_seqs, pool, budget) if fast else None
+        # Decode rows read their blocks in place where the kernel runs on this pool.
+        self.in_place = attention == "kernel" and kernels.runs_on(pool)
         # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
         # and the block tables of the sequences that wrote them, as they were then. Off,
         # a step copies no table and never waits for the device to hand the slots back.
@@ -59,17 +55,6 @@ class ModelRunner:
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time ("model")
         self.num_decode = 0  # the last step's decode batch: sequences feeding one token
-
-    @property
-    def decode_slot_bytes(self) -> int:
-        """What the decode slots hold allocated now (0 without them)."""
-        return self.slots.nbytes if self.slots is not None else 0
-
-    def release(self) -> None:
-        """No request is left: the decode slots give back their rows and memory (while
-        requests run, a finished one's row goes at the next step)."""
-        if self.slots is not None:
-            self.slots.clear()
 
     @torch.inference_mode()
     def run(
@@ -80,7 +65,9 @@ class ModelRunner:
         row each, or, for a sequence carrying drafts, 1 + len(draft_ids) rows (after its
         newest token, then after each draft), consecutive and in the order of the
         sequences returned."""
-        seqs, num_new, slotted = self._order(seqs, num_new)
+        # The decode batch (sequences feeding one token) first, then the chunks.
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
+        seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
         if self.record_writes:
             self.writer_tables = [list(seq.block_table) for seq in seqs]
         cache = PagedKVCache(
@@ -88,7 +75,7 @@ class ModelRunner:
             [seq.block_table for seq in seqs],
             [seq.num_computed_tokens for seq in seqs],
             num_new,
-            self.slots if slotted else None,
+            self.in_place,
         )
         ids = [
             token
@@ -115,30 +102,6 @@ class ModelRunner:
         out = self.model(idx, cache=cache, logits_at=logits_at, validate=False)
         self.seconds = {"model": time.perf_counter() - started}
         self.num_decode = num_new.count(1)  # (they come first)
-        if slotted:
-            self.slots.advance()
         if self.record_writes:
             self.written_slots = cache.written_slots.tolist()
         return [seqs[i] for i in done], out.logits[0]
-
-    def _order(
-        self, seqs: list[EngineSequence], num_new: list[int]
-    ) -> tuple[list[EngineSequence], list[int], bool]:
-        """The step's sequences as the call lays them out: those feeding one token (the
-        decode batch) first, in their decode slots' row order when the slots take them,
-        then the others; and whether the slots take them (within their memory budget)."""
-        decode = [seq for seq, n in zip(seqs, num_new, strict=True) if n == 1]
-        chunks = [(seq, n) for seq, n in zip(seqs, num_new, strict=True) if n != 1]
-        slotted = self.slots is not None and bool(decode)
-        if slotted and not self.slots.fits(decode):
-            # Past the slots' memory budget this step gathers instead (same tokens).
-            if self.slots.nbytes:
-                self.slots.clear()
-            slotted = False
-        if slotted:
-            rows = self.slots.arrange(decode)  # decode row i reads slot row i
-            decode = [seq for _, seq in sorted(zip(rows, decode, strict=True), key=lambda p: p[0])]
-        elif self.slots is not None and not decode:
-            self.slots.arrange([])  # nobody decodes now: every row is given up
-        ordered = decode + [seq for seq, _ in chunks]
-        return ordered, [1] * len(decode) + [n for _, n in chunks], slotted

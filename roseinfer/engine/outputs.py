@@ -50,10 +50,7 @@ class EngineStats:
     num_preemptions: int  # cumulative
     prompt_tokens: int  # cumulative, prompt tokens admitted
     generation_tokens: int  # cumulative, tokens sampled
-    kv_pool_bytes: int  # the pool, allocated once
-    # The decode slots now (roseinfer/cache/slots.py): a second copy of the decoding
-    # sequences' keys and values, padded to the longest; 0 with attention="gather"
-    decode_slot_bytes: int
+    kv_pool_bytes: int  # the pool, allocated once: the only copy of the keys and values
     # Speculative decoding's counts (drafts, drafted and accepted tokens; its acceptance
     # rate and mean accepted length); None when the engine runs without a drafter
     speculative: SpeculativeStats | None = None

@@ -116,7 +116,6 @@ def take_snapshot(engine: LLMEngine, step: int, timeline: list[tuple]) -> dict:
         "prompt_tokens": engine.prompt_tokens,
         "num_preemptions": scheduler.num_preemptions,
         "pool_bytes": engine.pool.nbytes,
-        "decode_slot_bytes": engine.runner.decode_slot_bytes,
         "speculative": speculative_view(engine),
     }
 

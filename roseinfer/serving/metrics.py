@@ -31,10 +31,6 @@ class EngineStatsCollector(Collector):
             "rose_kv_blocks_used": ("KV blocks held by live requests", s.num_kv_blocks_used),
             "rose_kv_blocks_total": ("KV blocks in the pool", s.num_kv_blocks),
             "rose_kv_pool_bytes": ("bytes of the KV pool", s.kv_pool_bytes),
-            "rose_decode_slot_bytes": (
-                "bytes of the decode slots (decoding requests' keys and values, a second copy)",
-                s.decode_slot_bytes,
-            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -145,7 +145,7 @@ function drawPool(snapshot) {
   $("pool-summary").textContent =
     `${n} blocks of ${snapshot.kv_block_size} tokens: ${used} used, ${cached} cached, ` +
     `${n - used - cached} free · step ${snapshot.step} · ${snapshot.num_preemptions} preemptions · ` +
-    `pool ${mib(snapshot.pool_bytes)}, decode slots ${mib(snapshot.decode_slot_bytes)}` +
+    `pool ${mib(snapshot.pool_bytes)}` +
     speculativeText(snapshot.speculative);
 }
 
