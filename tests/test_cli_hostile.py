@@ -120,13 +120,23 @@ def test_course_check_with_a_timeout_past_what_a_wait_takes_is_one_line(
     one_line_exit_2(capsys, course_cli.main, argv, "--timeout", "3e6")
 
 
+@pytest.mark.parametrize("main", [cli_generate.main, cli_serve.main], ids=["generate", "serve"])
+@pytest.mark.parametrize("flag", ["--kv-cache-window", "--kv-cache-group-size"])
+def test_quantized_cache_flags_without_a_quantized_cache_are_refused(
+    capsys: pytest.CaptureFixture, checkpoint: Path, main, flag: str
+) -> None:
+    """The window and the group size shape an int8/int4 cache only: with the default
+    cache they would do nothing, so both tools say so before loading anything."""
+    argv = ["--checkpoint-path", checkpoint, flag, "4"]
+    one_line_exit_2(capsys, main, argv, flag, "--kv-cache-dtype int8 or int4")
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
         (["--cache", "offloaded", "--no-kv-cache"], "--no-kv-cache"),
-        (["--kv-cache-window", "4"], "--kv-cache-window"),
     ],
-    ids=["uncached-offloaded", "window-unquantized"],
+    ids=["uncached-offloaded"],
 )
 def test_generate_flags_that_would_be_ignored_are_refused(
     capsys: pytest.CaptureFixture, checkpoint: Path, flags: list[str], says: str

@@ -19,6 +19,7 @@ from roseinfer.cache.quantized import KV_CACHE_DTYPES
 from roseinfer.engine.config import ATTENTIONS, EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine, speculative_engine
 from roseinfer.speculative.drafters import SpeculativeConfig
+from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -100,7 +101,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--kv-cache-group-size",
         type=int,
-        default=DEFAULTS.kv_cache_group_size,
+        default=None,  # (None: not given; a group size without int8/int4 is refused)
         help="with int8/int4: numbers sharing one scale and zero point; must divide the "
         "head size (the engine groups keys by KV block; "
         f"default: {DEFAULTS.kv_cache_group_size})",
@@ -162,8 +163,32 @@ def engine_from_flags(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace
 
 def kv_cache_window(args: argparse.Namespace) -> int:
     """--kv-cache-window, or the default where it was not given."""
+    check_quantization_flags(args)
     window = args.kv_cache_window
     return DEFAULTS.kv_cache_window if window is None else window
+
+
+def kv_cache_group_size(args: argparse.Namespace) -> int:
+    """--kv-cache-group-size, or the default where it was not given."""
+    check_quantization_flags(args)
+    size = args.kv_cache_group_size
+    return DEFAULTS.kv_cache_group_size if size is None else size
+
+
+def check_quantization_flags(args: argparse.Namespace) -> None:
+    """--kv-cache-window and --kv-cache-group-size shape a quantized cache only: given
+    without --kv-cache-dtype int8 or int4 they would be silently dropped, so say so."""
+    if args.kv_cache_dtype != "auto":
+        return
+    for flag, value in (
+        ("--kv-cache-window", args.kv_cache_window),
+        ("--kv-cache-group-size", args.kv_cache_group_size),
+    ):
+        if value is not None:
+            raise RoseError(
+                f"{flag} shapes a quantized KV cache: add --kv-cache-dtype int8 or int4, "
+                f"or drop {flag}"
+            )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -179,5 +204,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention=args.attention,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_window=kv_cache_window(args),
-        kv_cache_group_size=args.kv_cache_group_size,
+        kv_cache_group_size=kv_cache_group_size(args),
     )

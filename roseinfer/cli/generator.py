@@ -34,12 +34,14 @@ from roseinfer.cache.offloaded import OffloadedKVCache
 from roseinfer.cache.quantized import check_quant_settings, make_kv_cache
 from roseinfer.cache.rolling import RollingKVCache
 from roseinfer.cli.engine_flags import (
+    check_quantization_flags,
     engine_config,
     engine_from_flags,
+    kv_cache_group_size,
     kv_cache_window,
     speculative_config,
 )
-from roseinfer.engine.llm_engine import LLMEngine, RequestOutput
+from roseinfer.engine.llm_engine import LLMEngine, RequestOutput, RequestOutputKind
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loading import load_model_and_tokenizer, model_config_and_tokenizer
 from roseinfer.loops import onnx_generate
@@ -153,7 +155,7 @@ def torch_generator(
     check_quant_settings(
         model.config,
         args.kv_cache_dtype,
-        args.kv_cache_group_size,
+        kv_cache_group_size(args),
         kv_cache_window(args),
         "channel",
     )
@@ -187,7 +189,7 @@ def torch_generator(
     if args.kv_cache_dtype != "auto":
         say(
             "kv cache dtype",
-            f"{args.kv_cache_dtype} (group size {args.kv_cache_group_size}, latest "
+            f"{args.kv_cache_dtype} (group size {kv_cache_group_size(args)}, latest "
             f"{kv_cache_window(args)} tokens exact)",
         )
     if engine is not None:
@@ -214,11 +216,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     if args.no_kv_cache and args.cache:
         raise RoseError(f"--no-kv-cache runs uncached: drop --cache {args.cache} or --no-kv-cache")
     quantized = args.kv_cache_dtype != "auto"
-    if args.kv_cache_window is not None and not quantized:
-        raise RoseError(
-            "--kv-cache-window keeps the latest tokens exact in a quantized cache: add "
-            "--kv-cache-dtype int8 or int4, or drop --kv-cache-window"
-        )
+    check_quantization_flags(args)
     if quantized and (args.no_kv_cache or args.cache in ("concat", "offloaded") or args.onnx):
         raise RoseError(
             f"--kv-cache-dtype {args.kv_cache_dtype} quantizes the static cache or the "
@@ -433,7 +431,7 @@ def make_cache(
         max_len=max_len,
         kv_cache_dtype=args.kv_cache_dtype,
         window=kv_cache_window(args),
-        group_size=args.kv_cache_group_size,
+        group_size=kv_cache_group_size(args),
     )
 
 
@@ -537,7 +535,10 @@ class EngineGenerator(Generator):
     ) -> list[GenerationResult]:
         """(on_token is not heard: the engine tells finished requests only.)"""
         engine = self.engine
-        request_ids = [engine.add_request(ids, self.params) for ids in self.prompt_ids]
+        final_only = RequestOutputKind.FINAL_ONLY  # (the engine makes no other output)
+        request_ids = [
+            engine.add_request(ids, self.params, output_kind=final_only) for ids in self.prompt_ids
+        ]
         index = {request_id: i for i, request_id in enumerate(request_ids)}
         done: dict[str, GenerationResult] = {}
         for output in engine.drain():
