@@ -235,6 +235,25 @@ def test_chat_uses_the_documented_template(
     assert "".join(c.choices[0].delta.content or "" for c in stream) == want
 
 
+@pytest.mark.slow
+def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
+    client: openai.OpenAI,
+) -> None:
+    """OpenAI's default of 16 tokens is the completions endpoint's; a chat request that
+    gives neither max_tokens nor max_completion_tokens may use the rest of the context,
+    as vLLM's chat endpoint allows (it used to stop at 16 here)."""
+    messages = [{"role": "user", "content": "Who is Romeo?"}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == WINDOW
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.completion_tokens == 16
+
+
 def test_a_chat_template_file_replaces_the_default(tmp_path: Path) -> None:
     path = tmp_path / "chat.jinja"
     path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

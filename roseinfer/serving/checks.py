@@ -126,6 +126,12 @@ class RequestChecks:
             raise BadRequest(str(err), param) from None
         return spec, grammar
 
+    def room_left(self, ids: list[int]) -> int:
+        """What a chat request without max_tokens may make: the context left after its
+        prompt, at least 1 (so that a full context is refused by `fits`, with its numbers);
+        16, OpenAI's completions default, for a model whose positions never run out."""
+        return 16 if self.length_limit is None else max(1, self.length_limit - len(ids))
+
     def fits(self, ids: list[int], max_tokens: int, body: SamplingFields) -> None:
         """A completion that cannot fit beside its prompt in the context is refused, as
         vLLM's server refuses it (400), never cut short with finish_reason "length"."""
@@ -169,6 +175,9 @@ class RequestChecks:
                 param="n" if body.n > 1 else "prompt",
             )
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:  # a chat request that gave neither: the rest of the context
+            (ids,) = prompts  # (a chat request is one prompt)
+            max_tokens = self.room_left(ids)
         for ids in prompts:
             self.fits(ids, max_tokens, body)
         per_choice = []

@@ -54,7 +54,6 @@ class SamplingFields(Strict):
     """The fields both endpoints share; the names and defaults are OpenAI's."""
 
     model: str | None = None  # None: the one model this server serves
-    max_tokens: Annotated[int, Field(ge=1)] = 16
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (vLLM's spelling is -1)
@@ -70,6 +69,7 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
+    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default for completions
     # A string, a batch of strings, one list of token ids, or a batch of them.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = (
@@ -86,6 +86,9 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # Neither given: the rest of the context, as vLLM's chat endpoint does (a chat reply
+    # runs until it ends, not 16 tokens in).
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # the newer name
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
