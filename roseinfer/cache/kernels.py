@@ -45,8 +45,15 @@ MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
 
 
 def build_flags() -> list[str]:
-    """The compiler's flags: optimised, OpenMP, the processor's level (x86 only)."""
+    """The compiler's flags: optimised, OpenMP, the processor's level (x86 only).
+
+    -fassociative-math (with the two flags it needs) lets the compiler add a dot
+    product's partial sums as a tree: by default C's left-to-right order holds, and each
+    key's score ends in a chain of 16 dependent scalar additions, which made the kernel
+    bound by that chain (1.3x slower in float32, 1.8x in bfloat16, read from cache). It
+    changes the order of the sums, not what is summed: NaN and infinity keep their rules."""
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+    flags += ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         level = MARCH.get(torch.backends.cpu.get_cpu_capability())
         flags += [f"-march={level}", "-mtune=generic"] if level else ["-march=x86-64"]
