@@ -84,7 +84,7 @@ from rosecourse.roofline import cache_bytes, decode_flops, weight_bytes
 from roseinfer.cache.dense import StaticKVCache
 from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.llm_engine import LLMEngine, RequestOutputKind
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.loading import load_model_and_tokenizer
@@ -214,6 +214,13 @@ def params_for(new_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=new_tokens, ignore_eos=True)
 
 
+def add(engine: LLMEngine, prompt: list[int], new_tokens: int) -> str:
+    """A request for new_tokens tokens, reported only when finished (as LLM.generate's)."""
+    return engine.add_request(
+        prompt, params_for(new_tokens), output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+
 # ---------------------------------------------------------------------------
 # The paths
 # ---------------------------------------------------------------------------
@@ -267,17 +274,14 @@ def run_engine(
     system prompt is, by the first request that brings it)."""
     engine = engine or LLMEngine(model, tokenizer, EngineConfig(**config))
     later = requests[1:] if first_alone else []
-    ids = [
-        engine.add_request(prompt, params_for(n))
-        for prompt, n in requests[: len(requests) - len(later)]
-    ]
+    ids = [add(engine, prompt, n) for prompt, n in requests[: len(requests) - len(later)]]
     block_bytes = engine.pool.nbytes // engine.block_manager.num_blocks
     seen = {"steps": 0, "held_bytes": 0.0, "live_tokens": 0}
 
     def after_step() -> None:
         nonlocal later
         if later and engine.generation_tokens > 0:  # the first prompt is read: the rest arrive
-            ids.extend(engine.add_request(prompt, params_for(n)) for prompt, n in later)
+            ids.extend(add(engine, prompt, n) for prompt, n in later)
             later = []
         seen["steps"] += 1
         # the pool's blocks in use (the only copy of the keys and values)
@@ -407,7 +411,7 @@ def decode_floor(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace, con
         for _ in range(n):
             prompt = [rng.randrange(vocab - 1) for _ in range(context)]
             # Room to run to the context's end: none finishes while it is timed.
-            engine.add_request(prompt, params_for(model.config.block_size - context))
+            add(engine, prompt, model.config.block_size - context)
         while any(not seq.output_ids for seq in engine.requests.values()):  # read the prompts
             engine.step()
         for attention, packed in variants:

@@ -111,7 +111,7 @@ def hook_share(args: argparse.Namespace) -> None:
     import time
 
     from roseinfer.engine.config import EngineConfig
-    from roseinfer.engine.llm_engine import LLMEngine
+    from roseinfer.engine.llm_engine import LLMEngine, RequestOutputKind
     from roseinfer.loading import load_model_and_tokenizer
     from roseinfer.request.sampling_params import SamplingParams
     from roseinfer.serving.live import LiveState
@@ -126,8 +126,8 @@ def hook_share(args: argparse.Namespace) -> None:
     # Round 0 is a warm-up (it also fills the prefix cache, as it stays for later rounds).
     for number in range(args.rounds + 1):
         for watched in (False, True):
-            for prompt in prompts:
-                engine.add_request(prompt, params)
+            for prompt in prompts:  # (DELTA outputs, as rose-serve's)
+                engine.add_request(prompt, params, output_kind=RequestOutputKind.DELTA)
             tokens, step_s, hook_s, sent = engine.generation_tokens, 0.0, 0.0, live.version()
             began = time.perf_counter()
             while engine.has_unfinished():

@@ -33,7 +33,7 @@ import torch
 
 from rosecourse.demo import wide_random_init
 from roseinfer.engine.config import EngineConfig
-from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.engine.llm_engine import LLMEngine, RequestOutputKind
 from roseinfer.request import structured
 from roseinfer.request.sampling_params import SamplingParams, StructuredOutputs
 from rosetrainer.config import GPTConfig
@@ -147,8 +147,8 @@ def decode_steps(
     """The engine's decode steps (seconds) while `batch_size` requests run together."""
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_block_size=16, max_num_seqs=batch_size))
     prompts = [tokenizer.encode(f"Request {i} asks for JSON:") for i in range(batch_size)]
-    for prompt in prompts:
-        engine.add_request(prompt, params)
+    for prompt in prompts:  # (DELTA outputs, as rose-serve's)
+        engine.add_request(prompt, params, output_kind=RequestOutputKind.DELTA)
     steps = []
     with torch.inference_mode():
         while engine.has_unfinished():

@@ -36,10 +36,12 @@ from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
+from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.engine.packed import PackedLinear
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
+from roseinfer.speculative.drafters import ModelDrafter
 from rosetrainer import model as gpt
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
@@ -755,6 +757,72 @@ def test_a_stop_string_ends_the_text_before_it_and_streams_in_pieces(tokenizer) 
     assert (last.request_id, last.finish_reason, last.stop_reason) == (request_id, "stop", stop)
     assert last.text == text[: text.index(stop)] == "".join(pieces)
     assert tokenizer.decode(last.token_ids).startswith(last.text + stop)
+
+
+def test_output_kinds_report_the_same_request(tokenizer) -> None:
+    """Step by step, a DELTA request's outputs are a CUMULATIVE one's without the whole
+    (until it finishes) and add up to it; a FINAL_ONLY request reports once, finished,
+    as the others end. Also with drafts (several tokens a step) and held-back text."""
+    model = make_test_model(1, block_size=CONTEXT, vocab_size=50257)
+    prompt = tokenizer.encode("ROMEO:")
+    free = SamplingParams(max_tokens=30, ignore_eos=True)
+    stop = tokenizer.decode(solo(model, tokenizer, prompt, free))[12:15]
+    params = [dataclasses.replace(free, stop=(stop,), logprobs=2), free]
+    whole = ("prompt_token_ids", "token_ids", "text", "logprobs")
+    times = ("arrival_time", "first_token_time", "finish_time")  # (each run its own)
+
+    def same(a: RequestOutput, b: RequestOutput, fields: tuple[str, ...] = ()) -> bool:
+        return dataclasses.replace(a, **dict.fromkeys(times + fields)) == dataclasses.replace(
+            b, **dict.fromkeys(times + fields)
+        )
+
+    for drafts in (False, True):  # (the model drafts for itself: every draft is accepted)
+        steps: dict[RequestOutputKind, list[list[RequestOutput]]] = {}
+        for kind in RequestOutputKind:
+            drafter = (ModelDrafter(model), 3) if drafts else ()
+            engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=40), *drafter)
+            for i, p in enumerate(params):
+                engine.add_request(prompt, p, request_id=f"r{i}", output_kind=kind)
+            steps[kind] = []
+            while engine.has_unfinished():
+                steps[kind].append(engine.step())
+        cumulative, delta = steps[RequestOutputKind.CUMULATIVE], steps[RequestOutputKind.DELTA]
+        assert len(cumulative) == len(delta)
+        finals = {}
+        for full_step, delta_step in zip(cumulative, delta, strict=True):
+            for full, part in zip(full_step, delta_step, strict=True):
+                assert same(full, part, () if part.finished else whole)
+                assert part.finished or [getattr(part, f) for f in whole] == [None] * 4
+                if full.finished:
+                    finals[full.request_id] = full
+        for request_id, final in finals.items():
+            parts = [out for step in delta for out in step if out.request_id == request_id]
+            assert [t for out in parts for t in out.new_token_ids] == final.token_ids
+            assert "".join(out.new_text for out in parts) == final.text
+            if final.logprobs is not None:
+                assert [lp for out in parts for lp in out.new_logprobs] == final.logprobs
+        several = any(len(out.new_token_ids) > 1 for step in delta for out in step)
+        assert several == drafts
+        final_only = [out for step in steps[RequestOutputKind.FINAL_ONLY] for out in step]
+        assert all(out.finished for out in final_only)
+        assert sorted(out.request_id for out in final_only) == sorted(finals)
+        for out in final_only:
+            assert same(out, finals[out.request_id], ("new_token_ids", "new_text", "new_logprobs"))
+            assert (out.new_token_ids, out.new_text) == (out.token_ids, out.text)
+    assert finals["r0"].stop_reason == stop  # (its text was held back on the way)
+    with pytest.raises(RoseError, match="output_kind"):
+        engine.add_request(prompt, free, output_kind="delta")
+
+
+def test_fed_slice_reads_prompt_output_and_drafts_in_place() -> None:
+    seq = EngineSequence([1, 2, 3], SamplingParams(max_tokens=9))
+    seq.append_token(4)
+    seq.append_token(5)
+    seq.draft_ids = [6, 7]
+    fed = [1, 2, 3, 4, 5, 6, 7]
+    for start in range(len(fed) + 1):
+        for end in range(start, len(fed) + 1):
+            assert seq.fed_slice(start, end) == fed[start:end], (start, end)
 
 
 def test_pool_size_from_bytes_or_blocks(model) -> None:

@@ -400,22 +400,30 @@ def test_a_request_the_engine_fails_gets_a_whole_error_and_the_others_their_toke
     model, tokenizer = checkpoint[1], Tokenizer("gpt2")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256))
     add, step, held, failed = engine.add_request, engine.step, [], []
+    made: dict[str, int] = {}  # each poisoned request's tokens (the server's outputs: deltas)
 
-    def add_poisoned_together(prompt_ids: list[int], params: SamplingParams, rid: str) -> str:
+    def add_poisoned_together(
+        prompt_ids: list[int], params: SamplingParams, rid: str, **kind: object
+    ) -> str:
         # The two poisoned requests enter the engine together, however far apart their
         # HTTP requests arrive (on a busy machine, the second can come after the first
         # has finished): the step that breaks for everyone then holds both of them.
+        if prompt_ids == POISON:
+            made[rid] = 0
         if prompt_ids == POISON and not held:
             held.append((prompt_ids, params, rid))
             return rid
         if prompt_ids == POISON:
-            add(*held[0])
-        return add(prompt_ids, params, rid)
+            add(*held[0], **kind)
+        return add(prompt_ids, params, rid, **kind)
 
     def step_that_fails() -> list:
         outputs = step()
+        for out in outputs:
+            if out.request_id in made:
+                made[out.request_id] += len(out.new_token_ids)
         # A poisoned request fails at its third token: a stream has sent text by then.
-        poisoned = [o for o in outputs if o.prompt_token_ids == POISON and len(o.token_ids) == 3]
+        poisoned = [o for o in outputs if made.get(o.request_id) == 3]
         if everyone and len(poisoned) == 2 and not failed:
             failed.append(True)
             raise RuntimeError("injected: the step broke")

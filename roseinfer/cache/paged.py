@@ -363,9 +363,10 @@ def padded_tables(block_tables: list[list[int]], device: torch.device) -> torch.
     """(num_seqs, longest table) physical block ids; short tables are padded with block 0,
     whose slots the mask then hides."""
     longest = max(map(len, block_tables))
+    rows = [table + [0] * (longest - len(table)) for table in block_tables]
     # A block freed behind a sliding window is -1 in its table; its keys are never read.
-    rows = [[max(b, 0) for b in table] + [0] * (longest - len(table)) for table in block_tables]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    # (Clamped as a tensor: a Python loop over every entry would cost a step far more.)
+    return torch.tensor(rows, dtype=torch.long, device=device).clamp_(min=0)
 
 
 class PagedKVCache:

@@ -8,6 +8,14 @@ results).
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm import LLM
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from roseinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind, TokenLogprob
 
-__all__ = ["LLM", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "TokenLogprob"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputKind",
+    "TokenLogprob",
+]

@@ -168,10 +168,14 @@ class BlockManager:
             return
         first_needed = seq.num_computed_tokens - self.window + 1  # the next query's oldest key
         first_sinkless = -(-self.sinks // self.kv_block_size)
-        for i in range(first_sinkless, max(0, first_needed) // self.kv_block_size):
-            if seq.block_table[i] != FREED:
-                self._give_back(seq.block_table[i])
-                seq.block_table[i] = FREED
+        # Newest first, down to the first block already given back: blocks go back in
+        # order, so every one before it went back too, and a step looks at the few
+        # blocks its sequence left behind since the last, not at its whole table.
+        for i in reversed(range(first_sinkless, max(0, first_needed) // self.kv_block_size)):
+            if seq.block_table[i] == FREED:
+                break
+            self._give_back(seq.block_table[i])
+            seq.block_table[i] = FREED
 
     def release(self, seq: EngineSequence) -> None:
         """Drop every block the sequence holds (finished, aborted or preempted).
@@ -219,10 +223,11 @@ class BlockManager:
         """Key every block of seq that is now full and computed, so others can find it."""
         if not self.enable_prefix_caching:
             return
-        ids = seq.all_ids
-        while len(seq.block_hashes) < seq.num_computed_tokens // self.kv_block_size:
+        size = self.kv_block_size
+        # (Each key is computed once: block_hashes keeps those of the blocks keyed so far.)
+        while len(seq.block_hashes) < seq.num_computed_tokens // size:
             i = len(seq.block_hashes)
-            tokens = tuple(ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
+            tokens = tuple(seq.fed_slice(i * size, (i + 1) * size))  # (computed: never drafts)
             key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens)
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_table[i]]

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import speculative_engine
-from roseinfer.engine.outputs import RequestOutput
+from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.request.sampling import SamplingParams
 from roseinfer.speculative.drafters import SpeculativeConfig
@@ -96,7 +96,12 @@ class LLM:
                 f"give one, or one per prompt"
             )
         engine = self.engine
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        # Only the finished outputs are returned: the engine makes no other.
+        final_only = RequestOutputKind.FINAL_ONLY
+        ids = [
+            engine.add_request(prompt, p, output_kind=final_only)
+            for prompt, p in zip(prompts, params, strict=True)
+        ]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
             for output in engine.drain():

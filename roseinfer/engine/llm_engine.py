@@ -42,7 +42,13 @@ from roseinfer.cache.paged import make_pool
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.model_runner import ModelRunner
-from roseinfer.engine.outputs import EngineStats, RequestOutput, TokenLogprob, token_logprob
+from roseinfer.engine.outputs import (
+    EngineStats,
+    RequestOutput,
+    RequestOutputKind,
+    TokenLogprob,
+    token_logprob,
+)
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
@@ -59,7 +65,7 @@ from rosetrainer.errors import RoseError, one_line
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
-__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "TokenLogprob"]
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestOutputKind", "TokenLogprob"]
 
 
 class LLMEngine:
@@ -122,11 +128,20 @@ class LLMEngine:
     # -- admission --
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> str:
-        """Admit a request and return its id; a bad one raises RoseError and changes nothing."""
+        """Admit a request and return its id; a bad one raises RoseError and changes nothing.
+        output_kind: what its outputs carry (CUMULATIVE: the whole request in every step's
+        output, for looking at it step by step; a server streams DELTA, a caller that
+        wants the finished requests only asks for FINAL_ONLY)."""
         if not isinstance(params, SamplingParams):
             raise RoseError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise RoseError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         prompt_ids = self._prompt_ids(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -153,6 +168,7 @@ class LLMEngine:
             grammar=grammar_for(
                 params.structured_outputs, self.tokenizer, self.model.config.vocab_size
             ),
+            output_kind=output_kind,
         )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -197,8 +213,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one model step; one output per request that made a token or
-        finished (aborted and failed ones included) in it."""
-        outputs = [seq.report() for seq in self.aborted]
+        finished (aborted and failed ones included) in it, a FINAL_ONLY one's only when
+        it finished."""
+        outputs = reports(self.aborted)
         self.aborted = []
         batch = self.schedule()
         if not batch.seqs:
@@ -250,7 +267,11 @@ class LLMEngine:
                 failed(plain[row], error)
 
             plain_seqs = [sampling[i] for i in plain]
-            plain_logits = logits[[firsts[i] for i in plain]]
+            # Their rows; in the usual decode step that is every row, in order, and
+            # indexing would copy all of them (rows x vocab floats) for nothing.
+            plain_rows = [firsts[i] for i in plain]
+            every_row = plain_rows == list(range(len(logits)))
+            plain_logits = logits if every_row else logits[plain_rows]
             tokens = self._sample(plain_logits, plain_seqs, failed_plain)
             took = take_tokens(plain_seqs, tokens, max_len=self.length_limit, on_error=failed_plain)
             self.generation_tokens += len(took)
@@ -264,7 +285,7 @@ class LLMEngine:
                 if seq.is_finished:
                     self._finish(seq)
                     del self.requests[seq.request_id]
-            return [seq.report() for seq in sampling]
+            return reports(sampling)
 
     def _finish(self, seq: EngineSequence) -> None:
         """seq is done: out of the scheduler (its blocks back) and the drafter."""
@@ -418,6 +439,12 @@ class LLMEngine:
             if self.speculative_stats is not None
             else None,
         )
+
+
+def reports(seqs: list[EngineSequence]) -> list[RequestOutput]:
+    """The sequences' outputs, from those whose output kind reports now."""
+    outputs = (seq.report() for seq in seqs)
+    return [output for output in outputs if output is not None]
 
 
 def speculative_engine(

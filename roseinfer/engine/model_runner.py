@@ -80,7 +80,7 @@ class ModelRunner:
         ids = [
             token
             for seq, n in zip(seqs, num_new, strict=True)
-            for token in seq.fed_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
+            for token in seq.fed_slice(seq.num_computed_tokens, seq.num_computed_tokens + n)
         ]
         # A sequence samples after this step if the step feeds its last known token (and
         # its drafts: a verify chunk is its newest token and the drafts).

@@ -1,10 +1,12 @@
-"""What the engine reports: per request (`RequestOutput`, `TokenLogprob`) and for
-itself (`EngineStats`). A request's output is made by `EngineSequence.output`
-(roseinfer/engine/sequence.py); its text by the request's `Detokenizer`."""
+"""What the engine reports: per request (`RequestOutput`, `TokenLogprob`, as its
+`RequestOutputKind` asks) and for itself (`EngineStats`). A request's output is made
+by `EngineSequence.report` (roseinfer/engine/sequence.py); its text by the request's
+`Detokenizer`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -18,15 +20,39 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the params.logprobs likeliest (token_id, logprob), best first
 
 
+class RequestOutputKind(Enum):
+    """What a request's outputs carry (vLLM's `RequestOutputKind`, by the same names).
+
+    Copying a request's whole state costs time that grows with its length; done for
+    every request at every step, it would grow each step's host work with the context.
+    So only CUMULATIVE, for looking at a request step by step, copies it every step.
+    """
+
+    CUMULATIVE = "cumulative"  # every output: what is new, and the whole request so far
+    DELTA = "delta"  # every output: what is new; the finished one: the whole too (rose-serve)
+    FINAL_ONLY = "final_only"  # only the finished output, with the whole (LLM, rose-generate)
+
+
 @dataclass
 class RequestOutput:
+    """One request's report from one engine step.
+
+    The `new_` fields are deltas: what the request made since its previous output (a
+    FINAL_ONLY request's only output: all of it). The whole request so far
+    (`prompt_token_ids`, `token_ids`, `text`, `logprobs`) is in a finished output
+    whatever the kind, and in every output of a CUMULATIVE request; elsewhere it is None.
+    """
+
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated id so far (end-of-text is not kept; a stop id is)
-    new_token_ids: list[int]  # generated in this step
-    text: str  # decoded so far: never half a UTF-8 character, never a (possible) stop string
-    new_text: str  # the part of `text` not reported before
-    logprobs: list[TokenLogprob] | None  # one per generated token so far
+    # The whole request so far (None where this output does not carry it, see above)
+    prompt_token_ids: list[int] | None
+    token_ids: list[int] | None  # generated (end-of-text is not kept; a stop id is)
+    text: str | None  # decoded: never half a UTF-8 character, never a (possible) stop string
+    logprobs: list[TokenLogprob] | None  # one per generated token (None also: not asked for)
+    # Deltas: what is new since the request's previous output
+    new_token_ids: list[int]
+    new_text: str  # the text's next characters (the same rules as `text`)
+    new_logprobs: list[TokenLogprob] | None  # one per new token (None: not asked for)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: int | str | None  # the token id or stop string

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from roseinfer.engine.outputs import RequestOutput, TokenLogprob
+from roseinfer.engine.outputs import RequestOutput, RequestOutputKind, TokenLogprob
 from roseinfer.request.sequence import Sequence
 
 
 @dataclass(eq=False)
 class EngineSequence(Sequence):
+    # What its outputs carry (LLMEngine.add_request's caller chooses).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # BlockManager: its blocks in the pool, their prefix-cache keys, how many of its
     # tokens the pool holds, and how many prompt tokens the prefix cache served.
     block_table: list[int] = field(default_factory=list, init=False, repr=False)
@@ -31,23 +33,37 @@ class EngineSequence(Sequence):
     num_reported_chars: int = field(default=0, init=False, repr=False)
     num_reported_tokens: int = field(default=0, init=False, repr=False)
 
-    @property
-    def fed_ids(self) -> list[int]:
-        """The tokens the pool holds once this step runs: its own, then its drafts."""
-        return self.all_ids + self.draft_ids if self.draft_ids else self.all_ids
+    def fed_slice(self, start: int, end: int) -> list[int]:
+        """Its tokens start..end-1 as the pool holds them once this step runs: the
+        prompt, the output, then its drafts. Read from those lists in place: a step
+        feeds a few tokens of a long sequence, and joining the lists first would copy
+        all of them."""
+        tokens: list[int] = []
+        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+            if end > 0 and start < len(part):
+                tokens += part[max(start, 0) : end]
+            start, end = start - len(part), end - len(part)  # (the next part's indices)
+        return tokens
 
-    def output(self) -> RequestOutput:
-        """The request's state now (a pure read); its `new_` parts are what it has not
-        reported yet."""
-        text = self.visible_text
-        return RequestOutput(
+    def report(self) -> RequestOutput | None:
+        """What the request made since its previous output, and the whole of it where its
+        output kind asks (see RequestOutputKind); None while a FINAL_ONLY request runs.
+        What it returns counts as reported from now on. Only the whole copies anything
+        that grows with the request's length."""
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not self.is_finished:
+            return None
+        whole = self.is_finished or self.output_kind is RequestOutputKind.CUMULATIVE
+        asked_logprobs = self.params.logprobs is not None
+        num_chars = self.num_visible_chars
+        out = RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_ids),
-            token_ids=list(self.output_ids),
+            prompt_token_ids=list(self.prompt_ids) if whole else None,
+            token_ids=list(self.output_ids) if whole else None,
+            text=self.text[:num_chars] if whole else None,
+            logprobs=list(self.logprobs) if whole and asked_logprobs else None,
             new_token_ids=self.output_ids[self.num_reported_tokens :],
-            text=text,
-            new_text=text[self.num_reported_chars :],
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            new_text=self.text[self.num_reported_chars : num_chars],
+            new_logprobs=self.logprobs[self.num_reported_tokens :] if asked_logprobs else None,
             finished=self.is_finished,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
@@ -57,9 +73,5 @@ class EngineSequence(Sequence):
             finish_time=self.finish_time,
             error=self.error,
         )
-
-    def report(self) -> RequestOutput:
-        """`output`, and what it holds counts as reported from now on."""
-        out = self.output()
-        self.num_reported_chars, self.num_reported_tokens = len(out.text), len(out.token_ids)
+        self.num_reported_chars, self.num_reported_tokens = num_chars, len(self.output_ids)
         return out

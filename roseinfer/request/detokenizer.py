@@ -44,15 +44,16 @@ class Detokenizer:
             self.text += self.decode(self.pending)
             self.pending = []
 
-    def visible(self, finished: bool, stopped: bool) -> str:
-        """The text a client may see: up to a stop string that ended the request
-        (`stopped`), else all of it once finished; while running, without a tail that
-        could still grow into a stop string."""
+    def visible_length(self, finished: bool, stopped: bool) -> int:
+        """How much of `text` a client may see (its first characters): up to a stop
+        string that ended the request (`stopped`), else all of it once finished; while
+        running, all but a tail that could still grow into a stop string. A length, not
+        the text: a caller that sends only the new characters copies only those."""
         if stopped and self.stop_at is not None:
-            return self.text[: self.stop_at]
+            return self.stop_at
         if finished:
-            return self.text
-        return self.text[: len(self.text) - held_back(self.text, self.stops)]
+            return len(self.text)
+        return len(self.text) - held_back(self.text, self.stops)
 
     def _add(self, piece: str) -> str | None:
         before = len(self.text)

@@ -122,13 +122,14 @@ class Sequence:
         return "" if self.detokenizer is None else self.detokenizer.text
 
     @property
-    def visible_text(self) -> str:
-        """The text a client may see now: never half a UTF-8 character, never a tail
-        that could still become a stop string; once stopped by a stop string, the text
-        before it."""
+    def num_visible_chars(self) -> int:
+        """How many characters of `text` a client may see now (its first ones): never
+        half a UTF-8 character, never a tail that could still become a stop string;
+        once stopped by a stop string, the text before it."""
         if self.detokenizer is None:
-            return ""
-        return self.detokenizer.visible(self.is_finished, isinstance(self.stop_reason, str))
+            return 0
+        stopped = isinstance(self.stop_reason, str)
+        return self.detokenizer.visible_length(self.is_finished, stopped)
 
     # -- what the loops tell it --
 

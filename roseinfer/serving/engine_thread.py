@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.outputs import RequestOutput
+from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
 
@@ -140,7 +140,14 @@ class EngineThread:
         """Run one command on the engine; True when it asks the thread to stop."""
         if isinstance(command, Add):
             try:
-                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+                # DELTA: each step's output carries only what is new (a stream sends
+                # just that), the finished one the whole request (a JSON answer's).
+                self.engine.add_request(
+                    command.prompt_ids,
+                    command.params,
+                    command.request_id,
+                    output_kind=RequestOutputKind.DELTA,
+                )
             except RoseError as err:
                 command.sink(err)
             else:

@@ -20,7 +20,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from roseinfer.engine.outputs import RequestOutput
+from roseinfer.engine.outputs import RequestOutput, TokenLogprob
 from roseinfer.request.structured import Grammar
 from roseinfer.serving.checks import Job
 from roseinfer.serving.engine_thread import EngineClient, QueueFull
@@ -140,7 +140,9 @@ async def stream_events(
     and [DONE]. Closing this generator (the client went away) closes `outputs`, which
     aborts every choice still running."""
     sent_text = [len(e) for e in builder.echo]  # characters of each choice already sent
-    sent_logprobs = [0] * n
+    # Each choice's logprobs not sent yet: an output whose text is held back (a possible
+    # stop string, half a character) sends no event; its tokens' logprobs go with the next.
+    unsent_logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     completion_tokens = [0] * n
     async with aclosing(outputs):
         if builder.chat:
@@ -154,12 +156,14 @@ async def stream_events(
             if out.error is not None:
                 yield sse(error_body(out.error, type="server_error"))
                 break
-            completion_tokens[index] = len(out.token_ids)
+            # (Outputs are deltas: the engine thread adds every request as DELTA.)
+            completion_tokens[index] += len(out.new_token_ids)
+            if out.new_logprobs is not None:
+                unsent_logprobs[index] += out.new_logprobs
             if out.new_text or out.finished:
                 new_logprobs = None
-                if out.logprobs is not None:
-                    new_logprobs = out.logprobs[sent_logprobs[index] :]
-                    sent_logprobs[index] = len(out.logprobs)
+                if out.new_logprobs is not None:  # (asked for)
+                    new_logprobs, unsent_logprobs[index] = unsent_logprobs[index], []
                 choice = builder.delta_choice(
                     index,
                     out.new_text,
