@@ -6,6 +6,8 @@
     rose-course check NN [--dir DIR]    grade chapter NN's file (exit 0 passed, 1 failed)
     rose-course check BUILD [--dir DIR] grade a build's file, one line per part (model, ...)
     rose-course check all [--dir DIR]   grade every chapter's and build's file, then a table
+    rose-course hint NAME [--dir DIR]   the next hint for chapter NAME or a build (the idea
+                                        first, the near-code last); --seen: the ones given
 
 A file that is still the untouched stub is "not written yet" at once: read, not run, and
 no torch loaded. A check swaps the learner's function in for the real piece, runs the
@@ -14,6 +16,8 @@ real system on a small seeded model and compares it with the oracle
 known mistake, which one.
 A build (rosecourse/builds/) is one of rose's main pieces written whole; its check runs
 each part of it beside rose's own and prints a line per part.
+A stub states the contract, not the how: that comes from `hint`, one hint a call, noted
+in the workspace; `check` says how many of them were used ("hints used: 2 of 6").
 Each check runs in a fresh process with a time limit (rosecourse/runner.py): code that
 exits, loops, floods the output or changes torch's defaults fails in one line, and no
 chapter's code reaches another's check.
@@ -29,6 +33,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import NoReturn
 
@@ -91,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"how long one chapter's check may take (default: {DEFAULT_TIMEOUT:g})",
     )
+    hint = commands.add_parser("hint", help="the next hint for one chapter's exercise or build")
+    hint.add_argument(
+        "chapter", help="a chapter number or a build's name (as `rose-course list` shows)"
+    )
+    hint.add_argument("--dir", type=Path, default=Path("."), help="the workspace (default: .)")
+    hint.add_argument(
+        "--seen", action="store_true", help="show the hints given so far again, and no new one"
+    )
     return parser
 
 
@@ -120,24 +133,82 @@ def run(args: argparse.Namespace) -> int:
             print(f"kept your work: {' '.join(path.name for path in kept)}")
         if not args.solutions:
             print(f"next: write one, then `{PROG} check NN (or a build) --dir {args.dir}`")
+            print(f"stuck? `{PROG} hint NN --dir {args.dir}` gives one hint at a time")
         return 0
+    if args.command == "hint":
+        return hint(args.chapter, args.dir, args.seen)
     names = course.check_names() if args.chapter == "all" else [course.check_name(args.chapter)]
     if not args.dir.is_dir():
         raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
     passed = {name: check(name, args.dir, args.timeout) for name in names}
-    if len(names) > 1:
+    hints = {name: course.hints_used(name, args.dir) for name in names}
+    if len(names) == 1:
+        (name,) = names
+        used, total = hints[name]
+        stuck = not passed[name] and used < total
+        where = "" if args.dir == Path(".") else f" --dir {args.dir}"
+        print(
+            f"hints used: {used} of {total}"
+            + (f" (stuck? `{PROG} hint {name}{where}` gives the next)" if stuck else "")
+        )
+    else:
         files = {name: course.file_name(name) for name in names}
         width = max(map(len, files.values()))
-        print(f"\n{'check':<13}  {'file':<{width}}  verdict")
+        print(f"\n{'check':<13}  {'file':<{width}}  {'hints':<5}  verdict")
         for name in names:
             verdict = "passed" if passed[name] else "FAILED"
-            print(f"{name:<13}  {files[name]:<{width}}  {verdict}")
+            used, total = hints[name]
+            print(f"{name:<13}  {files[name]:<{width}}  {f'{used}/{total}':<5}  {verdict}")
         failed = [name for name, ok in passed.items() if not ok]
         print(
             f"{len(names) - len(failed)}/{len(names)} passed"
             + (f"; failing: {' '.join(failed)}" if failed else "")
         )
     return 0 if all(passed.values()) else 1
+
+
+def hint(name: str, directory: Path, seen: bool) -> int:
+    """Print the next hint of check `name` (and note it in the workspace), or with `seen`
+    the hints given so far; say so when none is left. No torch: hints are read from the
+    solutions' source."""
+    from rosecourse import course
+    from rosecourse.course import CourseError
+
+    if name == "all":
+        raise CourseError("hint takes one exercise: a chapter's number or a build's name")
+    name = course.check_name(name, or_all=False)
+    if not directory.is_dir():
+        raise CourseError(f"no workspace at {directory}: run `{PROG} start {directory}`")
+    texts = course.hints(name)
+    used, total = course.hints_used(name, directory)
+    if seen:
+        for number in range(1, used + 1):
+            print(hint_text(name, number, total, texts[number - 1]))
+        if not used:
+            print(f"no hints given for {name} yet: `{PROG} hint {name}` gives the first")
+        return 0
+    given = course.hint_next(name, directory)
+    if given is None:
+        print(
+            f"no more hints for {name}: all {total} given (--seen shows them again; the "
+            f"reference solution: `{PROG} start answers/ --solutions`)"
+        )
+        return 0
+    number, text = given
+    print(hint_text(name, number, total, text))
+    return 0
+
+
+def hint_text(name: str, number: int, total: int, text: str) -> str:
+    """A hint as printed: numbered, its prose wrapped to the terminal's usual width, its
+    code lines (indented by four spaces in the solution's HINTS) as they are."""
+    lines = [f"hint {number} of {total} for {name}:"]
+    for line in text.splitlines():
+        if line.startswith("    "):
+            lines.append(line)
+        else:
+            lines += textwrap.wrap(line, 88, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)
 
 
 def check(name: str, directory: Path, timeout: float) -> bool:

@@ -4,13 +4,16 @@ A lesson is the piece a chapter is about. Its reference solution is a module of
 `rosecourse/solutions/` (`chNN_name.py`) holding one function whose docstring is the
 contract; the learner's stub is made from that module, with the body cut off after
 the docstring, so the stub and the solution never disagree on the signature or the
-contract. A build (rosecourse/builds/) is one of rose's main pieces written whole: its
-solution (`build_name.py`) holds classes and functions, and its stub keeps every one of
-them with its body cut off after the docstring. `rose-course` (rosecourse/cli.py)
-writes the stubs into a workspace and grades the files there with the lesson's check,
-or the build's parts, each in a process of its own (rosecourse/runner.py). A file that
-is still the untouched stub is told "not written yet" from its source (`unwritten`), at
-once: this module imports neither torch nor any check until one is asked for.
+contract. The how is not in the stub: the module's `HINTS` say it, one at a time, when
+the learner asks (`rose-course hint`: the idea first, the near-code last; `hint_next`).
+A build (rosecourse/builds/) is one of rose's main pieces written whole: its solution
+(`build_name.py`) holds classes and functions, and its stub keeps every one of them
+with its body cut off after the docstring, and leaves its HINTS out too. `rose-course`
+(rosecourse/cli.py) writes the stubs into a workspace and grades the files there with
+the lesson's check, or the build's parts, each in a process of its own
+(rosecourse/runner.py). A file that is still the untouched stub is told "not written
+yet" from its source (`unwritten`), at once: this module imports neither torch nor any
+check until one is asked for.
 """
 
 from __future__ import annotations
@@ -113,8 +116,8 @@ def __getattr__(attribute: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")
 
 
-def lesson(chapter: str) -> Lesson:
-    """The lesson of chapter `chapter` ("2", "02")."""
+def lesson(chapter: str, or_all: bool = True) -> Lesson:
+    """The lesson of chapter `chapter` ("2", "02"); `or_all`: the error offers "all" too."""
     # Only digits are padded: "".zfill(2) is "00", and an empty argument is no chapter.
     number = chapter.zfill(2) if chapter.isascii() and chapter.isdigit() else chapter
     for candidate in LESSONS:
@@ -122,9 +125,11 @@ def lesson(chapter: str) -> Lesson:
             return candidate
     chapters = ", ".join(c.chapter for c in LESSONS)
     builds = ", ".join(BUILD_NAMES)
-    raise CourseError(
-        f"no exercise for chapter {chapter!r}: choose one of {chapters}, a build ({builds}), or all"
-    )
+    if or_all:
+        choices = f"one of {chapters}, a build ({builds}), or all"
+    else:
+        choices = f"one of {chapters} or a build ({builds})"
+    raise CourseError(f"no exercise for chapter {chapter!r}: choose {choices}")
 
 
 def key(chosen: Lesson | Build) -> str:
@@ -132,18 +137,20 @@ def key(chosen: Lesson | Build) -> str:
     return chosen.chapter if isinstance(chosen, Lesson) else chosen.name
 
 
-def check_name(name: str) -> str:
+def check_name(name: str, or_all: bool = True) -> str:
     """What `rose-course check` calls the build or chapter `name` names ("2" is "02"), or
-    a CourseError saying what to choose; nothing is imported."""
+    a CourseError saying what to choose (`or_all`: "all" among the choices); nothing is
+    imported."""
     if name in BUILD_NAMES:
         return name
     if not (name.isascii() and name.isdigit()):
         builds = ", ".join(BUILD_NAMES)
-        raise CourseError(
-            f"no build or chapter called {name!r}: choose a build ({builds}), a chapter's "
-            "number (as `rose-course list` shows), or all"
+        number = "a chapter's number (as `rose-course list` shows)"
+        choices = (
+            f"a build ({builds}), {number}, or all" if or_all else f"a build ({builds}) or {number}"
         )
-    return lesson(name).chapter
+        raise CourseError(f"no build or chapter called {name!r}: choose {choices}")
+    return lesson(name, or_all).chapter
 
 
 def check_names() -> list[str]:
@@ -178,11 +185,12 @@ def solution_source(chosen: Lesson | Build | str) -> str:
 def stub_source(chosen: Lesson | Build | str) -> str:
     """The learner's starting file: the solution module with the body of every function
     and method cut off after its docstring (the signature and the contract stay), each
-    raising NotImplementedError; everything else (imports, constants) as it is."""
+    raising NotImplementedError, and without its HINTS (given only when asked for:
+    `hint_next`); everything else (imports, constants) as it is."""
     name = chosen if isinstance(chosen, str) else chosen.file_name
     source = solution_source(name)
     lines = source.splitlines()
-    cuts = []  # (first line, last line, indent, name) of each body, 1-based
+    cuts = []  # (first line, last line, what replaces them) of each body, 1-based
     nodes = [(node, "") for node in ast.parse(source).body]
     while nodes:
         node, owner = nodes.pop()
@@ -194,10 +202,26 @@ def stub_source(chosen: Lesson | Build | str) -> str:
                 f"{name}: {owner}{node.name} has no contract docstring"
             )
             indent = " " * contract.col_offset
-            cuts.append((contract.end_lineno + 1, node.end_lineno, indent, owner + node.name))
-    for first, last, indent, function in sorted(cuts, reverse=True):
-        lines[first - 1 : last] = [f'{indent}raise NotImplementedError("write {function}")']
-    return "\n".join(lines) + "\n"
+            raises = f'{indent}raise NotImplementedError("write {owner}{node.name}")'
+            cuts.append((contract.end_lineno + 1, node.end_lineno, [raises]))
+        elif is_hints(node):  # with the comment lines right above it
+            first = node.lineno
+            while first > 1 and lines[first - 2].startswith("#"):
+                first -= 1
+            cuts.append((first, node.end_lineno, []))
+    for first, last, replacement in sorted(cuts, reverse=True):
+        lines[first - 1 : last] = replacement
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def is_hints(node: ast.stmt) -> bool:
+    """Whether `node` is a solution module's `HINTS = (...)`."""
+    return (
+        isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id == "HINTS"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -370,6 +394,58 @@ def not_a_file(path: Path, directory: Path) -> CourseError:
         f"{path} is not a file (a folder of that name?): move it away, then "
         f"`rose-course start {directory}` writes the chapter's stub there"
     )
+
+
+# ---------------------------------------------------------------------------
+# Hints: the how, one at a time, when the learner asks
+# ---------------------------------------------------------------------------
+
+# Where `rose-course hint` notes, per check, how many of its hints it has given.
+HINT_RECORD = ".rose-course-hints.json"
+
+
+def hints(name: str) -> tuple[str, ...]:
+    """The hints of check `name` (as `check_name` gives it), in the order they are given:
+    the `HINTS` of its reference solution, read from its source (nothing imported)."""
+    source = solution_source(file_name(name))
+    for node in ast.parse(source).body:
+        if is_hints(node):
+            assert isinstance(node, ast.Assign)  # (is_hints says so; this tells the type checker)
+            return tuple(ast.literal_eval(node.value))
+    return ()
+
+
+def read_hint_record(directory: Path) -> dict[str, int]:
+    """How many hints each check has had in the workspace; none if the record is missing
+    or damaged (the count then starts again: the hints are no secret, only counted)."""
+    try:
+        record = json.loads((directory / HINT_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {name: count for name, count in record.items() if isinstance(count, int)}
+
+
+def hints_used(name: str, directory: Path) -> tuple[int, int]:
+    """(how many of check `name`'s hints the workspace has had, how many it has)."""
+    total = len(hints(name))
+    return min(max(read_hint_record(directory).get(name, 0), 0), total), total
+
+
+def hint_next(name: str, directory: Path) -> tuple[int, str] | None:
+    """Give the workspace check `name`'s next hint: (its number, from 1, and its text),
+    noted in the workspace's HINT_RECORD (written atomically, beside the learner's files
+    and never over one of them); None when every hint has been given."""
+    if not directory.is_dir():
+        raise CourseError(f"no workspace at {directory}: run `rose-course start {directory}`")
+    used, total = hints_used(name, directory)
+    if used == total:
+        return None
+    record = read_hint_record(directory)
+    record[name] = used + 1
+    write_bytes_atomically(directory / HINT_RECORD, json.dumps(record, indent=1).encode())
+    return used + 1, hints(name)[used]
 
 
 # ---------------------------------------------------------------------------

@@ -655,7 +655,7 @@ def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
     what it raised)."""
     if request[0] == "probe":
         try:
-            return ("probe", encode(exercise.probe(fn)))
+            return ("probe", encode(dict(exercise.probe(fn))))  # every outcome, made here
         except Exception as error:  # it broke the probe itself
             return ("broke", type(error).__name__, one_line(error, with_type=False))
     _, _, run = exercise.runs[request[1]]

@@ -26,7 +26,7 @@ from rosecourse.builds.grading import (
     module_from_source,
     replaced,
 )
-from rosecourse.course import BUILDS, stub_source
+from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -496,7 +496,8 @@ def test_stub_fails_every_part_in_one_line(build: Build, tmp_path: Path, capsys)
     assert "NotImplementedError" in stub and code_lines(stub) == stub.count("NotImplementedError")
     (tmp_path / build.file_name).write_text(stub, encoding="utf-8")
     assert cli.main(["check", build.name, "--dir", str(tmp_path)]) == 1
-    lines = capsys.readouterr().out.splitlines()
+    *lines, hints = capsys.readouterr().out.splitlines()  # a line per part, the hints used
+    assert hints.startswith("hints used: 0 of "), hints
     assert len(lines) == len(build.parts)
     for line, part in zip(lines, build.parts, strict=True):
         assert line.startswith(f"{build.name}/{part.name}: FAILED: not written yet"), line
@@ -517,5 +518,6 @@ def test_list_shows_builds_apart_and_check_grades_one_by_name(tmp_path: Path, ca
     assert cli.main(["check", "model", "--dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        f"model/{p.name}: passed: {BUILD['model'].passed}" for p in BUILD["model"].parts
+        *(f"model/{p.name}: passed: {BUILD['model'].passed}" for p in BUILD["model"].parts),
+        f"hints used: 0 of {len(hints('model'))}",
     ]

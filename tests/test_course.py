@@ -10,6 +10,7 @@ script; and no line of a reference solution is printed in its chapter.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 import subprocess
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rosecourse import cli, course
 from rosecourse.course import BUILDS, LESSONS, lesson, stub_source
@@ -33,7 +35,7 @@ from rosecourse.exercises import (
     ch17_quantize,
     ch20_choice_mask,
 )
-from rosecourse.exercises.common import check
+from rosecourse.exercises.common import Outcomes, check, difference, same
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,8 +178,9 @@ def test_a_check_that_breaks_on_the_learner_code_is_one_line(tmp_path: Path, cap
     (workspace / lesson("12").file_name).write_text("def schedule(scheduler):\n    return 42\n")
     capsys.readouterr()
     assert cli.main(["check", "12", "--dir", str(workspace)]) == 1
-    (line,) = capsys.readouterr().out.splitlines()
+    line, hints = capsys.readouterr().out.splitlines()  # the verdict, then the hints used
     assert line.startswith("schedule: FAILED"), line
+    assert hints.startswith("hints used: 0 of 4 (stuck? `rose-course hint 12 --dir "), hints
 
 
 # Lines any code could hold (a bare return, no_grad, a closing bracket) say nothing.
@@ -245,13 +248,14 @@ def test_cli_check_a_stub_and_a_file_that_does_not_parse(
     assert cli.main(["start", str(tmp_path / "ws")]) == 0
     capsys.readouterr()
     assert cli.main(["check", "2", "--dir", str(tmp_path / "ws")]) == 1
-    (line,) = capsys.readouterr().out.splitlines()
+    line, hints = capsys.readouterr().out.splitlines()
     assert line.startswith("concat_kv: FAILED") and "not written yet" in line, line
+    assert hints.startswith("hints used: 0 of 2"), hints
 
     broken = tmp_path / "ws" / lesson("04").file_name
     broken.write_text("def position_ids(past_len, q_len, device=None):\n    return (\n")
     assert cli.main(["check", "04", "--dir", str(tmp_path / "ws")]) == 1
-    (line,) = capsys.readouterr().out.splitlines()
+    line, _ = capsys.readouterr().out.splitlines()
     assert "syntax error" in line
 
 
@@ -290,3 +294,56 @@ def test_console_script_solutions_pass_check_all(tmp_path: Path) -> None:
     every = len(LESSONS) + len(BUILDS)  # the chapters' exercises and the builds
     assert f"{every}/{every} passed" in checked.stdout
     assert "Traceback" not in checked.stdout + checked.stderr
+
+
+def test_outcomes_are_computed_as_they_are_read_and_compared_until_they_differ() -> None:
+    made: list[int] = []
+
+    def call(n: int) -> int:
+        made.append(n)
+        return n
+
+    lazy = Outcomes({f"case {n}": (lambda n=n: call(n)) for n in range(4)})
+    assert made == []
+    seen = {"case 0": 0, "case 1": 99, "case 2": 2, "case 3": 3}
+    assert difference(seen, lazy) == "case 1: it gives 99 where 1 is right"
+    assert made == [0, 1]  # the first two cases only: the second already differs
+    assert same(dict(lazy), {f"case {n}": n for n in range(4)})
+    assert lazy["case 0"] == 0 and made == [0, 1, 2, 3]  # each case once
+
+
+def end_of_text_always(vocab, choices, prefix, eot_id):
+    """A wrong choice mask no known mistake explains: end-of-text is always allowed."""
+    wanted = [choice.encode("utf-8") for choice in choices]
+    allowed = [any(c.startswith(prefix + token) for c in wanted) for token in vocab]
+    allowed[eot_id] = True
+    return torch.tensor(allowed, dtype=torch.bool)
+
+
+def test_a_wrong_choice_mask_is_told_from_the_known_ones_at_the_first_case_they_differ() -> None:
+    """Chapter 20's check of an unknown wrong answer ran every known wrong answer's masks
+    over GPT-2's 50,257 tokens in all 13 cases (6.6 s of CPU for the check); each now runs
+    until its masks differ from the learner's, the small vocabularies' cases first (here
+    no mask over GPT-2's tokens is made), and the verdict is the whole probes' one."""
+    exercise = ch20_choice_mask.EXERCISE
+    on_gpt2: list[str] = []
+
+    def counting(wrong):  # a known wrong answer that counts its masks over GPT-2's tokens
+        def fn(vocab, choices, prefix, eot_id):
+            if len(vocab) > 1000:
+                on_gpt2.append(wrong.name)
+            return wrong.fn(vocab, choices, prefix, eot_id)
+
+        return dataclasses.replace(wrong, fn=fn)
+
+    def variant(**changes: object):
+        known = [counting(wrong) for wrong in exercise.known_wrong]  # (each probed afresh)
+        return dataclasses.replace(exercise, known_wrong=known, **changes)
+
+    told = check(variant(), end_of_text_always)
+    assert not told.passed and "different set of tokens" in told.explanation, str(told)
+    assert on_gpt2 == []
+    on_gpt2.clear()
+    whole = check(variant(probe=lambda fn: dict(exercise.probe(fn))), end_of_text_always)
+    assert len(on_gpt2) == 13 * len(exercise.known_wrong)  # every case of every one
+    assert str(whole) == str(told)

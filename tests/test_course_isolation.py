@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from rosecourse import cli, course
-from rosecourse.course import BUILDS, LESSONS, key, lesson, stub_source
+from rosecourse.course import BUILDS, LESSONS, hints, key, lesson, stub_source
 from rosecourse.runner import OUTPUT_LIMIT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +46,13 @@ def rose_course(*args: str) -> subprocess.CompletedProcess:
         cwd=REPO_ROOT,
         timeout=300,
     )
+
+
+def without_hints(output: str) -> list[str]:
+    """A single check's lines up to its verdict: the last line says how many hints were used."""
+    *lines, hints = output.splitlines()
+    assert hints.startswith("hints used: "), output[-2000:]
+    return lines
 
 
 def solution_file(
@@ -125,7 +132,7 @@ def test_hostile_code_is_one_failed_line(case: str, tmp_path: Path) -> None:
     checked = rose_course("check", "10", "--dir", str(tmp_path), *flags)
     assert checked.returncode == 1, checked
     assert "Traceback" not in checked.stdout + checked.stderr, checked
-    lines = checked.stdout.splitlines()
+    lines = without_hints(checked.stdout)
     verdicts = [line for line in lines if line.startswith("decode_read_bytes:")]
     assert verdicts == [lines[-1]], lines[-3:]  # one verdict, the last line
     assert verdicts[0].startswith("decode_read_bytes: FAILED") and said in verdicts[0], lines[-1]
@@ -154,9 +161,12 @@ def test_check_all_grades_every_chapter_in_a_fresh_process_and_ends_with_its_tab
     assert any(line.startswith("export_prepare: passed") for line in lines), lines
     graded = [*LESSONS, *BUILDS]  # the builds' files are missing too
     table = lines[-len(graded) - 2 :]
-    assert table[0].split() == ["check", "file", "verdict"]
+    assert table[0].split() == ["check", "file", "hints", "verdict"]
     rows = [row.split() for row in table[1:-1]]
-    expected = [[key(c), c.file_name, "passed" if key(c) == "15" else "FAILED"] for c in graded]
+    expected = [
+        [key(c), c.file_name, f"0/{len(hints(key(c)))}", "passed" if key(c) == "15" else "FAILED"]
+        for c in graded
+    ]
     assert rows == expected
     failing = " ".join(key(c) for c in graded if key(c) != "15")
     assert table[-1] == f"1/{len(graded)} passed; failing: {failing}"
@@ -320,7 +330,7 @@ def test_a_folder_named_like_a_chapter_file_is_one_line_each_way(
     assert said in one_error_line(capsys)
     assert [p.name for p in (tmp_path / "ws").iterdir()] == [folder.name]  # nothing written
     assert cli.main(["check", "02", "--dir", str(tmp_path / "ws")]) == 1
-    (line,) = capsys.readouterr().out.splitlines()
+    (line,) = without_hints(capsys.readouterr().out)
     assert line.startswith("concat_kv: FAILED: ") and said in line
 
 
@@ -392,7 +402,7 @@ def test_a_wrong_answer_cannot_tell_the_grader_it_passed(
     checked = rose_course("check", name, "--dir", str(tmp_path))
     assert checked.returncode == 1, checked
     assert "Traceback" not in checked.stdout + checked.stderr, checked
-    lines = checked.stdout.splitlines()
+    lines = without_hints(checked.stdout)
     assert lines and all("passed" not in line.split(":")[1] for line in lines if ":" in line)
     assert "FAILED" in lines[-1], lines[-3:]
 
@@ -454,7 +464,7 @@ for _fd in os.listdir("/proc/self/fd"):
     stub_file(tmp_path / "ws", "10", send)
     checked = rose_course("check", "10", "--dir", str(tmp_path / "ws"))
     assert checked.returncode == 1, checked
-    assert "cannot read" in checked.stdout.splitlines()[-1], checked.stdout
+    assert "cannot read" in without_hints(checked.stdout)[-1], checked.stdout
     assert not pwned.exists()
 
 
@@ -501,7 +511,7 @@ def test_every_process_a_check_started_ends_with_it(
     checked = rose_course("check", name, "--dir", str(tmp_path), "--timeout", "100")
     assert time.monotonic() - started < 90, checked
     assert marked(marker) == []
-    lines = checked.stdout.splitlines()
+    lines = without_hints(checked.stdout)
     assert not any("did not finish" in line for line in lines), lines
     if name == "10":
         assert checked.returncode == 0, checked

@@ -119,8 +119,7 @@ class BlockManager:
 
     def can_start(self, cached_ids: list[int], num_tokens: int) -> bool:
         """Could a sequence without blocks take `cached_ids` (from cached_prefix) and grow
-        to hold num_tokens tokens? A cached block nobody holds is no longer available to
-        others once taken."""
+        to hold num_tokens tokens?"""
         unheld = sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)
         needed = -(-num_tokens // self.kv_block_size) - len(cached_ids)
         return needed <= self.num_free + len(self.evictable) - unheld
@@ -204,3 +203,35 @@ class BlockManager:
             if block.hash is None and key not in self.cached:
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+
+
+# `rose-course hint block_manager` gives these one at a time, the idea first and the
+# near-code last (`rose-course check block_manager` counts how many were used); the stub
+# leaves them out.
+HINTS = (
+    "Keep the three states exact and every method follows: a block is free (its id in "
+    "free_ids), used (ref_count > 0) or cached (keyed, nobody holds it: its id in "
+    "evictable). `check_pool` holds you to them after every engine step, so a broken "
+    "state shows at the step that broke it.",
+    "Counting blocks: a sequence of n tokens needs -(-n // kv_block_size) blocks (the "
+    "ceiling); those it may still take are the free ones and the evictable ones.",
+    "can_start: the cached blocks it would take count against what is available only if "
+    "nobody holds them (they are in evictable now, and would leave it).",
+    "cached_prefix: walk the full blocks in order, each key chained on the previous one "
+    "(b'' before the first); stop at the first key not in `cached`, or whose block holds "
+    "other tokens (a block's token_ids are what it was keyed with).",
+    "grow and release: take from free_ids while there are any, else the least recently "
+    "given back evictable block (`evictable.popitem(last=False)`), which loses its key "
+    "(delete it from `cached`, reset its hash and token_ids). Give back a table last block "
+    "first: ref_count - 1, and at 0 to evictable if keyed, to free_ids otherwise.",
+    "advance: with prefix caching, every block of seq that is now full and computed "
+    "(num_computed_tokens // kv_block_size of them) and has no key in seq.block_hashes "
+    "yet gets one, in order. Cache the block under it only when the key is not cached "
+    "already and the block has none: another sequence may have computed the same block.",
+    "advance, near-code:\n"
+    "    while len(seq.block_hashes) < seq.num_computed_tokens // size:\n"
+    "        i = len(seq.block_hashes); tokens = tuple(seq.all_ids[i * size : (i + 1) * size])\n"
+    "        key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b'', tokens)\n"
+    "        seq.block_hashes.append(key); block = self.blocks[seq.block_table[i]]\n"
+    "        if block.hash is None and key not in self.cached: key it, cached[key] = block_id",
+)

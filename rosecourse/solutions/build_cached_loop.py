@@ -134,3 +134,33 @@ def generate_cached(
         if step + 1 < max_new_tokens:  # the last token is never fed back
             logits = model(next_ids[:, None], cache=cache).logits[:, -1]
     return new_tokens
+
+
+# `rose-course hint cached_loop` gives these one at a time, the idea first and the
+# near-code last (`rose-course check cached_loop` counts how many were used); the stub
+# leaves them out.
+HINTS = (
+    "The cache is one set of buffers and one counter: every call's q_len new tokens take "
+    "the next q_len slots, the same slots in every row (a row's padding sits in its first "
+    "slots). Everything prepare returns follows from those slot numbers and each row's "
+    "padding.",
+    "StaticCache.__init__: the buffers' shape is (batch_size, n_head, max_len, n_embd // "
+    "n_head), in the dtype and on the device of a model weight (model.lm_head.weight): a "
+    "bfloat16 model needs bfloat16 keys and values.",
+    "StaticCache.prepare, the positions: a token's position is its slot minus its row's "
+    "padding (the first real token at 0); the padding's own slots would come out "
+    "negative, so clamp them at 0 (nothing reads what a padding slot computes).",
+    "StaticCache.prepare, the mask: two conditions, combined with &: causal (the slot is "
+    "at or before the query's own slot) and real (the slot is not padding of that row). "
+    "Then a row of the mask that allows nothing (a padding query) must allow everything: "
+    "`mask | ~mask.any(dim=-1, keepdim=True)`.",
+    "generate_cached: left-pad the prompts with 0 to the longest; the cache needs "
+    "longest + max_new_tokens slots; feed the padded prompts in prefill_chunk slices "
+    "(all at once when it is None), keeping only the last slice's logits[:, -1]; then "
+    "feed next_ids[:, None], one token a row, each step. The last new token is never fed.",
+    "StaticCache.prepare, near-code:\n"
+    "    input_pos = torch.arange(filled, filled + q_len); filled += q_len\n"
+    "    causal = slots[None, :] <= input_pos[:, None]          # (q_len, max_len)\n"
+    "    mask = causal[None, None] & real[:, None, None, :]     # real: (B, max_len)\n"
+    "    pos = (input_pos[None, :] - pads[:, None]).clamp(min=0)",
+)

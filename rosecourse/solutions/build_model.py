@@ -41,15 +41,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, n_embd) hidden states -> (B, T, n_embd).
+        """x: (B, T, n_embd) hidden states -> (B, T, n_embd): GPT-2's multi-head causal
+        self-attention, the scaled dot-product attention of "Attention Is All You Need",
+        where the query at position i sees the keys at positions 0 .. i only.
 
-        Head h reads features h * head_dim .. (h + 1) * head_dim - 1 of the queries, of
-        the keys and of the values. Each head scores every query against every key by
-        their dot product, scaled as in "Attention Is All You Need" (by the head's own
-        size); the query at position i may see the keys at positions 0 .. i only; its
-        softmax-normalised weights over those keys mix their values. The heads' outputs
-        are joined back, head 0 first, into n_embd features per position, then
-        projected by c_proj.
+        The layout is rose's, so that its weights mean the same in yours: head h owns
+        features h * head_dim .. (h + 1) * head_dim - 1 of the queries, of the keys, of
+        the values, and of the heads' joined output that c_proj reads.
         """
         B, T, C = x.shape
         head_dim = C // self.n_head
@@ -98,9 +96,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, n_embd) -> (B, T, n_embd). Each half adds its output to the residual
-        stream x; what it reads is x normalised by its own layer norm (ln_1 for the
-        attention, then ln_2 for the MLP on the stream the attention left)."""
+        """x: (B, T, n_embd) -> (B, T, n_embd): the attention, then the MLP, each a
+        residual branch that reads the stream through its own layer norm (ln_1, ln_2)
+        and adds what it computes back to the stream."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -130,11 +128,45 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids, 1 <= T <= block_size, the token at index t standing at
         position t -> logits (B, T, vocab_size): at each position, the scores of the token
-        that comes next. The first hidden state of a token is its token embedding plus the
-        embedding of its position; the blocks run in order; ln_f, then lm_head."""
+        that comes next, as GPT-2 computes them with the modules above (wpe holds the
+        positions' learned embeddings)."""
         T = idx.size(1)
         positions = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+# `rose-course hint model` gives these one at a time, the idea first and the near-code
+# last (`rose-course check model` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The pieces, smallest first: MLP and Block are a few lines each, the attention is the "
+    "real work, and GPT ties them together. `rose-course check model` grades each module on "
+    "its own (a line per part), so write one, check, and go on.",
+    "GPT.__init__: tying the head is one assignment once both exist: "
+    "`self.lm_head.weight = self.transformer.wte.weight`. Then there is one Parameter, "
+    "listed under both names in the state dict.",
+    "Block.forward: pre-LN means each half reads a normalised copy of the stream and adds "
+    "its result to the stream itself (never to the normalised copy).",
+    "CausalSelfAttention.forward: one product makes the queries, keys and values side by "
+    "side; `.split(n_embd, dim=2)` cuts c_attn's output into the three (B, T, n_embd) "
+    "tensors.",
+    "CausalSelfAttention.forward: give the heads an axis of their own. "
+    "(B, T, n_embd) -> view (B, T, n_head, head_dim) -> transpose(1, 2) -> "
+    "(B, n_head, T, head_dim): one batched matrix product then scores every head at once.",
+    "CausalSelfAttention.forward: the scores (B, n_head, T, T) are q @ k.transpose(-2, -1) "
+    "/ sqrt(head_dim). Row i is query i, column j key j: the keys above the diagonal are "
+    "the future; set those scores to -inf before the softmax over the last axis "
+    "(torch.ones(T, T, dtype=torch.bool).tril() is True where a query may look).",
+    "CausalSelfAttention.forward, near-code:\n"
+    "    q, k, v = self.c_attn(x).split(C, dim=2)\n"
+    "    q = q.view(B, T, n_head, head_dim).transpose(1, 2)  # and k, v alike\n"
+    "    weights = softmax(scores with the future at -inf, dim=-1)\n"
+    "    y = (weights @ v).transpose(1, 2).contiguous().view(B, T, C)  # heads side by side\n"
+    "    return self.c_proj(y)",
+    "GPT.forward, near-code:\n"
+    "    x = wte(idx) + wpe(torch.arange(T, device=idx.device))\n"
+    "    for block in self.transformer.h: x = block(x)\n"
+    "    return self.lm_head(self.transformer.ln_f(x))",
+)

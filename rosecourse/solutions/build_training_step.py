@@ -50,13 +50,11 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:
         """Update every parameter that has a gradient, with its group's settings as they
-        are now (a schedule changes group["lr"] between steps). First the decoupled decay:
-        the parameter shrinks by lr * weight_decay of itself. Then Adam: the moving
-        averages of the gradient (beta1) and of its square (beta2), both starting at 0,
-        each corrected for that start by its count of updates t (1 at the parameter's first
-        update), give the step: lr times the corrected first moment over (the square root
-        of the corrected second moment + eps). A parameter without a gradient is left
-        alone, its averages and count too."""
+        are now (a schedule changes group["lr"] between steps; a group's betas and eps
+        may differ from the defaults): the update torch.optim.AdamW makes with its
+        default options, the weight decay decoupled from the gradient. A parameter
+        without a gradient is left alone, and so is everything the optimizer keeps for
+        it (its count of updates too)."""
         for group in self.param_groups:
             lr, (beta1, beta2) = group["lr"], group["betas"]
             for p in group["params"]:
@@ -138,13 +136,13 @@ def train_step(
     step: int,
     cfg: TrainConfig,
 ) -> tuple[float, float]:
-    """Optimizer step number `step` (0 for the first): every group's learning rate set to
-    `learning_rate(step, cfg)`; then cfg.grad_accum_steps micro-batches, each the next (x,
-    y) of `batches`, whose loss `model(x, y).loss` is backpropagated so that the
-    gradients add up to those of the mean loss over the micro-batches; then the
-    gradients clipped to cfg.grad_clip (0: not clipped, the norm still measured); then
-    the optimizer's step, and the gradients cleared. Returns (the mean loss over the
-    micro-batches, the gradients' norm before clipping), as floats.
+    """Optimizer step number `step` (0 for the first), as rose's trainer takes it: every
+    group's learning rate is `learning_rate(step, cfg)`; the gradients are those of the
+    mean loss `model(x, y).loss` over cfg.grad_accum_steps micro-batches, each the next
+    (x, y) of `batches`; they are clipped to cfg.grad_clip (0: not clipped) before the
+    optimizer's step, and cleared after it. Returns (the mean loss over the
+    micro-batches, the gradients' norm before clipping, measured when not clipped too),
+    as floats.
     """
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step, cfg)
@@ -159,3 +157,41 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm
+
+
+# `rose-course hint training_step` gives these one at a time, the idea first and the
+# near-code last (`rose-course check training_step` counts how many were used); the stub
+# leaves them out.
+HINTS = (
+    "The pieces are small and separate: learning_rate and clip_gradients are plain "
+    "functions, parameter_groups a filter, AdamW one loop; train_step only calls them. "
+    "`rose-course check training_step` grades each on its own before it trains with all "
+    "of them.",
+    "AdamW.step: torch.optim.Optimizer keeps `self.param_groups` (each a dict with "
+    '"params" and every setting, the defaults filled in) and `self.state[p]`, a dict per '
+    "parameter, empty until you fill it: keep there the two moving averages (zeros like "
+    "p) and the count of updates t.",
+    "AdamW.step, the algorithm (torch.optim.AdamW's documentation writes it out): "
+    "p <- p * (1 - lr * weight_decay); m <- beta1 * m + (1 - beta1) * g; "
+    "v <- beta2 * v + (1 - beta2) * g * g; m_hat = m / (1 - beta1 ** t), "
+    "v_hat = v / (1 - beta2 ** t); p <- p - lr * m_hat / (sqrt(v_hat) + eps).",
+    "parameter_groups: `model.parameters()` gives a tied weight once (two names, one "
+    "Parameter); `p.dim() >= 2` tells a matrix from a bias or a LayerNorm weight.",
+    "learning_rate: three pieces by `step`: step < warmup_steps: learning_rate * (step + 1) "
+    "/ warmup_steps; step >= D: min_lr; between them, with progress = (step - warmup_steps) "
+    "/ (D - warmup_steps) going from 0 to 1: min_lr + 0.5 * (1 + cos(pi * progress)) * "
+    "(learning_rate - min_lr).",
+    "clip_gradients: the global norm is the norm of the per-tensor norms "
+    "(torch.stack([g.norm() for g in grads]).norm()); scale every gradient in place "
+    "(g.mul_) only when max_norm / (norm + 1e-6) is below 1; return the norm measured "
+    "before.",
+    "train_step: to get the gradients of the mean loss, divide each micro-batch's loss by "
+    "grad_accum_steps before its backward(): backward() adds to what is there. Clip with "
+    "max_norm = inf when grad_clip is 0, so the norm is still measured and returned.",
+    "AdamW.step, near-code (under @torch.no_grad(), in place):\n"
+    "    for group in self.param_groups: for p in group['params'] with p.grad:\n"
+    "        state = self.state[p]  # t, m, v, created at the first update\n"
+    "        p.mul_(1 - lr * weight_decay)\n"
+    "        m.mul_(beta1).add_(g, alpha=1 - beta1); v.mul_(beta2).addcmul_(g, g, value=1 - beta2)\n"
+    "        p.sub_(lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps))",
+)

@@ -119,6 +119,8 @@ def accept_or_resample(
     if u * q[drafted] < p[drafted]:  # u < p / q, without dividing by a zero q
         return drafted, True
     residual = (p - q).clamp(min=0)
+    if float(residual.sum()) <= 0:  # p equals q up to rounding: a rejection had chance ~0
+        residual = p  # (and nothing to draw from otherwise: 0 / 0)
     token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
     return int(token), False
 
@@ -150,3 +152,33 @@ def verify_sampled(
         tokens.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
     cache.truncate(held + len(tokens))
     return tokens
+
+
+# `rose-course hint verify` gives these one at a time, the idea first and the near-code
+# last (`rose-course check verify` counts how many were used); the stub leaves them out.
+HINTS = (
+    "One target call scores every draft: feed [last_token, *drafts] over the cache, and "
+    "row i of the logits is the target's view after draft i - 1. The verify functions "
+    "then only read those rows, and cut the cache back to what the request keeps.",
+    "RollbackCache: hold per layer the keys and values concatenated along time (dim 2); "
+    "truncate(n) slices every layer to [:, :, :n]. The new queries stand at seq_len .. "
+    "seq_len + q_len - 1 and see every key at or before their own position.",
+    "verify_greedy: take the argmax of every row; the drafts are kept while each equals "
+    "the argmax at its place; the token after them is the argmax at the first mismatch "
+    "(or at the last row when all matched). The cache held `held` positions before the "
+    "call: keep held + len(tokens) (the newest token and the kept drafts).",
+    "accept_or_resample: keep the draft with probability min(1, p[d] / q[d]): one uniform "
+    "u from the generator, kept when u * q[d] < p[d] (no division by a zero q). When "
+    "rejected, draw from the residual max(0, p - q), normalised; and where that is empty "
+    "(p equal to q up to rounding) from p itself.",
+    "verify_sampled: p is the softmax of the target's logits (float32); each draft in "
+    "turn goes through accept_or_resample with its own q = draft_probs[i]; a rejection "
+    "ends the step with the drawn token; when every draft is kept, one more token comes "
+    "from p's last row (the bonus). Every draw from `generator`, none from torch's global "
+    "one.",
+    "accept_or_resample, near-code:\n"
+    "    u = torch.rand((), generator=generator)\n"
+    "    if u * q[drafted] < p[drafted]: return drafted, True\n"
+    "    residual = (p - q).clamp(min=0)  # p itself if it sums to 0\n"
+    "    return int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), False",
+)

@@ -23,3 +23,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return weights @ v
+
+
+# `rose-course hint 00` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 00` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Attention mixes values: each position's output is a weighted average of the value "
+    "vectors, its weights a softmax over its scores against the keys. Causal: the weights "
+    "of every later position are 0.",
+    "scores = q @ k.transpose(-2, -1) / sqrt(head_dim), (batch, n_head, T, T): row i is "
+    "query i, column j key j. Set the scores where j > i to -inf before the softmax over "
+    "the last axis (exp(-inf) is 0).",
+    "Near-code:\n"
+    "    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()\n"
+    "    weights = torch.softmax(scores.masked_fill(~allowed, float('-inf')), dim=-1)\n"
+    "    return weights @ v",
+)

@@ -22,3 +22,18 @@ def greedy_decode(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> lis
             # The last position's logits predict the token after the whole sequence.
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+# `rose-course hint 01` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 01` counts how many were used); the stub leaves them out.
+HINTS = (
+    "No cache: every step runs the model over the whole sequence so far (the prompt and the "
+    "tokens chosen), and reads only the prediction at its last position.",
+    "model(torch.tensor([ids])).logits[0, -1] scores the next token; its argmax, as an int, "
+    "is the greedy choice. Append it to ids and go on, max_new_tokens times, under "
+    "torch.no_grad().",
+    "Near-code:\n"
+    "    ids = list(prompt_ids)\n"
+    "    for _ in range(max_new_tokens): ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))\n"
+    "    return ids[len(prompt_ids):]",
+)

@@ -20,3 +20,15 @@ def concat_kv(
     past_k, past_v = layer_past
     # (batch, heads, time, head_dim): the past first, then the new tokens, along time.
     return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+
+# `rose-course hint 02` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 02` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The cache holds every earlier token's keys and values; the new tokens attend over all "
+    "of those and their own, so the answer is the past followed by the new, along the time "
+    "axis.",
+    "Time is dim 2 of (batch, n_head, time, head_dim): torch.cat([past_k, k], dim=2), the "
+    "values alike. Before the first call there is no past (layer_past is None): the new "
+    "keys and values alone.",
+)

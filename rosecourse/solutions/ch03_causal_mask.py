@@ -15,3 +15,14 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> 
     # The new queries are the newest positions: the last q_len rows of the full triangle.
     full = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()
     return full[kv_len - q_len :]
+
+
+# `rose-course hint 03` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 03` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The q_len queries are the last q_len of the kv_len positions: query i stands at "
+    "position kv_len - q_len + i, and may see every key at or before it.",
+    "Either keep the last q_len rows of the full (kv_len, kv_len) lower triangle "
+    "(torch.ones(..., dtype=torch.bool).tril()), or compare positions: key_pos[None, :] <= "
+    "query_pos[:, None].",
+)

@@ -11,3 +11,12 @@ def position_ids(past_len: int, q_len: int, device: torch.device | None = None) 
     The check swaps this in for rosetrainer.model.position_ids.
     """
     return torch.arange(past_len, past_len + q_len, device=device)
+
+
+# `rose-course hint 04` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 04` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The cache holds past_len tokens at positions 0 .. past_len - 1; the new ones go on "
+    "from there, one position each.",
+    "torch.arange(past_len, past_len + q_len, device=device).",
+)

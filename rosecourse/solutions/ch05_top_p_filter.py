@@ -21,3 +21,18 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     # The decision was made in sorted order; put it back in vocabulary order.
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+# `rose-course hint 05` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 05` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Sort the tokens by probability, most likely first, and walk down the list adding up "
+    "their probabilities: the nucleus is every token up to and including the one whose "
+    "probability carries the sum to p.",
+    "A token is kept when the mass of the tokens before it in that order is still below p: "
+    "cumsum(probs) - probs < p. torch.sort(..., stable=True) keeps equal probabilities in "
+    "token order.",
+    "The decision is made in sorted order: put it back in vocabulary order with the sort's "
+    "indices (`drop_sorted.scatter(-1, order, drop_sorted)`), then logits.masked_fill(drop, "
+    "float('-inf')).",
+)

@@ -24,3 +24,15 @@ def static_update(
     k_buffer[:, :, input_pos] = k_new
     v_buffer[:, :, input_pos] = v_new
     return k_buffer, v_buffer
+
+
+# `rose-course hint 06` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 06` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The buffers are allocated once: each call writes the new keys and values into their "
+    "slots of the buffers themselves, so the next call finds them there, and returns the "
+    "whole buffers.",
+    "Index the time axis with the slots and assign: k_buffer[:, :, input_pos] = k_new (the "
+    "values alike), then return k_buffer, v_buffer. A new tensor (torch.cat, .clone()) "
+    "would leave the buffers the next step reads unwritten.",
+)

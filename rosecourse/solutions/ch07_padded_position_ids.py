@@ -15,3 +15,13 @@ def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     # Real tokens so far, minus one: a row's first real token is at 0. Padding slots
     # would get -1, which has no embedding; they get 0 (their output is never read).
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+# `rose-course hint 07` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 07` counts how many were used); the stub leaves them out.
+HINTS = (
+    "A row's first real token stands at position 0 however much padding is before it: a "
+    "token's position counts the real tokens before it.",
+    "attention_mask.long().cumsum(dim=-1) - 1 counts them. Padding slots would get -1, "
+    "which no embedding has: .clamp(min=0) (what a padding slot computes is never read).",
+)

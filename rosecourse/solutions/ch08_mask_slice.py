@@ -15,3 +15,13 @@ def mask_slice(bias: torch.Tensor, past_len: int, q_len: int) -> torch.Tensor:
     # The chunk's queries stand at past_len .. past_len + q_len - 1 (their rows) and
     # attend over every key so far, 0 .. past_len + q_len - 1 (the columns).
     return bias[past_len : past_len + q_len, : past_len + q_len]
+
+
+# `rose-course hint 08` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 08` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The chunk's queries stand at positions past_len .. past_len + q_len - 1: those are the "
+    "rows of the full mask it needs.",
+    "They attend over every key so far, positions 0 .. past_len + q_len - 1: those are the "
+    "columns. bias[past_len : past_len + q_len, : past_len + q_len].",
+)

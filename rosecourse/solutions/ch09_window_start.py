@@ -14,3 +14,12 @@ def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
     if window > block_size:  # one too many for the learned positions: cut back
         return seq_len - keep
     return start
+
+
+# `rose-course hint 09` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 09` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The view is tokens start .. seq_len; while it fits in block_size positions nothing changes.",
+    "When seq_len - start exceeds block_size, cut the view back to its last keep tokens: it "
+    "then starts at seq_len - keep.",
+)

@@ -28,3 +28,18 @@ def decode_read_bytes(
     # Keys and values: per layer, per row, per cached token, n_embd numbers each.
     cache = 2 * config.n_layer * batch * context_len * c
     return (weights + cache) * bytes_per_number
+
+
+# `rose-course hint 10` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 10` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Two parts: the weights, read once per step whatever the batch, and the cache, read for "
+    "every row: 2 (keys and values) * n_layer * batch * context_len * n_embd numbers.",
+    "The weights of a layer: c_attn (n_embd x 3 n_embd), c_proj (n_embd x n_embd), c_fc "
+    "(n_embd x 4 n_embd), the MLP's c_proj (4 n_embd x n_embd) and two LayerNorms (n_embd "
+    "each); with config.bias every Linear has a bias of its output's size and every "
+    "LayerNorm one of n_embd. Then wte (vocab_size x n_embd, the head too: once), wpe "
+    "(block_size x n_embd) and ln_f.",
+    "Test your formula on a real model: sum(p.numel() for p in GPT(config).parameters()) "
+    "counts the tied weight once.",
+)

@@ -23,3 +23,14 @@ def slot_mapping(
     offset = positions % kv_block_size
     physical_block = block_tables[seq_of_token, logical_block]
     return physical_block * kv_block_size + offset
+
+
+# `rose-course hint 11` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 11` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Token t of a sequence lives in its logical block t // kv_block_size, at offset t % "
+    "kv_block_size; the sequence's block table says which physical block that is.",
+    "block_tables[seq_of_token, logical_block] picks every token's physical block at once "
+    "(one row and one column index per token); its slot is physical_block * kv_block_size + "
+    "offset.",
+)

@@ -26,3 +26,15 @@ def cached_prefix(manager: BlockManager, token_ids: list[int]) -> list[int]:
             break
         found.append(block_id)
     return found
+
+
+# `rose-course hint 13` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 13` counts how many were used); the stub leaves them out.
+HINTS = (
+    "A block's key covers its tokens and every token before it: block i's key is "
+    "chain_hash(block i - 1's key, block i's tokens), b'' before block 0. Look the blocks "
+    "up in order and stop at the first that is not there.",
+    "Only manager.lookup_blocks(len(token_ids)) blocks may be looked up (never the block of "
+    "the last token). A key that is found must also hold these tokens: "
+    "manager.blocks[block_id].token_ids == tokens, a tuple.",
+)

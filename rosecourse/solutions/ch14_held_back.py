@@ -19,3 +19,14 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = length
                 break
     return longest
+
+
+# `rose-course hint 14` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 14` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Only the end of the text matters: its longest tail that is the beginning (not the "
+    "whole) of some stop string must wait; everything before that tail can be shown.",
+    "For each stop, try its proper beginnings stop[:length] from the longest (len(stop) - "
+    "1, and no longer than the text) down, and keep the longest length for which "
+    "text.endswith(stop[:length]).",
+)

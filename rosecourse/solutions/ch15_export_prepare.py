@@ -24,3 +24,18 @@ def export_prepare(
     kv_len = cache.attention_mask.size(1)  # a size of an input: a symbol in the graph
     mask = causal_mask(q_len, kv_len, device)
     return cache.position_ids, padding_mask(mask, cache.attention_mask)
+
+
+# `rose-course hint 15` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 15` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The graph's inputs hold what is needed: the positions are cache.position_ids, and the "
+    "mask is causal over past + new tokens and hides the padding that cache.attention_mask "
+    "marks.",
+    "Every length must come from a tensor's size: kv_len = cache.attention_mask.size(1) "
+    "stays a symbol when the graph is traced, where an int read out of a tensor's values "
+    "(or a shape computed from q_len and a past length you know) is baked in.",
+    "rosetrainer.model has the pieces: causal_mask(q_len, kv_len, device), bottom-right "
+    "aligned, and padding_mask(mask, attention_mask), which combines them into (batch, 1, "
+    "q_len, kv_len) and opens a row that would see nothing.",
+)

@@ -30,3 +30,18 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, dim: int) -> Quantized
         scale.squeeze(-1).movedim(-1, dim),
         zero.squeeze(-1).movedim(-1, dim),
     )
+
+
+# `rose-course hint 17` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 17` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Put dim last and cut it into groups: x.float().movedim(dim, -1).unflatten(-1, (-1, "
+    "group_size)); each group is then the last axis, and amin/amax(-1, keepdim=True) give "
+    "its range.",
+    "zero is the group's minimum, scale its range over 2**bits - 1 levels, each stored in "
+    "float16 rounded the safe way (_to_float16: zero down, scale up); a code is round((x - "
+    "zero) / scale) clamped to 0 .. 2**bits - 1, as uint8. Divide by 1 where the scale is "
+    "0.",
+    "Move the axes back: codes.flatten(-2).movedim(-1, dim); scale and zero drop their last "
+    "axis (squeeze(-1)) before .movedim(-1, dim).",
+)

@@ -16,3 +16,13 @@ def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     """
     # Round the window's slots, starting after the sinks.
     return torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
+
+
+# `rose-course hint 18` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 18` counts how many were used); the stub leaves them out.
+HINTS = (
+    "The first sinks positions keep a slot each, their own position; every later position "
+    "takes the window's slots after the sinks in turn, wrapping around.",
+    "For pos >= sinks the slot is sinks + (pos - sinks) % window; torch.where(pos < sinks, "
+    "pos, ...) chooses per element.",
+)

@@ -26,3 +26,18 @@ def choice_mask(vocab: list[bytes], choices: list[str], prefix: bytes, eot_id: i
     # End-of-text is no bytes to match: it may come only where the output is complete.
     allowed[eot_id] = prefix in wanted
     return torch.tensor(allowed, dtype=torch.bool)
+
+
+# `rose-course hint 20` gives these one at a time, the idea first and the near-code
+# last (`rose-course check 20` counts how many were used); the stub leaves them out.
+HINTS = (
+    "Work in bytes, not text: a token may hold half a character. Encode every choice in "
+    "UTF-8; a token fits when the prefix and its bytes are still the beginning of some "
+    "choice (or all of one).",
+    "End-of-text writes no bytes: it is allowed exactly when the prefix is a whole choice. "
+    "Decide it on its own, whatever its bytes in the vocabulary are.",
+    "Near-code:\n"
+    "    wanted = [choice.encode('utf-8') for choice in choices]\n"
+    "    allowed = [any(w.startswith(prefix + token) for w in wanted) for token in vocab]\n"
+    "    allowed[eot_id] = prefix in wanted",
+)
