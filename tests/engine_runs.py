@@ -36,7 +36,11 @@ def run_checked(
         check_pool(engine.block_manager, live, runner.written_slots, runner.writer_tables)
         assert engine.last_batch.num_tokens <= engine.config.max_num_batched_tokens
         for seq in live:
-            assert not seq.draft_ids  # drafts live inside a step only
+            if seq.draft_ids:  # proposed after the step, for the next one to feed
+                assert seq in engine.scheduler.running and seq.params.greedy
+                assert seq.num_computed_tokens + 1 == seq.num_tokens  # it decodes next
+                assert len(seq.draft_ids) <= engine.num_speculative_tokens
+                assert len(seq.output_ids) + len(seq.draft_ids) < seq.params.max_tokens
             if check_live is not None:
                 check_live(seq)
     assert set(finished) == set(requests)

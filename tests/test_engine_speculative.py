@@ -267,9 +267,10 @@ def test_bad_speculative_settings(model, tokenizer) -> None:
 
 
 def test_every_decoding_sequence_drafts_in_the_same_step(model, tokenizer) -> None:
-    """A sequence's room for drafts is at most k: the first decoding sequence must not
-    take the step's whole token budget (and the pool's spare blocks) for drafts it can
-    never carry, which left the others out of the step and ran them one at a time."""
+    """A sequence's room for drafts is at most its drafts (at most k): the first decoding
+    sequence must not take the step's whole token budget (and the pool's spare blocks)
+    for drafts it can never carry, which left the others out of the step and ran them
+    one at a time; and every decoding sequence is asked in the same drafter call."""
     k, batch = 4, 4
     drafter = NgramDrafter(1, 3)
     asked: list[list[int]] = []
@@ -314,3 +315,90 @@ def test_verify_chunks_go_through_the_model_with_the_rest_of_the_step(model, tok
             verified += calls[0]["sampled"] > len(engine.last_batch.seqs)
             mixed += len({min(n, 3) for n in engine.last_batch.num_new_tokens}) > 1
     assert verified >= 3 and mixed >= 3
+
+
+def test_drafts_are_proposed_after_the_step_and_taken_by_the_next(model, tokenizer) -> None:
+    """The drafter runs after a step's forward, never while the scheduler packs a step;
+    a sequence's drafts wait on it (`draft_ids`) until a step runs it, which feeds its
+    newest token and as many drafts as fit (the rest are dropped); one the step leaves
+    out keeps its drafts; the stats count only the drafts fed."""
+    k = 4
+    drafter = ModelDrafter(model)  # the target drafting for itself: every draft is right
+    engine = engine_for(model, tokenizer, drafter, k, max_num_batched_tokens=4)
+    scheduling = False
+    schedule, propose = engine.scheduler.schedule, drafter.propose
+
+    def spied_schedule():
+        nonlocal scheduling
+        scheduling = True
+        try:
+            return schedule()
+        finally:
+            scheduling = False
+
+    def spied_propose(seqs, ks):
+        assert not scheduling, "the drafter ran inside scheduling"
+        assert all(not seq.draft_ids for seq in seqs)  # asked only for those without drafts
+        return propose(seqs, ks)
+
+    engine.scheduler.schedule, drafter.propose = spied_schedule, spied_propose
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    prompts = [[10 + i] for i in range(3)]  # (all three read in one step, then decode)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    seqs = [engine.requests[request_id] for request_id in ids]
+    fed = trimmed = kept = 0
+    outputs = {}
+    while engine.has_unfinished():
+        before = {seq: list(seq.draft_ids) for seq in engine.scheduler.running}
+        drafted = engine.stats().speculative.num_draft_tokens
+        for output in engine.step():
+            outputs[output.request_id] = output
+        ran = dict(zip(engine.last_batch.seqs, engine.last_batch.num_new_tokens, strict=True))
+        step_fed = 0
+        for seq, drafts in before.items():
+            if seq not in ran:
+                assert seq.draft_ids == drafts  # left out: its drafts wait for the next step
+                kept += bool(drafts)
+            elif drafts:
+                assert 1 <= ran[seq] <= 1 + len(drafts)
+                step_fed += ran[seq] - 1
+                trimmed += ran[seq] - 1 < len(drafts)
+        assert engine.stats().speculative.num_draft_tokens - drafted == step_fed
+        fed += step_fed
+        for seq in engine.scheduler.running:  # who decodes next has its drafts already
+            last = len(seq.output_ids) == params.max_tokens - 1  # (its last token: none)
+            if seq.num_computed_tokens + 1 == seq.num_tokens and not last:
+                assert seq.draft_ids, seq.request_id
+    assert fed and trimmed and kept
+    assert engine.stats().speculative.num_draft_tokens == fed
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert not seq.draft_ids
+        assert outputs[seq.request_id].token_ids == solo(model, tokenizer, prompt, params)
+    assert not drafter.caches
+
+
+def test_preempted_and_aborted_sequences_lose_their_drafts(model, tokenizer) -> None:
+    """A sequence preempted drops its drafts (it recomputes, then drafts again); an aborted
+    one's drafts go with it, and the drafter forgets it."""
+    drafter = ModelDrafter(perturbed_copy(model, 0.1))
+    engine = engine_for(model, tokenizer, drafter, 3, num_kv_blocks=9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i, 6 + i, 7 + i, 8 + i, 9 + i] for i in range(3)]
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    preempted_with_drafts, aborted = 0, None
+    while engine.has_unfinished():
+        had = {seq for seq in engine.scheduler.running if seq.draft_ids}
+        engine.step()
+        for seq in engine.last_batch.preempted:
+            assert not seq.draft_ids
+            preempted_with_drafts += seq in had
+        last = engine.requests.get(ids[2])
+        if aborted is None and last is not None and last.draft_ids:
+            engine.abort(ids[2])
+            aborted = last
+            assert not last.draft_ids and last not in drafter.caches
+        if aborted is not None:
+            assert not aborted.draft_ids and aborted not in drafter.caches
+    assert preempted_with_drafts and aborted is not None
+    assert engine.scheduler.num_preemptions
+    assert not drafter.caches

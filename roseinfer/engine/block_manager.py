@@ -205,15 +205,12 @@ class BlockManager:
         seq.num_computed_tokens += num_new
         self.register_full_blocks(seq)
 
-    def trim(self, seq: EngineSequence, num_tokens: int | None = None) -> None:
-        """Give back seq's blocks past its first num_tokens tokens (default: its computed
-        ones): after a verify step, the blocks that held only drafts the target rejected;
-        while scheduling, those grown for drafts that were not proposed. None of them is
-        in the prefix cache: only blocks full of computed tokens are registered, and
-        rejected drafts are never counted as computed (`advance` moves past accepted
-        tokens only)."""
-        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
-        keep = blocks_for(num_tokens, self.kv_block_size)
+    def trim(self, seq: EngineSequence) -> None:
+        """Give back seq's blocks past its computed tokens: after a verify step, the blocks
+        that held only drafts the target rejected. None of them is in the prefix cache:
+        only blocks full of computed tokens are registered, and rejected drafts are never
+        counted as computed (`advance` moves past accepted tokens only)."""
+        keep = blocks_for(seq.num_computed_tokens, self.kv_block_size)
         for block_id in reversed(seq.block_table[keep:]):
             assert self.blocks[block_id].hash is None, f"block {block_id} is in the prefix cache"
             self._give_back(block_id)

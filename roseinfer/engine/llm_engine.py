@@ -14,14 +14,16 @@ Whatever the schedule, a request's tokens are those of its solo run
 compute alone, its logits depend on nothing else in the batch, and it draws from its
 own generator.
 
-Speculative decoding (a `drafter` and num_speculative_tokens): the scheduler asks
-`_propose` once a step for drafts for the greedy requests about to decode, and each
-one's step feeds its newest token and its drafts as one chunk; `postprocess` verifies them
-(`verify_drafts`, the teaching loop's rule), counts only the accepted tokens as
-computed, and gives back the blocks that held only rejected ones (`BlockManager.trim`).
-A request with structured output is verified under its grammar's mask, position by
-position, and its drafts are cut where the grammar forbids one before they take room
-in the step (`within_grammar`).
+Speculative decoding (a `drafter` and num_speculative_tokens): after a step's forward
+and postprocess, `propose_drafts` asks the drafter once for the greedy requests that
+decode next and have no drafts, and keeps each one's drafts on it (`draft_ids`); the
+next step's scheduler takes as many of them as fit (it never calls the drafter), and
+that request's step feeds its newest token and its drafts as one chunk. `postprocess`
+verifies them (`verify_drafts`, the teaching loop's rule), counts only the accepted
+tokens as computed, and gives back the blocks that held only rejected ones
+(`BlockManager.trim`). A request with structured output is verified under its grammar's
+mask, position by position, and its drafts are cut where the grammar forbids one as
+they are proposed (`within_grammar`).
 A sampled request decodes one token a step: how many drafts a step can carry depends
 on the batch (budget, free blocks), and a seeded request must draw the same tokens
 alone or in any batch.
@@ -107,8 +109,7 @@ class LLMEngine:
             model.config.sliding_window,
             model.config.attention_sinks,
         )
-        propose = self._propose if drafter is not None else None
-        self.scheduler = Scheduler(config, self.block_manager, propose, num_speculative_tokens or 0)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(
             model,
             self.pool,
@@ -209,19 +210,22 @@ class LLMEngine:
         self._finish(seq)
         self.aborted.append(seq)
 
-    # -- one step: schedule -> run -> postprocess --
+    # -- one step: schedule -> run -> postprocess (-> propose drafts) --
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one model step; one output per request that made a token or
         finished (aborted and failed ones included) in it, a FINAL_ONLY one's only when
-        it finished."""
+        it finished. With a drafter, the drafts for the next step are proposed last."""
         outputs = reports(self.aborted)
         self.aborted = []
         batch = self.schedule()
         if not batch.seqs:
             return outputs
         sampling, logits = self.run(batch)
-        return outputs + self.postprocess(sampling, logits)
+        outputs += self.postprocess(sampling, logits)
+        if self.drafter is not None:
+            self.propose_drafts()
+        return outputs
 
     def schedule(self) -> ScheduledBatch:
         """Who runs in this step, and how many tokens each feeds."""
@@ -295,43 +299,44 @@ class LLMEngine:
 
     # -- speculative decoding --
 
-    def _propose(self, seqs: list[EngineSequence], rooms: list[int]) -> list[int]:
-        """The scheduler asks: these sequences are about to decode, each with room for
-        that many drafted tokens in this step. Set their drafts (one drafter call for all);
-        return how many each got. Never a draft past what a request may still make (its
-        last token is never fed) or past the context's positions."""
-        with self._timed("draft"):  # (inside "schedule": the scheduler asks)
-            limits = [self._draft_limit(seq, room) for seq, room in zip(seqs, rooms, strict=True)]
-            asked = [i for i, limit in enumerate(limits) if limit > 0]
-            drafts = (
-                self.drafter.propose([seqs[i] for i in asked], [limits[i] for i in asked])
-                if asked
-                else []
-            )
-            for seq in seqs:
-                seq.draft_ids = []
-            for i, draft in zip(asked, drafts, strict=True):
-                seqs[i].draft_ids = self._allowed_drafts(seqs[i], draft)[: limits[i]]
-            return [len(seq.draft_ids) for seq in seqs]
+    def propose_drafts(self) -> None:
+        """After the step: drafts for the next one. Every running greedy sequence that
+        decodes next and has none is asked for up to its `_draft_limit` (one drafter call
+        for all), its drafts cut where its grammar forbids one, and keeps them in
+        draft_ids until a step feeds them (the scheduler takes as many as fit then)."""
+        with self._timed("draft"):
+            seqs, limits = [], []
+            for seq in self.scheduler.running:
+                if seq.draft_ids or seq.num_computed_tokens + 1 != seq.num_tokens:
+                    continue  # (drafts already, or a prompt still to read)
+                limit = self._draft_limit(seq)
+                if limit > 0:
+                    seqs.append(seq)
+                    limits.append(limit)
+            if not seqs:
+                return
+            drafts = self.drafter.propose(seqs, limits)
+            for seq, limit, draft in zip(seqs, limits, drafts, strict=True):
+                seq.draft_ids = self._allowed_drafts(seq, draft)[:limit]
 
     @staticmethod
     def _allowed_drafts(seq: EngineSequence, draft: Draft) -> list[int]:
-        """A constrained request's drafts stop where its grammar forbids one (the room
-        they would have taken goes back to the step). A look-ahead the library fails
-        costs the request its drafts only: its matcher is then in error, and its own
-        sampling step fails it alone, as any broken matcher does."""
+        """A constrained request's drafts stop where its grammar forbids one (they never
+        take room in a step). A look-ahead the library fails costs the request its
+        drafts only: its matcher is then in error, and its own sampling step fails it
+        alone, as any broken matcher does."""
         try:
             return within_grammar(seq, draft).tokens
         except RoseError:
             return []
 
-    def _draft_limit(self, seq: EngineSequence, room: int) -> int:
-        """How many drafts seq may carry: room, k, what it may still make, the context; 0
-        for a sampled request (see the module's docstring)."""
+    def _draft_limit(self, seq: EngineSequence) -> int:
+        """How many drafts seq may carry: k, what it may still make (its last token is
+        never fed), the context's positions; 0 for a sampled request (see the module's
+        docstring). How many of them fit in a step is the scheduler's to say."""
         if not seq.params.greedy:
             return 0
-        limit = min(self.num_speculative_tokens, room)
-        limit = min(limit, seq.params.max_tokens - len(seq.output_ids) - 1)
+        limit = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1)
         if self.length_limit is not None:
             limit = min(limit, self.length_limit - seq.num_tokens)
         return limit

@@ -21,19 +21,20 @@ Each step packs one flat batch under two limits, `max_num_batched_tokens` tokens
 A sequence leaves `running` the moment it finishes or is aborted, and its blocks go
 back at once, so the next step already fills its place.
 
-Speculative decoding (`propose`): a running sequence about to decode may carry drafted
-tokens into the step, its verify chunk then being its newest token and the drafts. Room
-for them is reserved as the running sequences are taken (what is left of the token
-budget, and only pool blocks no later running sequence needs for its tokens: a draft
-never preempts anyone), then the drafter is asked once for all of them, and what it did
-not fill goes back before the waiting sequences are taken.
+Speculative decoding: a running sequence about to decode may carry drafted tokens
+(`draft_ids`, which the engine's drafter proposed after the previous step's forward), its
+verify chunk then being its newest token and the drafts. The scheduler never asks for
+drafts; it only takes as many of a sequence's drafts as fit with its own token (what is
+left of the token budget, and only pool slots no later running sequence needs for its
+tokens: a draft never preempts anyone) and drops the rest. A preempted sequence loses its
+drafts; one the step leaves out keeps them for the next (vLLM v1's scheduler takes a
+request's `spec_token_ids` the same way).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from roseinfer.engine.block_manager import BlockManager, blocks_for
@@ -53,20 +54,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: EngineConfig,
-        block_manager: BlockManager,
-        propose: Callable[[list[EngineSequence], list[int]], list[int]] | None = None,
-        num_speculative_tokens: int = 0,
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        # propose(seqs, rooms): set each seq's draft_ids, at most its room; return how many.
-        self.propose = propose
-        # The most drafts one sequence carries: its room never exceeds it, so the budget and
-        # the pool a step reserves for drafts are shared by every decoding sequence.
-        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[EngineSequence] = deque()
         self.running: list[EngineSequence] = []  # oldest first
         self.arrival_order: dict[EngineSequence, int] = {}
@@ -82,8 +72,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         manager = self.block_manager
 
-        # 1. Running sequences, oldest first (room reserved for drafts: batch row -> room).
-        rooms: dict[int, int] = {}
+        # 1. Running sequences, oldest first.
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -96,16 +85,12 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                room = self._draft_room(seq, num_new, budget, index)
-                if room:
-                    rooms[len(batch.seqs)] = room
-                num_new += room
+                num_new += self._draft_room(seq, num_new, budget, index)
                 manager.grow(seq, seq.num_computed_tokens + num_new)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 index += 1
-        budget += self._fill_drafts(batch, rooms)
 
         # 2. Waiting sequences, in arrival order, while there is room.
         while (
@@ -130,35 +115,26 @@ class Scheduler:
         return batch
 
     def _draft_room(self, seq: EngineSequence, num_new: int, budget: int, index: int) -> int:
-        """How many drafted tokens running[index] may carry into this step (0 unless it
-        decodes and a drafter is set): at most num_speculative_tokens, the budget left
-        after its own token, and the slots its blocks and the spare ones hold, spare being
-        what no later running sequence needs for all of its tokens."""
+        """How many of running[index]'s drafts it feeds in this step, after its own token
+        (0 unless it decodes): at most its drafts, the budget left after that token, and
+        the slots its blocks and the spare ones hold, spare being what no later running
+        sequence needs for all of its tokens. The drafts that do not fit are dropped (the
+        drafter proposes afresh after the step)."""
+        if not seq.draft_ids:
+            return 0
         decoding = num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-        if self.propose is None or not decoding:
-            return 0
-        manager = self.block_manager
-        size = manager.kv_block_size
-        later = sum(
-            max(0, blocks_for(other.num_tokens, size) - len(other.block_table))
-            for other in self.running[index + 1 :]
-        )
-        slots = (len(seq.block_table) + max(0, manager.num_available - later)) * size
-        return max(0, min(self.num_speculative_tokens, budget - 1, slots - seq.num_tokens))
-
-    def _fill_drafts(self, batch: ScheduledBatch, rooms: dict[int, int]) -> int:
-        """Ask the drafter once for every sequence with room; give back (to the pool, and
-        return to the budget) the room its drafts did not fill."""
-        if not rooms:
-            return 0
-        drafted = self.propose([batch.seqs[row] for row in rooms], list(rooms.values()))
-        unused = 0
-        for (row, room), count in zip(rooms.items(), drafted, strict=True):
-            seq = batch.seqs[row]
-            batch.num_new_tokens[row] -= room - count
-            unused += room - count
-            self.block_manager.trim(seq, seq.num_computed_tokens + batch.num_new_tokens[row])
-        return unused
+        room = 0
+        if decoding:
+            manager = self.block_manager
+            size = manager.kv_block_size
+            later = sum(
+                max(0, blocks_for(other.num_tokens, size) - len(other.block_table))
+                for other in self.running[index + 1 :]
+            )
+            slots = (len(seq.block_table) + max(0, manager.num_available - later)) * size
+            room = max(0, min(len(seq.draft_ids), budget - 1, slots - seq.num_tokens))
+        del seq.draft_ids[room:]
+        return room
 
     def _preempt(self, seq: EngineSequence) -> None:
         """Give back all of seq's blocks; it recomputes them when it runs again."""
@@ -175,8 +151,10 @@ class Scheduler:
         self.waiting.insert(position, seq)
 
     def finish(self, seq: EngineSequence) -> None:
-        """seq finished or was aborted: out of the queues, its blocks back at once."""
+        """seq finished or was aborted: out of the queues, its blocks back at once (and its
+        drafts gone with it)."""
         assert seq.is_finished, f"{seq.request_id} is not finished"
+        seq.draft_ids = []
         self.arrival_order.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)

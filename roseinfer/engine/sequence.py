@@ -24,8 +24,10 @@ class EngineSequence(Sequence):
     block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)
-    # Scheduler (speculative decoding): the drafted tokens this step feeds after the
-    # sequence's newest token, for the target to verify; [] otherwise.
+    # Speculative decoding: the drafted tokens the next step feeds after the sequence's
+    # newest token, for the target to verify; [] otherwise. The LLMEngine proposes them
+    # after a step (and clears them once verified); the Scheduler drops those that do not
+    # fit in the step, and all of them when it preempts the sequence.
     draft_ids: list[int] = field(default_factory=list, init=False, repr=False)
     # LLMEngine: one TokenLogprob per output token (when asked for).
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)
