@@ -3006,3 +3006,62 @@ def sampled_rows_shifted(
         tokens.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
     cache.truncate(held + len(tokens))
     return tokens
+
+
+# == Written blind ===========================================================================
+#
+# tests/blind_mutants.py holds wrong answers written blind, by someone who had not read these
+# lists nor the exercises' and builds' known wrong answers (issue 45): each registered with
+# `blind` or `blind_build` below, as a mutant like the ones above, or, where the check names
+# it as one of the known mistakes (the blind writer found that one too), with `known=` that
+# mistake, whose diagnosis it must then get (tests/test_mutants.py, tests/test_builds.py).
+
+BLIND: dict[str, list[str]] = {}  # chapter or build -> the names of its blind mutants
+# chapter or build -> (name, the function or the replacements, the known mistake it is)
+BLIND_KNOWN: dict[str, list[tuple[str, object, str]]] = {}
+
+
+def blind(chapter: str, known: str | None = None) -> Callable[[Callable], Callable]:
+    """Register a chapter's wrong answer written blind: a mutant, or the known mistake
+    `known` written another way."""
+
+    def register(fn: Callable) -> Callable:
+        if known is None:
+            taken = {other.__name__ for other in MUTANTS.get(chapter, [])}
+            assert fn.__name__ not in taken, f"{chapter}: {fn.__name__} is a mutant already"
+            mutant(chapter)(fn)
+            BLIND.setdefault(chapter, []).append(fn.__name__)
+        else:
+            BLIND_KNOWN.setdefault(chapter, []).append((fn.__name__, fn, known))
+        return fn
+
+    return register
+
+
+def blind_build(
+    build: str, replaces: str, name: str | None = None, known: str | None = None
+) -> Callable:
+    """Register a build's wrong answer written blind, as `build_mutant` does (registered
+    again under one name, it replaces that piece too), or as the known mistake `known`."""
+
+    def register(obj: Callable) -> Callable:
+        key = name or obj.__name__
+        if known is None:
+            names = BLIND.setdefault(build, [])
+            taken = {named for named, _ in BUILD_MUTANTS.get(build, [])} - set(names)
+            assert key not in taken, f"{build}: {key} is a mutant written with the lists read"
+            build_mutant(build, replaces, key)(obj)
+            names += [] if key in names else [key]
+            return obj
+        told = BLIND_KNOWN.setdefault(build, [])
+        same = [replacements for named, replacements, _ in told if named == key]
+        if same:
+            same[0][replaces] = obj
+        else:
+            told.append((key, {replaces: obj}, known))
+        return obj
+
+    return register
+
+
+import blind_mutants  # noqa: E402, F401  (registers them: kept apart, see its docstring)

@@ -7,6 +7,7 @@ the known ones, written against the contract as code: the reference with a metho
 function replaced) fails at least one part, and is not told it is one of the known
 mistakes; an answer written another way that meets the contract passes; the stub fails every part in one "not written yet"
 line; and `rose-course` lists the builds apart and grades one by name, a line per part.
+A known mistake written blind (tests/blind_mutants.py) gets that mistake's diagnosis too.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import inspect
 from pathlib import Path
 
 import pytest
-from mutants import BUILD_ALTERNATIVES, BUILD_MUTANTS
+from mutants import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS
 
 from rosecourse import cli
 from rosecourse.builds.grading import (
     Build,
+    KnownWrong,
     check_build,
     known_probes,
     module_from_source,
@@ -409,7 +411,20 @@ def verify_sampled(target, cache, last_token, drafts, draft_probs, generator):
 """,
 }
 
-KNOWN = [(build, wrong) for build in BUILDS for wrong in build.known_wrong]
+
+def told(build: Build, name: str, replacements: dict[str, object], known: str) -> KnownWrong:
+    """A known mistake written blind (tests/blind_mutants.py): its writer's answer, to be
+    given that mistake's diagnosis."""
+    (wrong,) = [wrong for wrong in build.known_wrong if wrong.name == known]
+    return KnownWrong(name, replacements, wrong.explanation)
+
+
+KNOWN = [(build, wrong) for build in BUILDS for wrong in build.known_wrong] + [
+    (BUILD[build], told(BUILD[build], *entry))
+    for build, entries in BLIND_KNOWN.items()
+    if build in BUILD
+    for entry in entries
+]
 
 
 def code_lines(source: str) -> int:

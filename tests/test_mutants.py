@@ -5,6 +5,11 @@ failing its check without being taken for a known mistake; the reference solutio
 the alternatives that meet the contract passing; and each known wrong answer told apart
 from the reference and from the other known ones by the probes alone, so its diagnosis
 is given only to that mistake.
+
+Among the mutants are wrong answers written blind (tests/blind_mutants.py), by someone who
+had not read these lists nor the known wrong answers: those the check names as a known
+mistake must get its diagnosis, and every chapter and build has at least as many of the
+others as issue 45 listed wrong answers for it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from mutants import ALTERNATIVES, MUTANTS
+from mutants import ALTERNATIVES, BLIND, BLIND_KNOWN, MUTANTS
 
 from rosecourse.course import LESSONS, Lesson
 from rosecourse.exercises.common import Exercise, same
@@ -79,3 +84,32 @@ def test_probes_tell_each_known_wrong_answer_apart(chosen) -> None:
         alike = [name for name, other in probes.items() if same(probe, other)]
         assert not alike, f"{wrong.name}'s probe is the same as {alike}'s"
         probes[wrong.name] = probe
+
+
+TOLD = [
+    (chapter, fn, known)
+    for chapter, told in BLIND_KNOWN.items()
+    if chapter in BY_CHAPTER
+    for _, fn, known in told
+]
+
+
+@pytest.mark.parametrize(
+    ("chapter", "fn", "known"), TOLD, ids=[f"{c}-{f.__name__}" for c, f, _ in TOLD]
+)
+def test_blind_answer_of_a_known_mistake_gets_its_diagnosis(chapter, fn, known) -> None:
+    """A known mistake written blind, in its writer's own code, is told it is that one."""
+    chosen = BY_CHAPTER[chapter]
+    result = chosen.check(fn)
+    (wrong,) = [wrong for wrong in exercise_of(chosen).known_wrong if wrong.name == known]
+    assert not result.passed and wrong.explanation in result.explanation, str(result)
+
+
+# Issue 45's own wrong answers, per build and chapter: at least as many more, written blind.
+ISSUE_45 = {"cached_loop": 6, "block_manager": 5, "verify": 3, "training_step": 2, "model": 1,
+            "12": 2, "16": 2, "20": 2}  # fmt: skip
+
+
+def test_blind_mutants_at_least_as_many_as_the_issue_listed() -> None:
+    for name, listed in ISSUE_45.items():
+        assert len(BLIND.get(name, [])) >= listed, f"{name}: {BLIND.get(name)}"

@@ -416,9 +416,19 @@ def uncached(life: Script) -> None:
     life.start(y, "y, x's prompt, prefix caching off")
 
 
+def reclaimed(life: Script) -> None:
+    """A prompt served blocks that wait to be evicted: it takes them back, so they are not
+    also room to grow into (can_start counts the evictable blocks it is served out)."""
+    a = sequence(list(range(1, 8)))  # 3 blocks: 2 full ones keyed, 1 token in the third
+    life.start(a, "a")
+    life.release(a, "a")  # a's 2 keyed blocks evictable, its third free
+    # a's 2 full blocks served, 2 more needed for its 11 tokens, and 1 block left to take
+    life.start(sequence([*range(1, 7), *range(40, 45)]), "f, a's 2 evictable blocks served")
+
+
 # Each script with its pool: (the script, blocks, prefix caching).
 SCRIPTS = ((first_life, 7, True), (side_by_side, 7, True), (generated, 7, True),
-           (uncached, 4, False))  # fmt: skip
+           (uncached, 4, False), (reclaimed, 3, True))  # fmt: skip
 
 
 def scripted(manager_cls: type) -> list[tuple]:

@@ -5,7 +5,8 @@ loads rose's weights into the learner's module (strict: the names and shapes mus
 rose's) and compares what it computes with rose's own module on the same input:
 attention, MLP and block on hidden states of lengths 1, 7 and block_size, the whole
 model's logits on batches of those lengths (with and without biases, and with rose's
-own small initialisation, where LayerNorm's eps shows), the logits in
+own small initialisation, where LayerNorm's eps shows, and on a model moved to the meta
+device, where a tensor made on the CPU shows), the logits in
 train mode (the model runs without dropout: train mode computes what eval mode does),
 and every parameter's gradient after a cross-entropy loss, in train mode as a trainer
 takes it. Logits and hidden states are held to
@@ -31,6 +32,7 @@ from rosecourse.demo import wide_random_init
 from rosecourse.solutions.build_model import Block
 from rosetrainer import model as rose
 from rosetrainer.config import GPTConfig
+from rosetrainer.errors import one_line
 from rosetrainer.numerics import logit_tolerance
 
 # Not a power of two anywhere: a hard-coded size cannot pass by luck.
@@ -118,6 +120,40 @@ def _logits(module: types.ModuleType) -> None:
                 bias = "" if config.bias else " without biases"
                 what = f"logits of a ({batch}, {time}) batch{bias}{which}"
                 expect_close(what, mine(idx), want, logit_tolerance(want))
+    _on_the_device(module)
+
+
+def _on_the_device(module: types.ModuleType) -> None:
+    """The learner's GPT moved to the meta device, as a model on a GPU is: every tensor it
+    makes for idx goes on idx's device. The other parts run on the CPU, where a tensor made
+    without `device=` would pass; on the meta device the positions handed to
+    transformer.wpe show where they were made (an embedding there reads them wherever they
+    are), and a tensor of the CPU mixed with the model's raises."""
+    mine = module.GPT(CONFIG).to("meta")
+
+    def positions_here(_wpe: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = next(iter([*args, *kwargs.values()]), None)
+        if isinstance(positions, torch.Tensor) and positions.device.type != "meta":
+            raise Mismatch(
+                "on a model moved to another device (meta, as to a GPU) the positions "
+                f"handed to transformer.wpe are on the {positions.device.type}, not idx's "
+                "device: make them there (torch.arange(T, device=idx.device)), or the "
+                "lookup fails on a GPU"
+            )
+
+    mine.transformer.wpe.register_forward_pre_hook(positions_here, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            mine(torch.zeros(2, 5, dtype=torch.long, device="meta"))
+    except Mismatch:
+        raise
+    except Exception as error:  # the meta device cannot run all a GPU can: judged no further
+        if "not on the expected device" in str(error):
+            raise Mismatch(
+                "on a model moved to another device (meta, as to a GPU) the forward pass "
+                f"raises ({one_line(error)}): a tensor it makes is on the CPU (no "
+                "device=idx.device), not the model's device"
+            ) from None
 
 
 def _train_mode(module: types.ModuleType) -> None:

@@ -19,6 +19,7 @@ from rosecourse.exercises.common import (
     Probe,
     check,
     greedy_runs,
+    outcome,
     patched,
     probe_calls,
 )
@@ -29,7 +30,14 @@ from rosetrainer.model import position_ids
 
 def _positions_probe(fn: Callable) -> Probe:
     # (past_len, q_len): a prefill, a decode token, chunks after a past.
-    return probe_calls(fn, "position_ids", [(0, 5), (5, 1), (7, 3), (0, 1), (12, 4)])
+    probe = dict(probe_calls(fn, "position_ids", [(0, 5), (5, 1), (7, 3), (0, 1), (12, 4)]))
+    # The device the model asks for (rose passes idx.device): the check's runs are on the
+    # CPU, where positions made anywhere else would pass; the meta device tells.
+    meta = torch.device("meta")
+    probe["position_ids(3, 2, torch.device('meta')).device"] = outcome(
+        lambda: str(fn(3, 2, meta).device)
+    )
+    return probe
 
 
 def _one_too_far(past_len, q_len, device=None):
@@ -38,6 +46,10 @@ def _one_too_far(past_len, q_len, device=None):
 
 def _all_at_past_len(past_len, q_len, device=None):
     return torch.full((q_len,), past_len, device=device)
+
+
+def _on_the_cpu(past_len, q_len, device=None):
+    return torch.arange(past_len, past_len + q_len)
 
 
 EXERCISE = Exercise(
@@ -63,6 +75,13 @@ EXERCISE = Exercise(
             _all_at_past_len,
             "every token of a call gets the same "
             "position, past_len: right for one decode token, wrong for a prefill",
+        ),
+        KnownWrong(
+            "on_the_cpu",
+            _on_the_cpu,
+            "your positions are made on the CPU whatever `device` says: a model on a GPU "
+            "passes idx.device, and its position embedding cannot read CPU indices "
+            "(torch.arange(..., device=device))",
         ),
     ],
     fallback="a new token stands at the wrong position",

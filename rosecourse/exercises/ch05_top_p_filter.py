@@ -62,9 +62,14 @@ TOP_P_LOGITS = torch.tensor(
 # Two tokens of probability exactly 1/2 (the rest -inf, as after top-k): at p = 0.5 the
 # first alone reaches p.
 HALVES = torch.tensor([[0.0, 0.0, -torch.inf, -torch.inf, -torch.inf, -torch.inf]])
+# 128 tied tokens: the first ones by token order are kept. torch's default sort is not
+# stable past a few dozen elements (on the CPU too), so a sort that is not asked to be
+# stable keeps other tokens here, where six tokens cannot tell.
+TIED = torch.zeros(1, 128)
 TOP_P_INPUTS = {
     "TOP_P_LOGITS (3, 6)": TOP_P_LOGITS,
     f"{HALVES.tolist()}": HALVES,
+    "zeros(1, 128) (128 ties: the first by token order are kept)": TIED,
     "TOP_P_LOGITS as (3, 1, 6)": TOP_P_LOGITS[:, None, :],
     "TOP_P_LOGITS in float16": TOP_P_LOGITS.half(),
 }

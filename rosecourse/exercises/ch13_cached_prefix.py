@@ -25,7 +25,7 @@ from rosecourse.exercises.engine import (
     greedy,
     make_engine,
 )
-from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.block_manager import BlockManager, chain_hash
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput
 from roseinfer.engine.sequence import EngineSequence
@@ -82,7 +82,22 @@ def _prefix_probe(fn: Callable) -> Probe:
     manager, prompt = _later_block_without_block_0()
     call = "cached_prefix(manager, [1, 2, 3, 4, 5]), block 0 evicted, block 1 still cached"
     probe[call] = outcome(lambda: list(fn(manager, prompt)))
+    collided = _colliding_key()
+    call = "cached_prefix(manager, [1, 2, 3]), the key of [1, 2] found on a block of [7, 8]"
+    probe[call] = outcome(lambda: list(fn(collided, [1, 2, 3])))
     return probe
+
+
+def _colliding_key() -> BlockManager:
+    """A pool (2-token blocks) whose block of [7, 8] is cached, found under the key of
+    [1, 2] too: what a lookup meets when two blocks' keys collide (a hash, however long,
+    can), made by hand. The key alone would serve it; its tokens are not the prompt's."""
+    manager = BlockManager(num_blocks=4, kv_block_size=2, enable_prefix_caching=True)
+    seq = EngineSequence(prompt_ids=[7, 8, 9])
+    manager.start(seq, [], 3)
+    manager.advance(seq, 3)  # block 0, [7, 8], keyed
+    manager.cached[chain_hash(b"", (1, 2))] = seq.block_table[0]
+    return manager
 
 
 def _later_block_without_block_0() -> tuple[BlockManager, list[int]]:
@@ -116,6 +131,18 @@ def _unchained(manager, token_ids):
         tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
         block_id = manager.cached.get(chain_hash(b"", tokens))
         if block_id is None:
+            break
+        found.append(block_id)
+    return found
+
+
+def _key_alone(manager, token_ids):
+    found, parent = [], b""
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
+        parent = chain_hash(parent, tokens)
+        block_id = manager.cached.get(parent)
+        if block_id is None:  # the mistake: the block's token_ids never compared
             break
         found.append(block_id)
     return found
@@ -156,6 +183,13 @@ EXERCISE = Exercise(
             _serves_the_last_token,
             "you serve a prompt's last block even when it holds the last token: that token "
             "must be computed, its logits choose the first new token",
+        ),
+        KnownWrong(
+            "key_alone",
+            _key_alone,
+            "you take a block on its key alone: a block found must also hold the prompt's "
+            "tokens (manager.blocks[block_id].token_ids == tokens), as two blocks' keys can "
+            "collide",
         ),
     ],
     fallback="the blocks you find are not the longest run of the prompt's full blocks "

@@ -219,6 +219,9 @@ def _brief(value: object, limit: int = 80) -> str:
         text = f"[{_values(flat[:12])}{', ...' if flat.numel() > 12 else ''}]"
     elif isinstance(value, frozenset):  # labels a probe wrote to be read as they are
         text = "{" + ", ".join(sorted(value)) + "}"
+    elif isinstance(value, (tuple, list)):  # each item as its values, on the one line
+        inner = ", ".join(_brief(item, limit) for item in value)
+        text = f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
     else:
         text = str(value).replace("'", "")
     return _clip(text, limit)

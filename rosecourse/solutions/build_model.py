@@ -129,7 +129,8 @@ class GPT(nn.Module):
         """idx: (B, T) token ids, 1 <= T <= block_size, the token at index t standing at
         position t -> logits (B, T, vocab_size): at each position, the scores of the token
         that comes next, as GPT-2 computes them with the modules above (wpe holds the
-        positions' learned embeddings)."""
+        positions' learned embeddings; a tensor made here goes on idx's device, where the
+        model is)."""
         T = idx.size(1)
         positions = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)

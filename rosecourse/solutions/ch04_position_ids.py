@@ -6,7 +6,8 @@ import torch
 
 
 def position_ids(past_len: int, q_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """(q_len,) long: the positions of q_len new tokens fed after past_len cached ones.
+    """(q_len,) long, on `device`: the positions of q_len new tokens fed after past_len
+    cached ones.
 
     The check swaps this in for rosetrainer.model.position_ids.
     """
