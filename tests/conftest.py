@@ -1,4 +1,6 @@
-"""Shared fixtures: where the offline files live (../shared next to the repo)."""
+"""Shared fixtures: where the offline files live (../shared next to the repo); and how
+the suite runs in parallel (pytest-xdist, `-n auto --dist loadgroup` in pyproject's addopts).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +13,35 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# pytest-xdist runs the tests in one worker process per core (`-n auto`, pyproject's
+# addopts). Each worker, and every program a test starts (notebook kernels, servers,
+# command lines), gets one intra-op thread: the models are tiny, and with a worker on each
+# core a second OpenMP thread has no core of its own; it spin-waits against the other
+# worker instead of helping (the quick subset on 2 shared cores, two workers: 7.7 min, 6.8
+# of CPU, with 2 threads each; 6.6 min, 5.6 of CPU, with 1). Set at import, before any
+# test runs, so that what a test starts inherits it; a worker has PYTEST_XDIST_WORKER_COUNT
+# before its conftest loads.
+PARALLEL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+if PARALLEL:
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+# The most workers `-n auto` starts: each holds torch and its own models (1 GB here at its
+# peak), and at times a notebook kernel or a server beside it.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per core this process may run on (its affinity, not the
+    machine's count), at most MAX_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS overrides. One
+    core: no workers at all, the tests run in pytest's own process as without xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(cores or 1, MAX_WORKERS)
+    return workers if workers > 1 else 0
 
 
 @pytest.fixture(scope="session")
@@ -148,10 +179,78 @@ ORACLE_TEST_FILES = {
 }
 
 
+# Tests in the oracle files that check that a wrong answer is caught (a known wrong answer
+# with its diagnosis, a mutant): a wrong answer misses the oracle by far more than the
+# rounding another kernel path moves, so their verdicts do not hang on a tolerance, and
+# the second pass leaves them out (1.4 of its 6.3 min of CPU here). A test renamed is
+# marked again.
+CAUGHT_WRONG_ANSWER_TESTS = {
+    "test_builds.py": {"test_mutant_fails", "test_known_wrong_answer_fails_with_its_diagnosis"},
+    "test_course.py": {"test_known_wrong_answer_gets_its_diagnosis"},
+    "test_exercises.py": {"test_known_wrong_answer_is_caught_with_its_step_and_explanation"},
+}
+
+# Module-scoped fixtures that cost seconds to make (a server started, a site built, a
+# browser opened, a model trained or exported, a text tokenised): xdist's loadgroup sends
+# the tests of one module that use one of them to one worker (an xdist_group named after
+# the module), so that it is made once a run, not once a worker.
+SHARED_MODULE_FIXTURES = {
+    "server",  # test_serve*.py, test_structured_serve.py, test_structured_hostile.py, test_live_page.py
+    "browser",  # test_live_page.py: a headless Chromium on that server
+    "site",  # test_docs.py: mkdocs build --strict
+    "finished_run",  # test_protects.py: a short training run
+    "straight_and_resumed",  # test_train.py: two training runs
+    "hf_export",  # test_onnx.py: three ONNX exports, 8-10 s each
+    "onnx_model",
+    "rose_export",
+    "shakespeare",  # test_data.py: TinyShakespeare tokenised whole
+}
+# Tests that share what one process caches: the max-autotune compile of the one-token step
+# (20-40 s) is made once and read back by the test after it (78 s alone, 2 s after it).
+SHARED_PROCESS_TESTS = {
+    "test_generate.py": {
+        "test_compiled_static_decode_equals_oracle",
+        "test_frozen_decode_step_is_not_reused_for_other_weights",
+    },
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name in ORACLE_TEST_FILES:
+        name, function = item.path.name, getattr(item, "originalname", item.name)
+        if name in ORACLE_TEST_FILES and function not in CAUGHT_WRONG_ANSWER_TESTS.get(name, ()):
             item.add_marker(pytest.mark.oracle)
+        if SHARED_MODULE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        elif function in SHARED_PROCESS_TESTS.get(name, ()):
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}-compiled"))
+    if PARALLEL:
+        # The slow tests first (each worker collects the same list, and the controller hands
+        # the tests out in its order, the groups first): the quick ones fill in at the end,
+        # so that no worker is left waiting on a minute-long test started last.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands the worst logit gaps it saw to the controlling process."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from models import WORST_LOGIT_GAPS
+
+        workeroutput["worst_logit_gaps"] = {
+            family: list(worst) for family, worst in WORST_LOGIT_GAPS.items()
+        }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controlling process keeps each test file's worst gap over its workers."""
+    from models import WORST_LOGIT_GAPS
+
+    for family, worst in getattr(node, "workeroutput", {}).get("worst_logit_gaps", {}).items():
+        if worst[0] >= WORST_LOGIT_GAPS.get(family, (-1.0,))[0]:
+            WORST_LOGIT_GAPS[family] = tuple(worst)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

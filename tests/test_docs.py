@@ -10,9 +10,9 @@ of pyproject's [project.scripts] or `-m` one of rose's modules or benchmarks (`p
 `main` runs, so a flag the program does not take (misspelt, removed, renamed) fails here.
 
 The site is built once for the module (`mkdocs build --strict` into a temp dir, as a
-user would build it), then read: offline (nothing fetched from another host), its
-search index, the chapters with their stored outputs, and one chapter page in a real
-headless Chromium.
+user would build it; in CI, the one .ci/run has just built: ROSE_DOCS_SITE), then read:
+offline (nothing fetched from another host), its search index, the chapters with their
+stored outputs, and one chapter page in a real headless Chromium.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -353,7 +352,15 @@ def test_links_out_of_docs_are_made_right_for_the_site() -> None:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`mkdocs build --strict`, once: a broken link or a missing page fails it."""
+    """`mkdocs build --strict`, once: a broken link or a missing page fails it.
+
+    ROSE_DOCS_SITE names a site already built strict from this checkout, to read instead:
+    .ci/run builds it (in a venv holding only the docs extra) just before the tests, and
+    a second build of the same pages would cost CI 20-50 s of a core."""
+    if os.environ.get("ROSE_DOCS_SITE"):
+        built = Path(os.environ["ROSE_DOCS_SITE"])
+        assert (built / "index.html").is_file(), f"ROSE_DOCS_SITE={built} holds no built site"
+        return built
     out = tmp_path_factory.mktemp("site")
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
@@ -435,10 +442,10 @@ def served(site: Path) -> Iterator[str]:
     """The built site over HTTP on a free loopback port, as `mkdocs serve` would give it
     (search runs in a web worker, which a page opened from disk may not start)."""
     handler = partial(QuietHandler, directory=str(site))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    # Port 0: the server binds a free port itself (a port probed, freed and bound again
+    # could be taken in between by a test running beside this one).
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -74,10 +74,19 @@ def rotary_checkpoint(rotary_model: GPT, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture
 def no_stage_left() -> Iterator[None]:
-    """Fail the test if any process it started is still running at its end."""
+    """Fail the test if any process it started is still running at its end. Not one that
+    was there before it: an earlier test in this process may have started one that lives
+    as long as the process by design (a grammar compile worker, inductor's compile pool),
+    and with the tests spread over processes (pytest-xdist) which tests ran before is not
+    the file order."""
+
+    def children() -> set[psutil.Process]:  # a Process is its pid and its start time
+        return set(psutil.Process().children(recursive=True))
+
+    before = children()
     yield
-    children = [p for p in psutil.Process().children(recursive=True) if not is_helper(p)]
-    _, alive = psutil.wait_procs(children, timeout=10)
+    started = [p for p in children() - before if not is_helper(p)]
+    _, alive = psutil.wait_procs(started, timeout=10)
     assert not alive, f"processes left running: {[p.pid for p in alive]}"
 
 
