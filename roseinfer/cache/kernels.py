@@ -49,9 +49,9 @@ def build_flags() -> list[str]:
 
     -fassociative-math (with the two flags it needs) lets the compiler add a dot
     product's partial sums as a tree: by default C's left-to-right order holds, and each
-    key's score ends in a chain of 16 dependent scalar additions, which made the kernel
-    bound by that chain (1.3x slower in float32, 1.8x in bfloat16, read from cache). It
-    changes the order of the sums, not what is summed: NaN and infinity keep their rules."""
+    key's score ends in a chain of 16 dependent scalar additions, which bound the kernel
+    by that chain (docs/benchmarks.md, "Figures behind the code"). It changes the order of
+    the sums, not what is summed: NaN and infinity keep their rules."""
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
     flags += ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
     if platform.machine().lower() in ("x86_64", "amd64"):
