@@ -177,8 +177,11 @@ def hint(name: str, directory: Path, seen: bool) -> int:
     if name == "all":
         raise CourseError("hint takes one exercise: a chapter's number or a build's name")
     name = course.check_name(name, or_all=False)
-    if not directory.is_dir():
-        raise CourseError(f"no workspace at {directory}: run `{PROG} start {directory}`")
+    if not (directory / course.file_name(name)).is_file():  # a workspace holds its file
+        raise CourseError(
+            f"no {course.file_name(name)} in {directory}: run `{PROG} start {directory}` "
+            "first (or pass --dir)"
+        )
     texts = course.hints(name)
     used, total = course.hints_used(name, directory)
     if seen:

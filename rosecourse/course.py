@@ -418,8 +418,11 @@ def hints(name: str) -> tuple[str, ...]:
 def read_hint_record(directory: Path) -> dict[str, int]:
     """How many hints each check has had in the workspace; none if the record is missing
     or damaged (the count then starts again: the hints are no secret, only counted)."""
+    path = directory / HINT_RECORD
+    if not path.is_file():  # (a pipe or a device in its place would block the read)
+        return {}
     try:
-        record = json.loads((directory / HINT_RECORD).read_bytes())
+        record = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
     if not isinstance(record, dict):
@@ -437,8 +440,11 @@ def hint_next(name: str, directory: Path) -> tuple[int, str] | None:
     """Give the workspace check `name`'s next hint: (its number, from 1, and its text),
     noted in the workspace's HINT_RECORD (written atomically, beside the learner's files
     and never over one of them); None when every hint has been given."""
-    if not directory.is_dir():
-        raise CourseError(f"no workspace at {directory}: run `rose-course start {directory}`")
+    if not (directory / file_name(name)).is_file():  # a workspace holds the exercise's file
+        raise CourseError(
+            f"no {file_name(name)} in {directory}: run `rose-course start {directory}` "
+            "first (or pass --dir)"
+        )
     used, total = hints_used(name, directory)
     if used == total:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -115,14 +116,18 @@ def test_hint_gives_the_next_one_each_time_and_notes_it_in_the_workspace(
         (["hint", "nope"], "no build or chapter called 'nope': choose a build ("),
         (["hint", "99"], "no exercise for chapter '99': choose one of 00,"),
         (["hint", "all"], "hint takes one exercise: a chapter's number or a build's name"),
-        (["hint", "model", "--dir", "{missing}"], "no workspace at "),
+        (["hint", "model", "--dir", "{missing}"], "no build_model.py in "),
+        # an existing folder that is no workspace gets no record written into it
+        (["hint", "model", "--dir", "{empty}"], "no build_model.py in "),
     ],
 )
 def test_a_bad_hint_request_is_one_line_and_exit_2(
     args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     args = [arg.replace("{missing}", str(tmp_path / "nowhere")) for arg in args]
+    args = [arg.replace("{empty}", str(tmp_path)) for arg in args]
     assert cli.main(args) == 2
+    assert not (tmp_path / HINT_RECORD).exists()
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
@@ -131,6 +136,7 @@ def test_a_bad_hint_request_is_one_line_and_exit_2(
 
 
 def test_a_damaged_record_starts_the_count_again(tmp_path: Path, capsys) -> None:
+    (tmp_path / course.file_name("12")).write_text("# my schedule\n", encoding="utf-8")
     (tmp_path / HINT_RECORD).write_text("{not json", encoding="utf-8")
     assert course.hints_used("12", tmp_path) == (0, len(hints("12")))
     assert cli.main(["hint", "12", "--dir", str(tmp_path)]) == 0
@@ -170,3 +176,13 @@ def test_check_reports_the_hints_used_and_check_all_has_a_column(tmp_path: Path)
     assert lines[header].split() == ["check", "file", "hints", "verdict"]
     table = {row.split()[0]: row.split() for row in lines[header + 1 : -2]}
     assert table["05"][2] == f"2/{total}" and table["model"][2] == f"0/{len(hints('model'))}"
+
+
+def test_a_pipe_in_place_of_the_record_is_replaced_not_read(tmp_path: Path, capsys) -> None:
+    """Reading a FIFO would wait for a writer forever: the count starts again instead."""
+    (tmp_path / course.file_name("12")).write_text("# my schedule\n", encoding="utf-8")
+    os.mkfifo(tmp_path / HINT_RECORD)
+    assert course.hints_used("12", tmp_path) == (0, len(hints("12")))
+    assert cli.main(["hint", "12", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("hint 1 of")
+    assert (tmp_path / HINT_RECORD).is_file()

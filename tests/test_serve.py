@@ -254,6 +254,36 @@ def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
     assert completion.usage.completion_tokens == 16
 
 
+@pytest.mark.slow
+def test_length_fields_left_out_or_null_and_stream_options_without_a_stream(
+    server: Server, tokenizer: Tokenizer
+) -> None:
+    """A completion's max_tokens given as null is OpenAI's default (16); a chat request
+    without a length whose messages fill the context is refused naming the messages (not a
+    field it never sent); stream_options without stream is a 400, as OpenAI and vLLM say."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as http:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": None, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        answer = http.post("/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 16
+        empty = len(tokenizer.encode(ChatTemplate().render([{"role": "user", "content": ""}])))
+        content = " a" * (WINDOW - empty)
+        rendered = ChatTemplate().render([{"role": "user", "content": content}])
+        assert len(tokenizer.encode(rendered)) == WINDOW  # the messages fill the context
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}]}
+        refused = http.post("/chat/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        refused = http.post("/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "stream_options"
+
+
 def test_a_chat_template_file_replaces_the_default(tmp_path: Path) -> None:
     path = tmp_path / "chat.jinja"
     path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

@@ -138,19 +138,28 @@ class RequestChecks:
         limit = self.length_limit
         if limit is None or len(ids) + max_tokens <= limit:
             return
+        prompt = "the messages" if hasattr(body, "messages") else "the prompt"
+        verb = "take" if hasattr(body, "messages") else "takes"
+        if getattr(body, "max_completion_tokens", None) is None and body.max_tokens is None:
+            # a chat request that asked for no length: its messages leave no room at all
+            raise BadRequest(
+                f"this model's context window is {limit} tokens, and {prompt} take "
+                f"{len(ids)} of them: shorten them, so that a reply has room",
+                param="messages",
+                code="context_length_exceeded",
+            )
         name = (
             "max_completion_tokens"
             if getattr(body, "max_completion_tokens", None)
             else "max_tokens"
         )
-        prompt = "the messages" if hasattr(body, "messages") else "the prompt"
         fix = (
             f"lower {name} to {limit - len(ids)} or less, or shorten {prompt}"
             if len(ids) < limit
             else f"shorten {prompt}: it leaves no room for a token"
         )
         raise BadRequest(
-            f"this model's context window is {limit} tokens, but {prompt} takes {len(ids)} "
+            f"this model's context window is {limit} tokens, but {prompt} {verb} {len(ids)} "
             f"and {name} asks for {max_tokens}: {len(ids)} + {max_tokens} = "
             f"{len(ids) + max_tokens} > {limit}; {fix}",
             param=name,
@@ -174,7 +183,14 @@ class RequestChecks:
                 f"at once (--max-waiting): send fewer",
                 param="n" if body.n > 1 else "prompt",
             )
+        if body.stream_options is not None and not body.stream:
+            raise BadRequest(
+                "stream_options is only for a streamed answer: add stream: true or drop it",
+                param="stream_options",
+            )
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None and not hasattr(body, "messages"):
+            max_tokens = 16  # a completion's max_tokens given as null: OpenAI's default
         if max_tokens is None:  # a chat request that gave neither: the rest of the context
             (ids,) = prompts  # (a chat request is one prompt)
             max_tokens = self.room_left(ids)

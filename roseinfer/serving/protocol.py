@@ -69,7 +69,8 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; null means it too
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
     # A string, a batch of strings, one list of token ids, or a batch of them.
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = (
