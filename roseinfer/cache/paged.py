@@ -430,9 +430,11 @@ class PagedKVCache:
             y = self._decode_attention(layer, q[0, :, :n].transpose(0, 1))
             outputs.append(y.transpose(0, 1)[None])
         for start, end, key_slots, mask in self.chunks:
-            keys, values = self.pool.read_slots(layer, key_slots)
-            queries = q[:, :, start:end]
-            outputs.append(gpt.attention(queries, keys[None], values[None], mask))
+            if key_slots is None:  # a whole prompt: its keys are the ones it just made
+                keys, values = k[:, :, start:end], v[:, :, start:end]
+            else:
+                keys, values = (t[None] for t in self.pool.read_slots(layer, key_slots))
+            outputs.append(gpt.attention(q[:, :, start:end], keys, values, mask))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     # -- the decode batch: one query per row, each over its own keys --
@@ -469,12 +471,17 @@ class PagedKVCache:
     ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """Per chunk: its tokens' range in the row, the pool slots of the keys it reads (in
         position order) and its mask, (q_len, keys): the bottom-right causal rule (cut to
-        the window and its sinks)."""
+        the window and its sinks). A whole prompt in one chunk (no window) reads only the
+        keys it makes in this call: no slots and no mask (None, None), the plain causal
+        rule of the uncached model, with nothing read back from the pool."""
         window, sinks = self.pool.attention_window, self.pool.attention_sinks
         ends = torch.cumsum(self.num_new, 0).tolist()
         chunks = []
         for i in range(self.num_decode, len(ends)):
             start, end = ends[i] - int(self.num_new[i]), ends[i]
+            if self.num_computed[i] == 0 and window is None:
+                chunks.append((start, end, None, None))
+                continue
             key_pos = self._keys_read(i, device)
             key_seq = torch.full_like(key_pos, i)
             key_slots = slot_mapping(self.tables, key_seq, key_pos, self.kv_block_size)
