@@ -623,6 +623,38 @@ def test_unused_cached_blocks_are_evicted_least_recently_used_first(model, token
     assert len(manager.cached_prefix(new)) == 2 and not manager.cached_prefix(old)
 
 
+def test_a_blocked_waiting_head_is_looked_up_again_only_when_the_cache_changes(
+    model, tokenizer
+) -> None:
+    """The head of the queue waits while the pool is full: the prefix cache is asked for its
+    blocks (its tokens joined, every block hashed) only when a key entered or left the
+    cache since its last lookup, and it still gets the blocks keyed while it waited."""
+    engine = engine_for(model, tokenizer, num_kv_blocks=10, max_num_batched_tokens=64)
+    manager = engine.block_manager
+    versions = []
+    real = manager.cached_prefix
+
+    def counted(token_ids: list[int]) -> list[int]:
+        versions.append(manager.cache_version)
+        return real(token_ids)
+
+    manager.cached_prefix = counted
+    shared = list(range(100, 100 + 2 * KV_BLOCK))
+    # The first holds 4 blocks, 8 by its end; the second needs 9, 2 of them cached.
+    first = engine.add_request(shared + [7] * (KV_BLOCK + 1), SamplingParams(max_tokens=16))
+    engine.step()
+    prompt, params = shared + list(range(300, 300 + 7 * KV_BLOCK)), SamplingParams(max_tokens=3)
+    second = engine.add_request(prompt, params)
+    waited = 0
+    while engine.requests[second].num_computed_tokens == 0:
+        engine.step()
+        waited += 1
+    assert first not in engine.requests  # it waited for the first's blocks
+    assert waited > 2 * len(versions) and len(versions) == len(set(versions))
+    assert engine.requests[second].num_cached_tokens == 2 * KV_BLOCK
+    assert run_to_end(engine)[second].token_ids == solo(model, tokenizer, prompt, params)
+
+
 # ---------------------------------------------------------------------------
 # Per request: sampling, stops, logprobs, text, abort
 # ---------------------------------------------------------------------------

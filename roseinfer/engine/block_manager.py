@@ -76,6 +76,9 @@ class BlockManager:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self.cached: dict[bytes, int] = {}  # prefix-cache key -> block id
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
+        # Bumped whenever a key enters or leaves the prefix cache: a lookup made since the
+        # last bump would find the same blocks (the scheduler keeps its waiting head's).
+        self.cache_version = 0
         self.prefix_cache_queries = 0  # full blocks looked up
         self.prefix_cache_hits = 0  # full blocks found
 
@@ -233,6 +236,7 @@ class BlockManager:
             if block.hash is None and key not in self.cached:
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+                self.cache_version += 1
 
     def _take_block(self) -> int:
         if self.free_ids:
@@ -247,6 +251,7 @@ class BlockManager:
             block = self.blocks[block_id]
             del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
+            self.cache_version += 1
         self.blocks[block_id].ref_count = 1
         return block_id
 

@@ -62,6 +62,10 @@ class Scheduler:
         self.arrival_order: dict[EngineSequence, int] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
+        # The waiting head's prefix-cache lookup: (sequence, cache version, blocks found).
+        # A head the pool cannot take yet waits step after step; it is looked up (its
+        # tokens joined and every block hashed) again only once the cache has changed.
+        self._head_lookup: tuple[EngineSequence, int, list[int]] | None = None
 
     def add(self, seq: EngineSequence) -> None:
         self.arrival_order[seq] = next(self._counter)
@@ -100,12 +104,13 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            cached = manager.cached_prefix(seq.all_ids)
+            cached = self._cached_prefix(seq)
             num_cached = len(cached) * manager.kv_block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not manager.can_start(cached, num_cached + num_new):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self._head_lookup = None  # (its tokens grow once it runs)
             manager.start(seq, cached, num_cached + num_new)
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -113,6 +118,22 @@ class Scheduler:
             budget -= num_new
         self.running.sort(key=self.arrival_order.__getitem__)
         return batch
+
+    def _cached_prefix(self, seq: EngineSequence) -> list[int]:
+        """The blocks the prefix cache holds of seq's tokens (a waiting sequence's tokens
+        do not change): the last lookup's, when it was seq's and the cache is as it was.
+        A block manager that does not count its cache's changes (the course's build of
+        one need not) is asked every time."""
+        version = getattr(self.block_manager, "cache_version", None)
+        if version is None:
+            return self.block_manager.cached_prefix(seq.all_ids)
+        if self._head_lookup is not None:
+            last, last_version, cached = self._head_lookup
+            if last is seq and last_version == version:
+                return cached
+        cached = self.block_manager.cached_prefix(seq.all_ids)
+        self._head_lookup = (seq, version, cached)
+        return cached
 
     def _draft_room(self, seq: EngineSequence, num_new: int, budget: int, index: int) -> int:
         """How many of running[index]'s drafts it feeds in this step, after its own token
