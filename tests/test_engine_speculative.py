@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from models import make_test_model, perturbed_copy
 
 from roseinfer.engine import EngineConfig, LLMEngine
+from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
@@ -325,6 +326,7 @@ def test_drafts_are_proposed_after_the_step_and_taken_by_the_next(model, tokeniz
     k = 4
     drafter = ModelDrafter(model)  # the target drafting for itself: every draft is right
     engine = engine_for(model, tokenizer, drafter, k, max_num_batched_tokens=4)
+    drafter = engine.drafter  # (the draft model in the pool's blocks)
     scheduling = False
     schedule, propose = engine.scheduler.schedule, drafter.propose
 
@@ -374,31 +376,100 @@ def test_drafts_are_proposed_after_the_step_and_taken_by_the_next(model, tokeniz
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert not seq.draft_ids
         assert outputs[seq.request_id].token_ids == solo(model, tokenizer, prompt, params)
-    assert not drafter.caches
+    assert engine.block_manager.num_used == 0  # the drafts' blocks went back with the rest
 
 
 def test_preempted_and_aborted_sequences_lose_their_drafts(model, tokenizer) -> None:
     """A sequence preempted drops its drafts (it recomputes, then drafts again); an aborted
-    one's drafts go with it, and the drafter forgets it."""
-    drafter = ModelDrafter(perturbed_copy(model, 0.1))
-    engine = engine_for(model, tokenizer, drafter, 3, num_kv_blocks=9)
+    one's drafts go with it. Prompt lookup's drafts take no block, so a sequence carrying
+    them can be preempted; a draft model's take the blocks their keys go to, only from
+    those no running sequence needs for its next token, so the step after a proposal
+    preempts nobody, and under the same pressure fewer sequences draft."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    prompts = [[5 + i, 6 + i, 7 + i, 8 + i, 9 + i] for i in range(3)]
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    preempted_with_drafts, aborted = 0, None
-    while engine.has_unfinished():
-        had = {seq for seq in engine.scheduler.running if seq.draft_ids}
-        engine.step()
-        for seq in engine.last_batch.preempted:
-            assert not seq.draft_ids
-            preempted_with_drafts += seq in had
-        last = engine.requests.get(ids[2])
-        if aborted is None and last is not None and last.draft_ids:
-            engine.abort(ids[2])
-            aborted = last
-            assert not last.draft_ids and last not in drafter.caches
-        if aborted is not None:
-            assert not aborted.draft_ids and aborted not in drafter.caches
-    assert preempted_with_drafts and aborted is not None
-    assert engine.scheduler.num_preemptions
-    assert not drafter.caches
+    prompts = [[5 + i, 6 + i, 7 + i, 8 + i, 9 + i] * 2 for i in range(3)]
+    for drafter in (NgramDrafter(1, 3), ModelDrafter(perturbed_copy(model, 0.1))):
+        engine = engine_for(model, tokenizer, drafter, 3, num_kv_blocks=11)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        preempted_with_drafts, aborted, drafted = 0, None, 0
+        while engine.has_unfinished():
+            had = {seq for seq in engine.scheduler.running if seq.draft_ids}
+            drafted += len(had)
+            engine.step()
+            for seq in engine.last_batch.preempted:
+                assert not seq.draft_ids
+                preempted_with_drafts += seq in had
+            last = engine.requests.get(ids[2])
+            if aborted is None and last is not None and last.draft_ids:
+                engine.abort(ids[2])
+                aborted = last
+            if aborted is not None:
+                assert not aborted.draft_ids and not aborted.block_table
+            check_pool(engine.block_manager, list(engine.requests.values()))
+        assert engine.scheduler.num_preemptions and aborted is not None and drafted
+        assert bool(preempted_with_drafts) == isinstance(drafter, NgramDrafter)
+        assert engine.block_manager.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["draft", "self"])
+def test_a_draft_model_drafts_from_its_keys_in_the_pool_blocks(model, tokenizer, kind) -> None:
+    """The draft model's keys live in the pool's blocks (a separate model's in a pool of
+    its own, a self-draft's in the target's): every proposal equals the draft model's own
+    greedy continuation of the request's tokens, run alone and uncached; drafting takes
+    one call per draft for the whole batch, whatever its size; and a separate draft
+    model's pool is counted in stats and sized with the target's."""
+    drafter = make_drafter(kind, model)
+    k = 3
+    calls, proposals, mirrors = [], [], [0]
+    engine = engine_for(model, tokenizer, drafter, k, max_num_seqs=6)
+    propose, forward = engine.drafter.propose, engine.drafter.model.forward
+
+    def counted_forward(*args, **kwargs):  # (a call outside propose: the step's mirror)
+        (calls if proposing else mirrors)[-1] += 1
+        return forward(*args, **kwargs)
+
+    def recorded(seqs, ks):
+        nonlocal proposing
+        calls.append(0)
+        proposing = True
+        drafts = propose(seqs, ks)
+        proposing = False
+        proposals.extend(
+            (list(s.all_ids), n, d.tokens) for s, n, d in zip(seqs, ks, drafts, strict=True)
+        )
+        return drafts
+
+    proposing = False
+    engine.drafter.propose, engine.drafter.model.forward = recorded, counted_forward
+    rng = random.Random(4)
+    steps = 0
+    for batch in (1, 5):
+        for _ in range(batch):
+            prompt = [rng.randrange(512) for _ in range(rng.randrange(3, 12))]
+            engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+    assert max(calls) == k and len(proposals) > 20
+    assert mirrors[0] == (steps if kind == "draft" else 0)  # one call a step, or none
+    for tokens, n, drafted in proposals:
+        alone = generate(drafter.model, tokens, SamplingParams(max_tokens=n), use_cache=False)
+        assert drafted == alone.token_ids
+    plain = engine_for(model, tokenizer, None, None, kv_cache_memory="1MiB")
+    sized = engine_for(model, tokenizer, make_drafter(kind, model), k, kv_cache_memory="1MiB")
+    if kind == "self":  # the target's pool holds its keys: nothing more
+        assert sized.draft_pool is None
+        assert dataclasses.replace(sized.stats(), speculative=None) == plain.stats()
+    else:
+        assert sized.stats().kv_pool_bytes == sized.pool.nbytes + sized.draft_pool.nbytes <= 2**20
+        assert sized.block_manager.num_blocks < plain.block_manager.num_blocks
+
+
+def test_the_engine_refuses_a_draft_model_that_cannot_read_the_targets_blocks(
+    model, tokenizer
+) -> None:
+    short = make_test_model(0, n_layer=1, block_size=CONTEXT // 2)
+    with pytest.raises(RoseError, match="draft model must reach every position"):
+        engine_for(model, tokenizer, ModelDrafter(short), 2)
+    windowed = make_test_model(0, n_layer=1, block_size=CONTEXT, sliding_window=8)
+    with pytest.raises(RoseError, match="sliding window and sinks"):
+        engine_for(model, tokenizer, ModelDrafter(windowed), 2)

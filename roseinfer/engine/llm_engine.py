@@ -40,9 +40,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from roseinfer.cache.paged import make_pool
+from roseinfer.cache.paged import KVPool, make_pool
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.drafting import PoolDrafter
 from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.outputs import (
     EngineStats,
@@ -51,6 +52,7 @@ from roseinfer.engine.outputs import (
     TokenLogprob,
     token_logprob,
 )
+from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
@@ -58,8 +60,11 @@ from roseinfer.request.structured import grammar_for
 from roseinfer.request.token_step import ErrorCallback, take_tokens
 from roseinfer.speculative.drafters import (
     Drafter,
+    ModelDrafter,
     SpeculativeConfig,
     check_speculative_tokens,
+    first_layers,
+    is_first_layers,
     load_drafter,
 )
 from roseinfer.speculative.verify import Draft, SpeculativeStats, verify_drafts, within_grammar
@@ -85,7 +90,6 @@ class LLMEngine:
             raise RoseError("speculative decoding takes a drafter and num_speculative_tokens")
         if drafter is not None:
             check_speculative_tokens(num_speculative_tokens, model, "the model's")
-        self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_stats = SpeculativeStats() if drafter is not None else None
         self.model = model.eval()
@@ -99,7 +103,18 @@ class LLMEngine:
         self.length_limit = None if model.config.unbounded else self.max_model_len
         weight = model.lm_head.weight  # the pool lives where the weights do, in their dtype
         config.check_model(model.config)
-        num_blocks = config.pool_blocks(model.config, weight.element_size())
+        # A draft model keeps its keys in the pool's blocks (roseinfer.engine.drafting): in
+        # a pool of its own, sized with the target's, unless it is the target's first
+        # layers over a plain pool, whose keys the target's pool holds already.
+        draft = drafter.model if isinstance(drafter, ModelDrafter) else None
+        own_pool = draft is not None and not (
+            is_first_layers(draft, model) and config.kv_cache_dtype == "auto"
+        )
+        if draft is not None:
+            check_engine_draft(draft, model)
+        num_blocks = config.pool_blocks(
+            model.config, weight.element_size(), draft.config if own_pool else None
+        )
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
             num_blocks,
@@ -118,6 +133,19 @@ class LLMEngine:
             config.max_num_seqs,
             config.pack_weights,
         )
+        self.draft_pool: KVPool | None = None  # a draft model's own pool
+        self.drafter: Drafter | PoolDrafter | None = drafter
+        if draft is not None:
+            if is_first_layers(draft, model):  # (the target's packed weights, shared)
+                draft = first_layers(self.runner.model, draft.config.n_layer)
+            elif config.pack_weights and can_pack(draft):
+                draft = packed_linears(draft, config.max_num_seqs)
+            if own_pool:
+                self.draft_pool = KVPool(
+                    draft.config, num_blocks, config.kv_block_size, weight.dtype, weight.device
+                )
+            pool = self.draft_pool or self.pool
+            self.drafter = PoolDrafter(draft, pool, own_pool, config.attention)
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
         self.last_batch = ScheduledBatch()
@@ -245,6 +273,9 @@ class LLMEngine:
         sampling, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
         for phase, seconds in self.runner.seconds.items():
             self.step_seconds[phase] += seconds
+        if isinstance(self.drafter, PoolDrafter) and self.drafter.mirrors:
+            with self._timed("draft"):  # the step's tokens into the draft model's pool
+                self.drafter.mirror(batch.seqs, batch.num_new_tokens)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # Drafts count as computed only once accepted (postprocess): a block is
             # registered in the prefix cache only when every token in it is the request's.
@@ -313,11 +344,37 @@ class LLMEngine:
                 if limit > 0:
                     seqs.append(seq)
                     limits.append(limit)
+            if isinstance(self.drafter, PoolDrafter):
+                seqs, limits = self._reserve_draft_slots(seqs, limits)
             if not seqs:
                 return
             drafts = self.drafter.propose(seqs, limits)
             for seq, limit, draft in zip(seqs, limits, drafts, strict=True):
                 seq.draft_ids = self._allowed_drafts(seq, draft)[:limit]
+
+    def _reserve_draft_slots(
+        self, seqs: list[EngineSequence], limits: list[int]
+    ) -> tuple[list[EngineSequence], list[int]]:
+        """A draft model writes its drafts' keys into the sequence's blocks: each asking
+        sequence takes the blocks for its newest token and its drafts now (the verify
+        step feeds those positions next), from the spare ones, those no running
+        sequence needs for its own next token, so a draft never costs anyone a step.
+        Where too few are spare, fewer drafts; those left with none are not asked."""
+        manager, size = self.block_manager, self.config.kv_block_size
+        spare = manager.num_available - sum(
+            max(0, blocks_for(seq.num_tokens, size) - len(seq.block_table))
+            for seq in self.scheduler.running
+        )
+        kept, kept_limits = [], []
+        for seq, limit in zip(seqs, limits, strict=True):
+            held = max(len(seq.block_table), blocks_for(seq.num_tokens, size))
+            limit = min(limit, (held + spare) * size - seq.num_tokens)
+            if limit > 0:
+                spare -= blocks_for(seq.num_tokens + limit, size) - held
+                manager.grow(seq, seq.num_tokens + limit)
+                kept.append(seq)
+                kept_limits.append(limit)
+        return kept, kept_limits
 
     @staticmethod
     def _allowed_drafts(seq: EngineSequence, draft: Draft) -> list[int]:
@@ -439,7 +496,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
-            kv_pool_bytes=self.pool.nbytes,
+            kv_pool_bytes=self.pool.nbytes + (self.draft_pool.nbytes if self.draft_pool else 0),
             speculative=dataclasses.replace(self.speculative_stats)
             if self.speculative_stats is not None
             else None,
@@ -450,6 +507,27 @@ def reports(seqs: list[EngineSequence]) -> list[RequestOutput]:
     """The sequences' outputs, from those whose output kind reports now."""
     outputs = (seq.report() for seq in seqs)
     return [output for output in outputs if output is not None]
+
+
+def check_engine_draft(draft: GPT, target: GPT) -> None:
+    """A draft model in the engine reads its keys at the target's positions, in the blocks
+    the target's window keeps: it needs the target's context (or none) and its window."""
+    mine, theirs = draft.config, target.config
+    if not mine.unbounded and (theirs.unbounded or mine.block_size < theirs.block_size):
+        raise RoseError(
+            f"the engine's draft model must reach every position of the target's context "
+            f"({'unbounded' if theirs.unbounded else theirs.block_size}), but its context is "
+            f"{mine.block_size} tokens: use a draft model trained at the target's context"
+        )
+    if (mine.sliding_window, mine.attention_sinks) != (
+        theirs.sliding_window,
+        theirs.attention_sinks,
+    ):
+        raise RoseError(
+            "the engine's draft model must have the target's sliding window and sinks "
+            f"(it has {mine.sliding_window} and {mine.attention_sinks}, the target "
+            f"{theirs.sliding_window} and {theirs.attention_sinks}): it reads the target's blocks"
+        )
 
 
 def speculative_engine(

@@ -150,7 +150,7 @@ class ModelDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(steps):
             chosen = [
-                self._choose(logits[row], seq, probs[row], grammars[row])
+                choose_draft(logits[row], seq, probs[row], grammars[row])
                 for row, seq in enumerate(seqs)
             ]
             for row, token in enumerate(chosen):
@@ -173,35 +173,6 @@ class ModelDrafter:
         state.cache.truncate(held)
         return self._step(view[held:], state.cache)[0]
 
-    @staticmethod
-    def _choose(
-        logits: torch.Tensor,
-        seq: Sequence,
-        probs: list[torch.Tensor],
-        grammar: GrammarMatcher | None,
-    ) -> int:
-        """The request's draft from the draft model's logits: the argmax for a greedy
-        request, else drawn from its sampling distribution q (kept in probs for the rule).
-
-        grammar: a constrained request's matcher fork, where its drafts so far have taken
-        it. The logits are masked by it first, so the draft model proposes only tokens
-        the grammar allows (a draft model knows nothing of the grammar: unmasked, its
-        drafts would mostly be cut before verification); the chosen token advances it.
-        Once the grammar is complete, drafting goes on unmasked (those drafts are cut).
-        """
-        if grammar is not None and not grammar.is_finished:
-            allowed = allowed_tokens([grammar], logits.size(-1))[0]
-            logits = logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -torch.inf)
-        if seq.params.greedy:
-            token = int(logits.argmax())
-        else:
-            q = sampling_probs(logits, seq.params)
-            probs.append(q)
-            token = int(torch.multinomial(q, 1, generator=seq.generator))
-        if grammar is not None and not grammar.is_finished:
-            grammar.advance(token)
-        return token
-
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq, None)
 
@@ -223,12 +194,52 @@ class ModelDrafter:
         return self.model(idx, cache=cache, last_only=True, validate=False).logits[:, -1]
 
 
+def choose_draft(
+    logits: torch.Tensor,
+    seq: Sequence,
+    probs: list[torch.Tensor],
+    grammar: GrammarMatcher | None,
+) -> int:
+    """The request's draft from the draft model's logits: the argmax for a greedy
+    request, else drawn from its sampling distribution q (kept in probs for the rule).
+
+    grammar: a constrained request's matcher fork, where its drafts so far have taken
+    it. The logits are masked by it first, so the draft model proposes only tokens
+    the grammar allows (a draft model knows nothing of the grammar: unmasked, its
+    drafts would mostly be cut before verification); the chosen token advances it.
+    Once the grammar is complete, drafting goes on unmasked (those drafts are cut).
+    """
+    if grammar is not None and not grammar.is_finished:
+        allowed = allowed_tokens([grammar], logits.size(-1))[0]
+        logits = logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -torch.inf)
+    if seq.params.greedy:
+        token = int(logits.argmax())
+    else:
+        q = sampling_probs(logits, seq.params)
+        probs.append(q)
+        token = int(torch.multinomial(q, 1, generator=seq.generator))
+    if grammar is not None and not grammar.is_finished:
+        grammar.advance(token)
+    return token
+
+
 def common_prefix(a: list[int], b: list[int], most: int) -> int:
     """How many leading tokens a and b share, at most `most`."""
     n = 0
     while n < min(len(a), len(b), most) and a[n] == b[n]:
         n += 1
     return n
+
+
+def is_first_layers(draft: GPT, target: GPT) -> bool:
+    """Whether draft is a view of target's first blocks (`first_layers`): its keys for
+    those layers are the target's."""
+    blocks, theirs = draft.transformer.h, target.transformer.h
+    return (
+        draft.lm_head is target.lm_head
+        and len(blocks) < len(theirs)
+        and all(mine is its for mine, its in zip(blocks, theirs, strict=False))
+    )
 
 
 def first_layers(model: GPT, n: int) -> GPT:
