@@ -19,11 +19,13 @@ check until one is asked for.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -445,13 +447,33 @@ def hint_next(name: str, directory: Path) -> tuple[int, str] | None:
             f"no {file_name(name)} in {directory}: run `rose-course start {directory}` "
             "first (or pass --dir)"
         )
-    used, total = hints_used(name, directory)
-    if used == total:
-        return None
-    record = read_hint_record(directory)
-    record[name] = used + 1
-    write_bytes_atomically(directory / HINT_RECORD, json.dumps(record, indent=1).encode())
+    with workspace_lock(directory):
+        used, total = hints_used(name, directory)
+        if used == total:
+            return None
+        record = read_hint_record(directory)
+        record[name] = used + 1
+        write_bytes_atomically(directory / HINT_RECORD, json.dumps(record, indent=1).encode())
     return used + 1, hints(name)[used]
+
+
+@contextlib.contextmanager
+def workspace_lock(directory: Path) -> Iterator[None]:
+    """One hint at a time per workspace: two `rose-course hint` calls at once would both
+    read the record, and one of their counts would be lost. The lock is taken on the
+    folder itself (flock on its descriptor), so no file joins the learner's; where the
+    system has no flock (Windows), calls are not serialised."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (not a POSIX system)
+        yield
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # (closing it lets the lock go)
 
 
 # ---------------------------------------------------------------------------

@@ -110,6 +110,24 @@ def test_hint_gives_the_next_one_each_time_and_notes_it_in_the_workspace(
     assert capsys.readouterr().out.startswith("no hints given for 13 yet")
 
 
+def test_hints_asked_at_once_are_each_counted(tmp_path: Path) -> None:
+    """Eight `rose-course hint` processes at once in one workspace: each gets its own
+    hint, and the record counts all eight (read, count and write are one step at a time)."""
+    workspace = tmp_path / "ws"
+    assert cli.main(["start", str(workspace)]) == 0
+    calls = [
+        subprocess.Popen(
+            [sys.executable, "-m", "rosecourse.cli", "hint", "model", "--dir", str(workspace)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    said = sorted(call.communicate(timeout=120)[0].split(":")[0] for call in calls)
+    assert said == [f"hint {n} of 8 for model" for n in range(1, 9)]
+    assert json.loads((workspace / HINT_RECORD).read_text()) == {"model": 8}
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
