@@ -139,3 +139,21 @@ def test_quick_kernels_bench_times_both_forms_of_every_choice(
     assert all(r["rose_ms"] > 0 and r["other_ms"] > 0 for r in payload["results"])
     # the packed products, or a line saying why this CPU runs none of them
     assert any(n.startswith("vocab projection") for n in names) or payload["left_out"]
+
+
+@pytest.mark.slow
+def test_quick_compile_bench_compiles_the_step_and_checks_its_tokens() -> None:
+    """The compiled decode step (float32, the tiny model) runs in every variant and gives
+    eager's tokens, its logits within the oracle's tolerance."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_step", "--quick", "--part", "step",
+         "--dtypes", "float32"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout  # fmt: skip
+    equal = [line for line in out.splitlines() if line.strip().startswith("equality")]
+    assert len(equal) == 3, out
+    for line in equal:
+        tokens = line.split(": ")[1].split(" tokens")[0]  # "8/8"
+        same, total = tokens.split("/")
+        assert same == total and "within tolerance" in line, line
