@@ -4,16 +4,17 @@
  * positions 0 .. len - 1 of its own sequence (with a sliding window only the sinks and
  * the last `window` positions), found through its block table in one layer's pool,
  * (num_blocks, n_head, kv_block_size, head_dim). Nothing is copied: a block's keys for
- * one head are kv_block_size * head_dim numbers in a row, read in place, and the next
- * block's are prefetched while one is read (a block is a page or less: the processor's
- * own prefetcher stops at each page's end).
+ * one head are kv_block_size * head_dim numbers in a row, read in place, the heads of a
+ * block one after the other, and each head's part of the sequence's next block is
+ * prefetched while it is read (the next block is anywhere in the pool: the processor's
+ * own prefetcher cannot guess it).
  *
  * The softmax is the online one (a running maximum and sum, the weighted sum rescaled
  * when the maximum grows), block by block, so keys and values are read once each, in one
  * pass, with no buffer of scores. Every sum runs in float32, whatever the pool's dtype.
- * The (sequence, head) pairs are shared among OpenMP threads, as many as PyTorch uses;
- * loaded after PyTorch, the library shares PyTorch's OpenMP runtime (libgomp.so.1) and so
- * its threads.
+ * The sequences (split into groups of heads when there are too few to keep every thread
+ * busy) are shared among OpenMP threads, as many as PyTorch uses; loaded after PyTorch,
+ * the library shares PyTorch's OpenMP runtime (libgomp.so.1) and so its threads.
  *
  * Built at first use by roseinfer/cache/kernels.py with the system's C compiler, for the
  * instruction set PyTorch itself uses on this CPU (torch.backends.cpu.get_cpu_capability);
@@ -63,20 +64,30 @@ static inline float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * two_to_n;
 }
 
-/* One (sequence, head): its query over its visible keys. T: the pool's element type,
- * LOAD / STORE: to and from float32, D: the head size (a constant where specialised). */
-#define ATTEND_ONE(NAME, T, LOAD, STORE, D)                                                   \
-    static inline void NAME(const T *q_row, const T *k_pool, const T *v_pool,                  \
-                            const int64_t *table, int64_t len, int64_t n_head, int64_t head,   \
-                            int64_t head_dim, int64_t block_size, int64_t window,              \
-                            int64_t sinks, float scale, T *out_row) {                          \
+/* One sequence's heads [h0, h1): each head's query over its visible keys. T: the pool's
+ * element type, LOAD / STORE: to and from float32, D: the head size (a constant where
+ * specialised). The heads are walked inside each block, not one after the other over
+ * the whole sequence: a block's keys for consecutive heads lie one after the other in
+ * the pool, so the reads run straight through a block's keys, then its values, long
+ * runs the processor's prefetcher follows (one head's keys are only 4 KB, and a
+ * sequence's next block is anywhere in the pool). */
+#define ATTEND_HEADS(NAME, T, LOAD, STORE, D)                                                 \
+    static inline void NAME(const T *q_seq, const T *k_pool, const T *v_pool,                  \
+                            const int64_t *table, int64_t len, int64_t n_head, int64_t h0,     \
+                            int64_t h1, int64_t head_dim, int64_t block_size, int64_t window,  \
+                            int64_t sinks, float scale, T *out_seq) {                          \
         (void)head_dim;                                                                        \
-        float query[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], weights[MAX_BLOCK];                      \
-        for (int64_t d = 0; d < D; d++) {                                                      \
-            query[d] = LOAD(q_row[d]) * scale;                                                 \
-            acc[d] = 0.0f;                                                                     \
+        const int64_t heads = h1 - h0;                                                         \
+        float query[heads][D], acc[heads][D], running_max[heads], running_sum[heads];          \
+        float weights[MAX_BLOCK];                                                              \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
+            for (int64_t d = 0; d < D; d++) {                                                  \
+                query[h][d] = LOAD(q_seq[(h0 + h) * D + d]) * scale;                           \
+                acc[h][d] = 0.0f;                                                              \
+            }                                                                                  \
+            running_max[h] = -INFINITY;                                                        \
+            running_sum[h] = 0.0f;                                                             \
         }                                                                                      \
-        float running_max = -INFINITY, running_sum = 0.0f;                                     \
         /* the visible positions: the sinks [0, sink_end), then [first, len) */                \
         int64_t sink_end = 0, first = 0;                                                       \
         if (window > 0) {                                                                      \
@@ -90,76 +101,91 @@ static inline float exp_nonpositive(float x) {
                 const int64_t offset = pos % block_size;                                       \
                 const int64_t count = block_size - offset < stop - pos ? block_size - offset   \
                                                                        : stop - pos;           \
-                const int64_t start = (table[pos / block_size] * n_head + head) * block_size;  \
-                const T *keys = k_pool + (start + offset) * D;                                 \
-                const T *values = v_pool + (start + offset) * D;                               \
-                if (pos + count < stop) { /* the next block, on its way in */                  \
-                    const int64_t next = (table[(pos + count) / block_size] * n_head + head)   \
-                                         * block_size * D;                                     \
-                    const char *next_k = (const char *)(k_pool + next);                        \
-                    const char *next_v = (const char *)(v_pool + next);                        \
-                    for (int64_t b = 0; b < block_size * D * (int64_t)sizeof(T); b += 64) {    \
-                        __builtin_prefetch(next_k + b);                                        \
-                        __builtin_prefetch(next_v + b);                                        \
+                const int64_t block = table[pos / block_size];                                 \
+                const int64_t next = pos + count < stop ? table[(pos + count) / block_size] : -1; \
+                for (int64_t h = 0; h < heads; h++) {                                          \
+                    const int64_t start = (block * n_head + h0 + h) * block_size + offset;     \
+                    const T *keys = k_pool + start * D;                                        \
+                    const T *values = v_pool + start * D;                                      \
+                    if (next >= 0) { /* this head's part of the next block, on its way in */  \
+                        const int64_t at = (next * n_head + h0 + h) * block_size * D;          \
+                        const char *next_k = (const char *)(k_pool + at);                      \
+                        const char *next_v = (const char *)(v_pool + at);                      \
+                        for (int64_t b = 0; b < block_size * D * (int64_t)sizeof(T); b += 64) { \
+                            __builtin_prefetch(next_k + b);                              \
+                            __builtin_prefetch(next_v + b);                              \
+                        }                                                                      \
                     }                                                                          \
-                }                                                                              \
-                float block_max = -INFINITY;                                                   \
-                for (int64_t j = 0; j < count; j++) {                                          \
-                    float dot = 0.0f;                                                          \
-                    _Pragma("omp simd reduction(+ : dot)")                                    \
-                    for (int64_t d = 0; d < D; d++) dot += query[d] * LOAD(keys[j * D + d]);   \
-                    weights[j] = dot;                                                          \
-                    block_max = dot > block_max ? dot : block_max;                             \
-                }                                                                              \
-                if (block_max > running_max) { /* rescale what was summed so far */           \
-                    const float rescale = exp_nonpositive(running_max - block_max);            \
-                    running_sum *= rescale;                                                    \
-                    _Pragma("omp simd")                                                       \
-                    for (int64_t d = 0; d < D; d++) acc[d] *= rescale;                         \
-                    running_max = block_max;                                                   \
-                }                                                                              \
-                float block_sum = 0.0f;                                                        \
-                _Pragma("omp simd reduction(+ : block_sum)")                                  \
-                for (int64_t j = 0; j < count; j++) {                                          \
-                    weights[j] = exp_nonpositive(weights[j] - running_max);                    \
-                    block_sum += weights[j];                                                   \
-                }                                                                              \
-                running_sum += block_sum;                                                      \
-                for (int64_t j = 0; j < count; j++) {                                          \
-                    const float weight = weights[j];                                           \
-                    _Pragma("omp simd")                                                       \
-                    for (int64_t d = 0; d < D; d++) acc[d] += weight * LOAD(values[j * D + d]); \
+                    float block_max = -INFINITY;                                               \
+                    for (int64_t j = 0; j < count; j++) {                                      \
+                        float dot = 0.0f;                                                      \
+                        _Pragma("omp simd reduction(+ : dot)")                                \
+                        for (int64_t d = 0; d < D; d++)                                        \
+                            dot += query[h][d] * LOAD(keys[j * D + d]);                        \
+                        weights[j] = dot;                                                      \
+                        block_max = dot > block_max ? dot : block_max;                         \
+                    }                                                                          \
+                    if (block_max > running_max[h]) { /* rescale what was summed so far */    \
+                        const float rescale = exp_nonpositive(running_max[h] - block_max);     \
+                        running_sum[h] *= rescale;                                             \
+                        _Pragma("omp simd")                                                   \
+                        for (int64_t d = 0; d < D; d++) acc[h][d] *= rescale;                  \
+                        running_max[h] = block_max;                                            \
+                    }                                                                          \
+                    float block_sum = 0.0f;                                                    \
+                    _Pragma("omp simd reduction(+ : block_sum)")                              \
+                    for (int64_t j = 0; j < count; j++) {                                      \
+                        weights[j] = exp_nonpositive(weights[j] - running_max[h]);             \
+                        block_sum += weights[j];                                               \
+                    }                                                                          \
+                    running_sum[h] += block_sum;                                               \
+                    for (int64_t j = 0; j < count; j++) {                                      \
+                        const float weight = weights[j];                                       \
+                        _Pragma("omp simd")                                                   \
+                        for (int64_t d = 0; d < D; d++)                                        \
+                            acc[h][d] += weight * LOAD(values[j * D + d]);                     \
+                    }                                                                          \
                 }                                                                              \
                 pos += count;                                                                  \
             }                                                                                  \
         }                                                                                      \
-        const float inverse = 1.0f / running_sum;                                              \
-        for (int64_t d = 0; d < D; d++) out_row[d] = STORE(acc[d] * inverse);                  \
+        for (int64_t h = 0; h < heads; h++) {                                                  \
+            const float inverse = 1.0f / running_sum[h];                                       \
+            for (int64_t d = 0; d < D; d++)                                                    \
+                out_seq[(h0 + h) * D + d] = STORE(acc[h][d] * inverse);                        \
+        }                                                                                      \
     }
 
 /* The exported function for one dtype: q (n, n_head, head_dim), the layer's pools
  * (num_blocks, n_head, block_size, head_dim), tables (n, max_blocks) int64, lens (n,)
  * int64 (each query's position + 1), window <= 0 for none; out (n, n_head, head_dim);
- * threads: PyTorch's intra-op thread count (OpenMP's own is per calling thread). */
+ * threads: PyTorch's intra-op thread count (OpenMP's own is per calling thread). The
+ * tasks are the sequences, each split into as many groups of heads as it takes to give
+ * every thread two tasks (one sequence alone still uses every core). */
 #define PAGED_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                          \
-    ATTEND_ONE(NAME##_64, T, LOAD, STORE, 64)                                                  \
-    ATTEND_ONE(NAME##_any, T, LOAD, STORE, head_dim)                                           \
+    ATTEND_HEADS(NAME##_64, T, LOAD, STORE, 64)                                                \
+    ATTEND_HEADS(NAME##_any, T, LOAD, STORE, head_dim)                                         \
     void NAME(const T *q, const T *k_pool, const T *v_pool, const int64_t *tables,             \
               const int64_t *lens, int64_t n, int64_t n_head, int64_t head_dim,                \
               int64_t block_size, int64_t max_blocks, int64_t window, int64_t sinks,           \
               float scale, T *out, int threads) {                                              \
-        _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads)")                 \
-        for (int64_t pair = 0; pair < n * n_head; pair++) {                                    \
-            const int64_t seq = pair / n_head, head = pair % n_head;                           \
+        int64_t groups = (2 * (int64_t)threads + n - 1) / n;                                   \
+        groups = groups < 1 ? 1 : groups > n_head ? n_head : groups;                           \
+        const int64_t per_group = (n_head + groups - 1) / groups;                              \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                 \
+        for (int64_t task = 0; task < n * groups; task++) {                                    \
+            const int64_t seq = task / groups, h0 = task % groups * per_group;                 \
+            const int64_t h1 = h0 + per_group < n_head ? h0 + per_group : n_head;              \
+            if (h0 >= h1) continue;                                                            \
             const int64_t *table = tables + seq * max_blocks;                                  \
-            const T *q_row = q + pair * head_dim;                                              \
-            T *out_row = out + pair * head_dim;                                                \
+            const T *q_seq = q + seq * n_head * head_dim;                                      \
+            T *out_seq = out + seq * n_head * head_dim;                                        \
             if (head_dim == 64)                                                                \
-                NAME##_64(q_row, k_pool, v_pool, table, lens[seq], n_head, head, head_dim,     \
-                          block_size, window, sinks, scale, out_row);                          \
+                NAME##_64(q_seq, k_pool, v_pool, table, lens[seq], n_head, h0, h1, head_dim,   \
+                          block_size, window, sinks, scale, out_seq);                          \
             else                                                                               \
-                NAME##_any(q_row, k_pool, v_pool, table, lens[seq], n_head, head, head_dim,    \
-                           block_size, window, sinks, scale, out_row);                         \
+                NAME##_any(q_seq, k_pool, v_pool, table, lens[seq], n_head, h0, h1, head_dim,  \
+                           block_size, window, sinks, scale, out_seq);                         \
         }                                                                                      \
     }
 
