@@ -11,10 +11,12 @@ wave's outputs hits the blocks those requests wrote while drafts were being reje
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
 import pytest
+import torch
 from engine_runs import assert_one_call_a_step, model_calls, run_checked, schedules
 from hypothesis import given
 from hypothesis import strategies as st
@@ -473,3 +475,25 @@ def test_the_engine_refuses_a_draft_model_that_cannot_read_the_targets_blocks(
     windowed = make_test_model(0, n_layer=1, block_size=CONTEXT, sliding_window=8)
     with pytest.raises(RoseError, match="sliding window and sinks"):
         engine_for(model, tokenizer, ModelDrafter(windowed), 2)
+
+
+def test_a_draft_model_in_another_dtype_keeps_its_keys_in_its_own(model, tokenizer) -> None:
+    """A bfloat16 draft for a float32 target (and the other way round): the draft's pool is
+    in the draft's dtype (the target's made the first step raise), and greedy outputs
+    are the target's solo runs."""
+    params = SamplingParams(max_tokens=12)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    for target_dtype, draft_dtype in (
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ):
+        target = copy.deepcopy(model).to(target_dtype)
+        draft = perturbed_copy(model, 0.1).to(draft_dtype)
+        engine = engine_for(target, tokenizer, ModelDrafter(draft), 3)
+        assert engine.draft_pool.k[0].dtype == draft_dtype
+        requests = [(prompt, params) for prompt in prompts]
+        runs = run_checked(engine, requests, random.Random(0))
+        if target_dtype == torch.float32:  # (the float32 promise)
+            for output, prompt, _ in runs.values():
+                assert output.token_ids == solo(model, tokenizer, prompt, params)
+        assert engine.stats().speculative.num_draft_tokens > 0

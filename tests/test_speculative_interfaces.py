@@ -5,6 +5,7 @@ vLLM's metric names, and refuse bad settings in one line (exit 2) before anythin
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -154,6 +155,24 @@ def test_llm_generate_with_every_draft_kind(checkpoints) -> None:
         assert stats.num_draft_tokens > 0 and stats.mean_accepted_length >= 1
     with pytest.raises(RoseError, match="speculative:"):
         LLM(str(checkpoints["target"]), speculative={"method": "ngram"})
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"method": "self", "self_layers": "1"}, "self_layers must be an integer >= 1, got '1'"),
+        ({"method": "self", "self_layers": 1.0}, "self_layers must be an integer >= 1, got 1.0"),
+        ({"method": "ngram", "ngram_min": "1"}, "ngram_min must be an integer >= 1"),
+        ({"method": "draft", "model": 5}, "a draft model's path is a string, got 5"),
+        ({"method": "draft", "model": "d.pt", "self_layers": 3}, "self_layers is not a setting"),
+        ({"method": "ngram", "model": None, "ngram_max": 3, "self_layers": 1}, "self_layers"),
+    ],
+)
+def test_a_speculative_dict_with_a_wrong_field_is_refused_before_loading(fields, said) -> None:
+    """LLM(speculative={...}) checks each field's type (a TypeError from deep inside was
+    all a caller got) and refuses a field its method never reads (silently ignored before)."""
+    with pytest.raises(RoseError, match=re.escape(said)):
+        LLM("no/such/checkpoint.pt", speculative={"num_speculative_tokens": 4, **fields})
 
 
 def test_a_hugging_face_draft_for_a_hugging_face_target(hf_gpt2_dir: Path) -> None:

@@ -120,19 +120,14 @@ class EngineConfig:
         step_blocks = -(-self.max_num_batched_tokens // self.kv_block_size) + self.max_num_seqs
         return self.max_num_seqs * (window_blocks + 1) + step_blocks
 
-    def pool_blocks(
-        self, model: GPTConfig, element_size: int, draft: GPTConfig | None = None
-    ) -> int:
+    def pool_blocks(self, model: GPTConfig, element_size: int, draft_bytes: int = 0) -> int:
         """How many blocks the pool holds, from the user's size or the default (a
-        quantized pool's exact blocks are paid for out of the size first). draft: a draft
-        model whose keys take the same blocks in a pool of their own (the size is for both)."""
+        quantized pool's exact blocks are paid for out of the size first). draft_bytes: what
+        a block's keys take in a draft model's pool of its own, which has as many blocks
+        (the size is for both)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        per_block = self.bytes_per_block(model, element_size)
-        if draft is not None:
-            per_block += self.kv_block_size * kv_bytes_per_token(
-                draft, "auto", itemsize=element_size
-            )
+        per_block = self.bytes_per_block(model, element_size) + draft_bytes
         exact_bytes = self.exact_blocks() * self.kv_block_size
         exact_bytes *= kv_bytes_per_token(model, "auto", itemsize=element_size)
         if self.kv_cache_memory is not None:

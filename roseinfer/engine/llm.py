@@ -119,6 +119,12 @@ def as_speculative_config(speculative: SpeculativeConfig | dict | None) -> Specu
             f"{type(speculative).__name__}"
         )
     try:
-        return SpeculativeConfig(**speculative)
+        config = SpeculativeConfig(**speculative)
     except TypeError as error:  # an unknown or missing field
         raise RoseError(f"speculative: {error}") from None
+    unread = sorted(set(speculative) - SpeculativeConfig.fields_of(config.method))
+    if unread:  # (given, then silently never read: a mistake the caller should hear of)
+        raise RoseError(
+            f"speculative: {', '.join(unread)} is not a setting of method {config.method!r}"
+        )
+    return config

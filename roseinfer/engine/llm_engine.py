@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from roseinfer.cache.paged import KVPool, make_pool
+from roseinfer.cache.quantized import kv_bytes_per_token
 from roseinfer.engine.block_manager import BlockManager, blocks_for
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.drafting import PoolDrafter
@@ -112,9 +113,15 @@ class LLMEngine:
         )
         if draft is not None:
             check_engine_draft(draft, model)
-        num_blocks = config.pool_blocks(
-            model.config, weight.element_size(), draft.config if own_pool else None
-        )
+        # (the draft's pool in its own dtype, on its own device: they may differ from the target's)
+        draft_weight = None if draft is None else draft.lm_head.weight
+        draft_bytes = 0
+        if own_pool:
+            itemsize = draft_weight.element_size()
+            draft_bytes = config.kv_block_size * kv_bytes_per_token(
+                draft.config, "auto", itemsize=itemsize
+            )
+        num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
             num_blocks,
@@ -142,7 +149,11 @@ class LLMEngine:
                 draft = packed_linears(draft, config.max_num_seqs)
             if own_pool:
                 self.draft_pool = KVPool(
-                    draft.config, num_blocks, config.kv_block_size, weight.dtype, weight.device
+                    draft.config,
+                    num_blocks,
+                    config.kv_block_size,
+                    draft_weight.dtype,
+                    draft_weight.device,
                 )
             pool = self.draft_pool or self.pool
             self.drafter = PoolDrafter(draft, pool, own_pool, config.attention)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -286,6 +287,18 @@ class SpeculativeConfig:
             )
         if (self.method == "draft") != (self.model is not None):
             raise RoseError("a draft model's path goes with method 'draft' (and only with it)")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise RoseError(f"a draft model's path is a string, got {self.model!r}")
+        for name in ("ngram_min", "ngram_max", "self_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RoseError(f"speculative {name} must be an integer >= 1, got {value!r}")
+
+    @staticmethod
+    def fields_of(method: str) -> set[str]:
+        """The fields a method reads (the others keep their defaults)."""
+        own = {"draft": {"model"}, "ngram": {"ngram_min", "ngram_max"}, "self": {"self_layers"}}
+        return {"num_speculative_tokens", "method"} | own.get(method, set())
 
     @classmethod
     def from_flags(
