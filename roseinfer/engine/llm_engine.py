@@ -113,14 +113,7 @@ class LLMEngine:
         )
         if draft is not None:
             check_engine_draft(draft, model)
-        # (the draft's pool in its own dtype, on its own device: they may differ from the target's)
-        draft_weight = None if draft is None else draft.lm_head.weight
-        draft_bytes = 0
-        if own_pool:
-            itemsize = draft_weight.element_size()
-            draft_bytes = config.kv_block_size * kv_bytes_per_token(
-                draft.config, "auto", itemsize=itemsize
-            )
+        draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
         num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
@@ -143,19 +136,16 @@ class LLMEngine:
         self.draft_pool: KVPool | None = None  # a draft model's own pool
         self.drafter: Drafter | PoolDrafter | None = drafter
         if draft is not None:
+            if own_pool:  # in the draft's dtype, on its device (they may differ from the target's)
+                own = draft.lm_head.weight
+                self.draft_pool = KVPool(
+                    draft.config, num_blocks, config.kv_block_size, own.dtype, own.device
+                )
             if is_first_layers(draft, model):  # (the target's packed weights, shared)
                 draft = first_layers(self.runner.model, draft.config.n_layer)
             elif config.pack_weights and can_pack(draft):
                 draft = packed_linears(draft, config.max_num_seqs)
-            if own_pool:
-                self.draft_pool = KVPool(
-                    draft.config,
-                    num_blocks,
-                    config.kv_block_size,
-                    draft_weight.dtype,
-                    draft_weight.device,
-                )
-            pool = self.draft_pool or self.pool
+            pool = self.draft_pool if own_pool else self.pool
             self.drafter = PoolDrafter(draft, pool, own_pool, config.attention)
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
@@ -518,6 +508,13 @@ def reports(seqs: list[EngineSequence]) -> list[RequestOutput]:
     """The sequences' outputs, from those whose output kind reports now."""
     outputs = (seq.report() for seq in seqs)
     return [output for output in outputs if output is not None]
+
+
+def draft_block_bytes(draft: GPT, kv_block_size: int) -> int:
+    """What a block of a draft model's own pool takes: its keys and values of
+    kv_block_size tokens, in its dtype."""
+    itemsize = draft.lm_head.weight.element_size()
+    return kv_block_size * kv_bytes_per_token(draft.config, "auto", itemsize=itemsize)
 
 
 def check_engine_draft(draft: GPT, target: GPT) -> None:
