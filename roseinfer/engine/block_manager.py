@@ -56,6 +56,11 @@ def blocks_for(num_tokens: int, kv_block_size: int) -> int:
     return -(-num_tokens // kv_block_size)
 
 
+def blocks_short(seq: EngineSequence, kv_block_size: int) -> int:
+    """How many more blocks seq needs for all of its tokens (0 when its table holds them)."""
+    return max(0, blocks_for(seq.num_tokens, kv_block_size) - len(seq.block_table))
+
+
 class BlockManager:
     def __init__(
         self,

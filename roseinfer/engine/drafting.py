@@ -29,45 +29,28 @@ from __future__ import annotations
 
 import torch
 
-from roseinfer.cache import kernels
-from roseinfer.cache.paged import KVPool, PagedKVCache, QuantizedKVPool
+from roseinfer.cache.paged import PagedKVCache
+from roseinfer.engine.model_runner import ModelRunner
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.speculative.drafters import choose_draft
 from roseinfer.speculative.verify import Draft
-from rosetrainer.model import GPT
 
 
 class PoolDrafter:
-    """A draft model (`model`, its linear layers packed where the target's are) reading
-    and writing its keys in `pool`: a pool of its own, filled by `mirror`, or the
-    target's (a self-draft over a plain pool: `mirrors` False)."""
+    """A draft model reading and writing its keys through `runner` (a `ModelRunner` of
+    the draft model, its linear layers packed where the target's are): over a pool of
+    its own, which `mirror` fills, or over the target's (a self-draft over a plain pool:
+    `mirrors` False)."""
 
-    def __init__(
-        self, model: GPT, pool: KVPool | QuantizedKVPool, mirrors: bool, attention: str
-    ) -> None:
-        self.model = model.eval()
-        self.pool = pool
+    def __init__(self, runner: ModelRunner, mirrors: bool) -> None:
+        self.runner = runner
+        self.model, self.pool = runner.model, runner.pool
         self.mirrors = mirrors
-        self.in_place = attention == "kernel" and kernels.runs_on(pool)
 
-    @torch.inference_mode()
     def mirror(self, seqs: list[EngineSequence], num_new: list[int]) -> None:
         """The step's tokens (before it counts them as computed) into the draft's pool, at
         the slots the target wrote them to: one call, no logits."""
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # (decodes first)
-        seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
-        computed = [seq.num_computed_tokens for seq in seqs]
-        ids = [
-            token
-            for seq, start, n in zip(seqs, computed, num_new, strict=True)
-            for token in seq.fed_slice(start, start + n)
-        ]
-        cache = PagedKVCache(
-            self.pool, [seq.block_table for seq in seqs], computed, num_new, self.in_place
-        )
-        idx = torch.tensor([ids], device=self.pool.device)
-        nothing = torch.zeros(0, dtype=torch.long, device=self.pool.device)
-        self.model(idx, cache=cache, logits_at=nothing, validate=False)
+        self.runner.fill(seqs, num_new)
 
     @torch.inference_mode()
     def propose(self, seqs: list[EngineSequence], ks: list[int]) -> list[Draft]:
@@ -92,7 +75,11 @@ class PoolDrafter:
         row each."""
         positions = [seq.num_tokens - 1 + n for seq, n in zip(seqs, ahead, strict=True)]
         cache = PagedKVCache(
-            self.pool, [seq.block_table for seq in seqs], positions, [1] * len(seqs), self.in_place
+            self.pool,
+            [seq.block_table for seq in seqs],
+            positions,
+            [1] * len(seqs),
+            self.runner.in_place,
         )
         idx = torch.tensor([ids], device=self.pool.device)
         return self.model(idx, cache=cache, validate=False).logits[0]

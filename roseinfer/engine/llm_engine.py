@@ -42,7 +42,7 @@ import torch
 
 from roseinfer.cache.paged import KVPool, make_pool
 from roseinfer.cache.quantized import kv_bytes_per_token
-from roseinfer.engine.block_manager import BlockManager, blocks_for
+from roseinfer.engine.block_manager import BlockManager, blocks_for, blocks_short
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.drafting import PoolDrafter
 from roseinfer.engine.model_runner import ModelRunner
@@ -53,7 +53,6 @@ from roseinfer.engine.outputs import (
     TokenLogprob,
     token_logprob,
 )
-from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 from roseinfer.engine.sequence import EngineSequence
 from roseinfer.request.sampling import SamplingParams, sample_rows
@@ -108,9 +107,8 @@ class LLMEngine:
         # a pool of its own, sized with the target's, unless it is the target's first
         # layers over a plain pool, whose keys the target's pool holds already.
         draft = drafter.model if isinstance(drafter, ModelDrafter) else None
-        own_pool = draft is not None and not (
-            is_first_layers(draft, model) and config.kv_cache_dtype == "auto"
-        )
+        self_draft = draft is not None and is_first_layers(draft, model)
+        own_pool = draft is not None and not (self_draft and config.kv_cache_dtype == "auto")
         if draft is not None:
             check_engine_draft(draft, model)
         draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
@@ -141,12 +139,16 @@ class LLMEngine:
                 self.draft_pool = KVPool(
                     draft.config, num_blocks, config.kv_block_size, own.dtype, own.device
                 )
-            if is_first_layers(draft, model):  # (the target's packed weights, shared)
+            if self_draft:  # (the target's packed weights, shared)
                 draft = first_layers(self.runner.model, draft.config.n_layer)
-            elif config.pack_weights and can_pack(draft):
-                draft = packed_linears(draft, config.max_num_seqs)
-            pool = self.draft_pool if own_pool else self.pool
-            self.drafter = PoolDrafter(draft, pool, own_pool, config.attention)
+            runner = ModelRunner(
+                draft,
+                self.draft_pool if own_pool else self.pool,
+                config.attention,
+                max_num_seqs=config.max_num_seqs,
+                pack_weights=config.pack_weights and not self_draft,
+            )
+            self.drafter = PoolDrafter(runner, own_pool)
         self.requests: dict[str, EngineSequence] = {}  # unfinished, by id
         self.aborted: list[EngineSequence] = []  # aborted since the last step (reported by it)
         self.last_batch = ScheduledBatch()
@@ -363,8 +365,7 @@ class LLMEngine:
         Where too few are spare, fewer drafts; those left with none are not asked."""
         manager, size = self.block_manager, self.config.kv_block_size
         spare = manager.num_available - sum(
-            max(0, blocks_for(seq.num_tokens, size) - len(seq.block_table))
-            for seq in self.scheduler.running
+            blocks_short(seq, size) for seq in self.scheduler.running
         )
         kept, kept_limits = [], []
         for seq, limit in zip(seqs, limits, strict=True):

@@ -65,23 +65,9 @@ class ModelRunner:
         row each, or, for a sequence carrying drafts, 1 + len(draft_ids) rows (after its
         newest token, then after each draft), consecutive and in the order of the
         sequences returned."""
-        # The decode batch (sequences feeding one token) first, then the chunks.
-        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
-        seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
+        seqs, num_new, ids, cache = self._step_inputs(seqs, num_new)
         if self.record_writes:
             self.writer_tables = [list(seq.block_table) for seq in seqs]
-        cache = PagedKVCache(
-            self.pool,
-            [seq.block_table for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            num_new,
-            self.in_place,
-        )
-        ids = [
-            token
-            for seq, n in zip(seqs, num_new, strict=True)
-            for token in seq.fed_slice(seq.num_computed_tokens, seq.num_computed_tokens + n)
-        ]
         # A sequence samples after this step if the step feeds its last known token (and
         # its drafts: a verify chunk is its newest token and the drafts).
         done = [
@@ -105,3 +91,31 @@ class ModelRunner:
         if self.record_writes:
             self.written_slots = cache.written_slots.tolist()
         return [seqs[i] for i in done], out.logits[0]
+
+    @torch.inference_mode()
+    def fill(self, seqs: list[EngineSequence], num_new: list[int]) -> None:
+        """Feed each sequence its next num_new tokens for their keys and values alone (a
+        draft model reading the target's step into its own pool): one call, no logits."""
+        _, _, ids, cache = self._step_inputs(seqs, num_new)
+        idx = torch.tensor([ids], device=self.pool.device)
+        nothing = torch.zeros(0, dtype=torch.long, device=self.pool.device)
+        self.model(idx, cache=cache, logits_at=nothing, validate=False)
+
+    def _step_inputs(
+        self, seqs: list[EngineSequence], num_new: list[int]
+    ) -> tuple[list[EngineSequence], list[int], list[int], PagedKVCache]:
+        """The step's sequences, the decode batch (sequences feeding one token) first,
+        then the chunks; their token counts in that order; every token fed, in one flat
+        row; and the pool's view for the call."""
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
+        seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
+        computed = [seq.num_computed_tokens for seq in seqs]
+        cache = PagedKVCache(
+            self.pool, [seq.block_table for seq in seqs], computed, num_new, self.in_place
+        )
+        ids = [
+            token
+            for seq, start, n in zip(seqs, computed, num_new, strict=True)
+            for token in seq.fed_slice(start, start + n)
+        ]
+        return seqs, num_new, ids, cache

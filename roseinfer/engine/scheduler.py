@@ -37,7 +37,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from roseinfer.engine.block_manager import BlockManager, blocks_for
+from roseinfer.engine.block_manager import BlockManager, blocks_short
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.sequence import EngineSequence
 
@@ -148,10 +148,7 @@ class Scheduler:
         if decoding:
             manager = self.block_manager
             size = manager.kv_block_size
-            later = sum(
-                max(0, blocks_for(other.num_tokens, size) - len(other.block_table))
-                for other in self.running[index + 1 :]
-            )
+            later = sum(blocks_short(other, size) for other in self.running[index + 1 :])
             slots = (len(seq.block_table) + max(0, manager.num_available - later)) * size
             room = max(0, min(len(seq.draft_ids), budget - 1, slots - seq.num_tokens))
         del seq.draft_ids[room:]
