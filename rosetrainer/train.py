@@ -17,12 +17,11 @@ import dataclasses
 import sys
 from typing import Any
 
-import torch
-
 from rosetrainer.checkpoint import RunFiles, load_checkpoint
 from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import exit_torchrun_worker, is_torchrun_worker
+from rosetrainer.threads import Threads
 from rosetrainer.trainer import train
 
 PROG = "rosetrainer.train"
@@ -176,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", help="auto (default), cpu, cuda or cuda:N")
     add("--dtype", help="float32 (default), bfloat16 or float16 (CUDA only)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model")
-    add("--num-threads", type=int, help="CPU threads for PyTorch (default: one per core)")
+    add("--num-threads", type=int,
+        help="CPU threads for PyTorch, fixed (default: auto, one per core while the cores are "
+             "free, fewer while other programs keep them busy; OMP_NUM_THREADS fixes it too)")  # fmt: skip
     return parser
 
 
@@ -196,13 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     flags = parse_args(argv)
-    if "num_threads" in flags:
-        if flags["num_threads"] < 1:
-            raise RoseError(f"--num-threads must be >= 1, got {flags['num_threads']}")
-        torch.set_num_threads(flags["num_threads"])
     model_cfg, train_cfg = resolve_configs(flags)
+    # (compiled code keeps the thread count it was built for: chosen once, at the start)
+    threads = Threads(flags.get("num_threads"), follow_load=not train_cfg.compile)
     try:
-        summary = train(model_cfg, train_cfg)
+        summary = train(model_cfg, train_cfg, threads)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print(f"[{PROG}] interrupted; nothing saved", file=sys.stderr)
         return 130

@@ -38,6 +38,7 @@ from rosetrainer.schedule import learning_rate_at
 from rosetrainer.signals import StopSignals
 from rosetrainer.state import TrainingState
 from rosetrainer.step import build_model, evaluate, load_splits, rank_batch, train_step
+from rosetrainer.threads import Threads
 from rosetrainer.tokenizer import Tokenizer
 
 PROG = "rosetrainer"
@@ -78,19 +79,21 @@ class Run:
                              self.rt)  # fmt: skip
 
 
-def train(model_cfg: GPTConfig, cfg: TrainConfig) -> dict[str, Any]:
+def train(model_cfg: GPTConfig, cfg: TrainConfig, threads: Threads | None = None) -> dict[str, Any]:
     """Train, evaluate, checkpoint; return a summary (step, losses, tokens/s, sample).
 
     With cfg.resume, training goes on exactly where the checkpoint at cfg.checkpoint_path
     stopped (`rosetrainer.train.resolve_configs` gives the configs that continue it).
+    threads: the CPU's torch threads (default: auto, rosetrainer/threads.py).
     """
+    threads = Threads() if threads is None else threads
     rt = setup_device(cfg.device, cfg.dtype)
     if rt.device.type == "cpu":
         keep_freed_memory()
     try:
         with open_run(cfg, rt.is_main) as files:
             run = start_run(model_cfg, cfg, rt, files)
-            summary = train_loop(run)
+            summary = train_loop(run, threads)
             if rt.is_main:
                 summary["sample"] = finish(summary, run)
             return summary
@@ -135,7 +138,7 @@ def start_run(model_cfg: GPTConfig, cfg: TrainConfig, rt: Runtime, files: RunFil
     return Run(model_cfg, cfg, rt, files, splits, state, model, log, tokens_per_step)
 
 
-def train_loop(run: Run) -> dict[str, Any]:
+def train_loop(run: Run, threads: Threads) -> dict[str, Any]:
     """Steps until max_steps or a stop signal; a summary of the run."""
     state, cfg, rt = run.state, run.cfg, run.rt
     if rt.is_main:
@@ -145,11 +148,14 @@ def train_loop(run: Run) -> dict[str, Any]:
             f"{where}: {state.raw_model.num_params() / 1e6:.2f}M parameters on {rt.device} "
             f"({cfg.dtype}), {rt.world_size} process(es), {run.tokens_per_step:,} tokens per step"
         )
+        if rt.device.type == "cpu":
+            say(f"threads: {threads.describe()}")
     progress = tqdm(total=cfg.max_steps, initial=state.step, desc="train", unit="step",
                     file=sys.stderr, disable=not rt.is_main)  # fmt: skip
     first_step, timed_seconds, batches = state.step, 0.0, run.batches()
     with StopSignals(PROG) as stop_signals:
         while state.step < cfg.max_steps:
+            threads.adapt()  # (the first call sets the count; then it follows the load)
             seconds, stop = one_step(run, batches, progress, stop_signals)
             if state.step > first_step + 1:  # the first step pays for warm-up (allocation, compile)
                 timed_seconds += seconds

@@ -157,3 +157,22 @@ def test_quick_compile_bench_compiles_the_step_and_checks_its_tokens() -> None:
         tokens = line.split(": ")[1].split(" tokens")[0]  # "8/8"
         same, total = tokens.split("/")
         assert same == total and "within tolerance" in line, line
+
+
+@pytest.mark.slow
+def test_quick_contention_bench_prints_every_workload_alone_and_busy() -> None:
+    """rose's threads (auto and one) per workload, alone and beside busy programs; the
+    measured processes choose their own threads (no OMP_NUM_THREADS handed down)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    command = [sys.executable, "-m", "benchmarks.contention", "--quick", "--no-vllm"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()
+            if line.split()[:1] in (["generate"], ["train"], ["engine"])}  # fmt: skip
+    assert set(rows) == {"generate", "train", "engine"}
+    for figures in rows.values():  # auto and 1, alone then busy; the busy ratio
+        assert all(float(value) > 0 for value in figures[:4])
+        assert figures[4].endswith("x")
+    assert "cores" in done.stdout.splitlines()[0]

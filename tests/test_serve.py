@@ -37,6 +37,7 @@ from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.background import BackgroundServer
 from roseinfer.serving.chat_template import ChatTemplate
 from rosetrainer.model import GPT
+from rosetrainer.threads import Threads
 from rosetrainer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # openai and the server (FastAPI) are imported where used: slow imports
@@ -539,7 +540,7 @@ def test_a_busy_port_is_one_clear_line(
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_the_engine_thread_runs_the_model_with_the_torch_threads_it_was_given(
+def test_the_engine_thread_runs_the_model_with_the_threads_it_was_given(
     model: GPT, tokenizer: Tokenizer
 ) -> None:
     """The server's threads keep to one torch thread (this module's fixture, the CLI's
@@ -555,7 +556,8 @@ def test_the_engine_thread_runs_the_model_with_the_torch_threads_it_was_given(
         return step()
 
     engine.step = counting_step
-    app = build_app(engine, tokenizer, ServerSettings(model_name="tiny", torch_threads=2))
+    settings = ServerSettings(model_name="tiny", threads=Threads(2))  # (fixed: --num-threads 2)
+    app = build_app(engine, tokenizer, settings)
     try:
         with BackgroundServer(app) as server:
             body = {"prompt": [15496, 11], "max_tokens": 4, "temperature": 0}

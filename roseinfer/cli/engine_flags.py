@@ -76,6 +76,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         f"(the same tokens; default: {DEFAULTS.attention})",
     )
     engine.add_argument(
+        "--num-threads",
+        type=int,
+        help="CPU threads for PyTorch, fixed (default: auto, one per core while the cores "
+        "are free, fewer while other programs keep them busy; OMP_NUM_THREADS fixes it too)",
+    )
+    engine.add_argument(
         "--no-pack-weights",
         action="store_true",
         help="on a CPU, run the linear layers on the weights as stored instead of a copy "

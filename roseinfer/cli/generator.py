@@ -59,6 +59,7 @@ from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError, os_cause
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype
+from rosetrainer.threads import Threads
 from rosetrainer.tokenizer import Tokenizer
 
 STDIN_NAMES = ("-", "/dev/stdin")  # --prompt-file names that read standard input
@@ -145,6 +146,8 @@ def torch_generator(
         )
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    # Compiled code keeps the thread count it was built for: chosen once, at the start.
+    threads = Threads(args.num_threads, follow_load=not args.compile)
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
@@ -169,6 +172,8 @@ def torch_generator(
         model = packed_linears(model, args.batch_size or len(prompts))
         say("weights", "linear layers packed for oneDNN (--no-pack-weights: as stored)")
     say("device", device)
+    if device.type == "cpu":
+        say("threads", threads.describe())
     say("dtype", args.dtype)
     say("model", f"{source} ({model.num_params(non_embedding=False):,} params)")
     say("tokenizer", tokenizer.name)
@@ -193,8 +198,8 @@ def torch_generator(
             f"{kv_cache_window(args)} tokens exact)",
         )
     if engine is not None:
-        return EngineGenerator(prompts, prompt_ids, params, tokenizer, engine, say)
-    return LoopGenerator(prompts, prompt_ids, params, tokenizer, model, args, say)
+        return EngineGenerator(prompts, prompt_ids, params, tokenizer, engine, say, threads)
+    return LoopGenerator(prompts, prompt_ids, params, tokenizer, model, args, say, threads)
 
 
 # ---------------------------------------------------------------------------
@@ -437,7 +442,7 @@ def make_cache(
 
 def load_onnx(args: argparse.Namespace) -> tuple[OnnxModel, Tokenizer]:
     """The exported graph in an onnxruntime session, and the tokenizer it was exported with."""
-    model = OnnxModel(args.onnx)
+    model = OnnxModel(args.onnx, threads=Threads(args.num_threads).count)
     tokenizer = Tokenizer(args.tokenizer_name or model.meta.tokenizer_name)
     if tokenizer.n_vocab > model.meta.vocab_size:
         raise RoseError(
@@ -459,9 +464,10 @@ class LoopGenerator(Generator):
         model: GPT | OnnxModel,
         args: argparse.Namespace,
         say: Say,
+        threads: Threads | None = None,  # (None: onnxruntime keeps its own threads)
     ) -> None:
         super().__init__(prompts, prompt_ids, params, tokenizer)
-        self.model, self.args, self.say = model, args, say
+        self.model, self.args, self.say, self.threads = model, args, say, threads
 
     def run(self, print_batch: PrintBatch) -> None:
         for part in batches(len(self.prompts), self.args):
@@ -484,10 +490,18 @@ class LoopGenerator(Generator):
             )  # fmt: skip
         else:
             cache = make_cache(self.args, self.model, prompt_ids)
+            threads = self.threads
+            threads.adapt()
+
+            def on_each_token(row: int, token: int) -> None:
+                threads.adapt()  # (between steps: the loop hears every token of a step)
+                if on_token is not None:
+                    on_token(row, token)
+
             results = generate_batch(
                 self.model, prompt_ids, self.params, use_cache=cache is not None, cache=cache,
                 eot_id=tokenizer.eot_id, decode=tokenizer.decode, tokenizer=tokenizer,
-                compile=self.args.compile, on_token=on_token,
+                compile=self.args.compile, on_token=on_each_token,
             )  # fmt: skip
         return tell(results, on_done)
 
@@ -522,9 +536,10 @@ class EngineGenerator(Generator):
         tokenizer: Tokenizer,
         engine: LLMEngine,
         say: Say,
+        threads: Threads,
     ) -> None:
         super().__init__(prompts, prompt_ids, params, tokenizer)
-        self.engine, self.say = engine, say
+        self.engine, self.say, self.threads = engine, say, threads
 
     def run(self, print_batch: PrintBatch) -> None:
         self.report_context_cap()
@@ -541,7 +556,8 @@ class EngineGenerator(Generator):
         ]
         index = {request_id: i for i, request_id in enumerate(request_ids)}
         done: dict[str, GenerationResult] = {}
-        for output in engine.drain():
+        self.threads.adapt()
+        for output in engine.drain(after_step=self.threads.adapt):
             done[output.request_id] = result = as_result(output)
             if on_done is not None:
                 on_done(index[output.request_id], result)
@@ -712,7 +728,7 @@ def split_generator(args: argparse.Namespace, params: SamplingParams, say: Say) 
         device=device.type,
         dtype=args.dtype,
         cache=cache,
-        threads=max(1, (os.cpu_count() or 1) // n_stages),
+        threads=args.num_threads or max(1, (os.cpu_count() or 1) // n_stages),
     )
     under_torchrun = torchrun_rank()
     if under_torchrun is None or under_torchrun[0] == 0:

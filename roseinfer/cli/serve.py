@@ -43,6 +43,7 @@ from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BY
 from roseinfer.serving.live import MAX_WATCHERS, MAX_WATCHERS_PER_CLIENT, end_streams
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import DTYPES, pick_device, pick_dtype
+from rosetrainer.threads import Threads
 
 PROG = "rose-serve"
 # After --shutdown-timeout the requests left are aborted; this long more for their last
@@ -192,9 +193,12 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     chat_template = ChatTemplate.from_file(args.chat_template)
-    # From here this thread uses one torch thread, and the engine's thread all of them.
-    torch_threads = torch.get_num_threads()
+    # The engine's thread computes, on the count `threads` chooses and follows; from here
+    # this thread keeps to one torch thread (roseinfer/serving/engine_thread.py says why).
+    threads = Threads(args.num_threads)
     torch.set_num_threads(1)
+    if device.type == "cpu":
+        print(f"[{PROG}] threads: {threads.describe()}", file=sys.stderr, flush=True)
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         live_page=not args.no_live_page,
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.request_body_timeout,
-        torch_threads=torch_threads,
+        threads=threads,
         max_live_watchers=args.max_live_watchers,
         max_live_watchers_per_client=args.max_live_watchers_per_client,
     )

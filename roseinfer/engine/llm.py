@@ -21,6 +21,7 @@ from roseinfer.speculative.drafters import SpeculativeConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype
+from rosetrainer.threads import Threads
 from rosetrainer.tokenizer import Tokenizer
 
 
@@ -34,15 +35,19 @@ class LLM:
         dtype: str = "float32",
         tokenizer: str | None = None,
         speculative: SpeculativeConfig | dict | None = None,
+        num_threads: int | None = None,
         **engine_config: object,
     ) -> None:
         """model: a rose .pt, a run directory, or a Hugging Face GPT-2 directory (hf=None
         tells them apart by its config.json); None takes the newest checkpoint.
+        num_threads: CPU threads for PyTorch, fixed (None: OMP_NUM_THREADS if set, else
+        auto: one per core, fewer while other programs keep the cores busy; rosetrainer/threads.py).
         speculative: speculative decoding, a SpeculativeConfig or its fields as a dict, e.g.
         {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model":
         "checkpoints/small", "num_speculative_tokens": 4}.
         engine_config: EngineConfig's fields (kv_block_size, num_kv_blocks, kv_cache_memory,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...)."""
+        self.threads = Threads(num_threads)
         spec = as_speculative_config(speculative)
         if hf is None:
             hf = model is not None and (Path(model) / "config.json").is_file()
@@ -69,6 +74,7 @@ class LLM:
         draft of a speculative method "draft", in memory too (sharing the tokenizer)."""
         llm = cls.__new__(cls)
         llm.source = "in memory"
+        llm.threads = Threads()
         spec = as_speculative_config(speculative)
         config = EngineConfig(**engine_config)
         llm.engine = speculative_engine(model, tokenizer, config, spec, draft_model)
@@ -104,7 +110,8 @@ class LLM:
         ]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
-            for output in engine.drain():
+            self.threads.adapt()  # (between steps too: the machine's load may change)
+            for output in engine.drain(after_step=self.threads.adapt):
                 finished[output.request_id] = output
                 bar.update(1)
         return [finished[request_id] for request_id in ids]

@@ -46,6 +46,7 @@ from roseinfer.serving.protocol import (
 )
 from roseinfer.serving.responses import ResponseBuilder
 from rosetrainer.errors import RoseError
+from rosetrainer.threads import Threads
 from rosetrainer.tokenizer import Tokenizer
 
 
@@ -60,11 +61,11 @@ class ServerSettings:
     live_page: bool = True  # the page at / and its /live/* state endpoints
     max_live_watchers: int = live.MAX_WATCHERS  # /live/events streams at once
     max_live_watchers_per_client: int = live.MAX_WATCHERS_PER_CLIENT  # from one address
-    torch_threads: int | None = None  # the engine thread's torch threads (see engine_thread.py)
+    threads: Threads | None = None  # the engine thread's torch threads (see engine_thread.py)
 
 
 def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
-    engine_thread = EngineThread(engine, torch_threads=settings.torch_threads)
+    engine_thread = EngineThread(engine, threads=settings.threads)
     metrics = ServerMetrics(lambda: engine_thread.stats)
     engine_thread.on_finished = metrics.observe_finished
     client = EngineClient(engine_thread, settings.max_waiting)

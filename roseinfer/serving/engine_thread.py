@@ -16,7 +16,8 @@ once a process holds more of them than there are cores, the OpenMP runtime makes
 workers sleep almost at once instead of spinning, and a decode step, hundreds of short
 parallel regions, then waits for its worker to wake at every one (measured: the
 benchmarks page's "rose against transformers serve").
-`torch_threads` gives this thread its count back.
+`threads` (rosetrainer/threads.py) sets this thread's count, and follows the machine's load
+between steps.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.request.sampling_params import SamplingParams
 from rosetrainer.errors import RoseError
+from rosetrainer.threads import Threads
 
 log = logging.getLogger("roseinfer.cli.serve")
 
@@ -67,10 +67,10 @@ class EngineThread:
         self,
         engine: LLMEngine,
         on_finished: Callable[[RequestOutput], None] | None = None,
-        torch_threads: int | None = None,
+        threads: Threads | None = None,
     ) -> None:
         self.engine = engine
-        self.torch_threads = torch_threads  # this thread's torch threads (None: as it finds them)
+        self.threads = threads  # this thread's torch threads (None: as it finds them)
         self.on_finished = on_finished  # e.g. record latencies in the metrics
         self.on_step: Callable[[], None] | None = None  # e.g. the live page's snapshots
         self.commands: queue.Queue[Add | Abort | AbortAll] = queue.Queue()
@@ -104,8 +104,6 @@ class EngineThread:
     # -- the engine thread --
 
     def _run(self) -> None:
-        if self.torch_threads is not None:
-            torch.set_num_threads(self.torch_threads)  # for this thread (see the module's doc)
         stopping = False
         while not stopping or self.engine.has_unfinished():
             # Idle: sleep until a command comes. Busy: take what has come, then step.
@@ -114,6 +112,8 @@ class EngineThread:
                 stopping |= self._apply(command)
             if not self.engine.has_unfinished():
                 continue
+            if self.threads is not None:  # (its first call sets this thread's count)
+                self.threads.adapt()
             try:
                 outputs = self.engine.step()
             except Exception as err:  # a bug, not a user mistake: fail what is in flight

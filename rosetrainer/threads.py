@@ -1,0 +1,159 @@
+"""How many threads PyTorch computes with on a CPU that other programs share.
+
+PyTorch runs each CPU operation on a team of OpenMP threads, one per core by default,
+and the team's threads wait for each other at the end of every operation by spinning.
+On an idle machine that is the fastest choice. Beside other busy programs it collapses:
+once there are more runnable threads than cores, the kernel takes a core from one team
+thread for a whole time slice, and the others spin at the barrier until it gets the
+core back. The shorter each operation, the larger the share of waiting, so the small
+models a learner trains suffer most: on 2 cores beside two busy programs of equal
+priority, the `tiny` preset decoded at 28 tok/s with two threads and at 222 with one
+(500 when idle; docs/benchmarks.md, "A busy machine").
+
+So rose's default, "auto", starts with torch's own count (one thread per core) and,
+between steps, looks at how many *other* threads are ready to run on the machine; while
+they keep cores busy it computes on the cores they leave (at least one), and takes the
+cores back once they are free again. The team then never holds more threads than there
+are cores for it, so its spinning waits stay short, and OpenMP's waiting policy can stay
+its default (spin, then sleep), which is the fast one on free cores. A count the user
+gives (`--num-threads N`, or OMP_NUM_THREADS in the environment) is kept as given.
+
+How "ready to run" is read: on Linux, the kernel's count of runnable threads
+(`procs_running` in /proc/stat) less this process's own runnable threads (its spinning
+team included), sampled between steps and smoothed; elsewhere the one-minute load
+average less this process's threads, which follows a change in about a minute.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from rosetrainer.errors import RoseError
+
+# Between steps: a sample of the other runnable threads at most this often (each costs
+# ~0.1 ms: /proc/stat and a stat file per thread of this process) ...
+SAMPLE_EVERY_S = 0.02
+# ... and a new thread count at most this often, from the samples' moving average
+# (weight of the newest sample: SMOOTHING). A busy program shows as runnable in almost
+# every sample; a program that wakes up for a moment, in few.
+DECIDE_EVERY_S = 0.2
+SMOOTHING = 0.2
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def own_runnable_threads() -> int:
+    """This process's threads that are running or ready to run (Linux; 0 elsewhere)."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        # "pid (name) S ...": the state follows the name, which may hold spaces or ")"
+        if stat[stat.rindex(")") + 2] == "R":
+            count += 1
+    return count
+
+
+def other_runnable_threads() -> float | None:
+    """Threads of other programs that are running or ready to run now; None where the
+    machine does not tell."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running"):
+                    return max(0, int(line.split()[1]) - own_runnable_threads())
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return max(0.0, os.getloadavg()[0] - torch.get_num_threads())
+    except (AttributeError, OSError):  # (no load average on Windows)
+        return None
+
+
+class Threads:
+    """The torch thread count of this process's compute thread: fixed, or "auto" (the
+    module's docstring). Made once by a front door (rose-generate, rose-serve, `LLM`, the
+    trainer), told what it chose (`describe`), and asked between steps to follow the
+    machine's load (`adapt`) by the thread that computes: each thread has its own OpenMP
+    count, so the first `adapt` of a new compute thread sets it there."""
+
+    def __init__(self, num_threads: int | None = None, follow_load: bool = True) -> None:
+        """num_threads: a fixed count (--num-threads); None: OMP_NUM_THREADS if the
+        environment sets it, else auto. follow_load=False: auto picks a count for the
+        load at the start and keeps it (compiled kernels keep the count they were built
+        for: torch.compile's CPU code names it in every parallel loop)."""
+        if num_threads is not None and (
+            not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+        ):
+            raise RoseError(f"--num-threads must be an integer >= 1, got {num_threads!r}")
+        env = os.environ.get("OMP_NUM_THREADS")
+        self.fixed_by = (
+            "--num-threads" if num_threads is not None else "OMP_NUM_THREADS" if env else None
+        )
+        self.most = num_threads or torch.get_num_threads()  # auto: torch's, one per core
+        self.cores = usable_cores()
+        self.others = 0.0  # the smoothed count of other runnable threads
+        self.sampled = self.decided = -math.inf
+        self.count = self.most
+        if self.fixed_by is None:
+            self.count = self._for_load()
+        self.follow_load = follow_load and self.fixed_by is None
+        self.thread: int | None = None  # the compute thread whose OpenMP count is set
+
+    def describe(self) -> str:
+        """One line: the count chosen, why, and how to change it."""
+        if self.fixed_by:
+            return f"{self.count}, fixed by {self.fixed_by} (OpenMP spins while it waits)"
+        if not self.follow_load:
+            return (
+                f"{self.count} of {self.most} (auto, for the load at the start: compiled code "
+                f"keeps its count); --num-threads N or OMP_NUM_THREADS=N fixes it"
+            )
+        return (
+            f"{self.most} on free cores, fewer while other programs keep them busy ({self.count} "
+            f"now; OpenMP spins while it waits, so a team larger than the free cores "
+            f"collapses); --num-threads N or OMP_NUM_THREADS=N fixes the count"
+        )
+
+    def adapt(self) -> None:
+        """Between steps, in the compute thread: set its count the first time; then, in
+        auto, follow the other programs' load (at least one thread, at most `most`)."""
+        if self.thread != threading.get_ident():
+            self.thread = threading.get_ident()
+            torch.set_num_threads(self.count)
+        if not self.follow_load:
+            return
+        count = self._for_load()
+        if count != self.count:
+            torch.set_num_threads(count)
+            self.count = count
+
+    def _for_load(self) -> int:
+        """The count for the smoothed load, sampled and re-decided at most as often as
+        SAMPLE_EVERY_S and DECIDE_EVERY_S say (the current count in between)."""
+        now = time.monotonic()
+        if now - self.sampled < SAMPLE_EVERY_S:
+            return self.count
+        others = other_runnable_threads()
+        if others is None:
+            return self.most
+        first = self.sampled == -math.inf
+        self.others = others if first else self.others + SMOOTHING * (others - self.others)
+        self.sampled = now
+        if now - self.decided < DECIDE_EVERY_S and not first:
+            return self.count
+        self.decided = now
+        return max(1, min(self.most, self.cores - round(self.others)))

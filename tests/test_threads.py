@@ -1,0 +1,163 @@
+"""rose's CPU threads on a machine other programs share (rosetrainer/threads.py): a count
+the user fixes is kept; "auto" computes on the cores the other programs leave, and takes
+them back when they are free; the user is told what was chosen, in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from rosetrainer import threads as threads_module
+from rosetrainer.errors import RoseError
+from rosetrainer.threads import Threads, other_runnable_threads, own_runnable_threads
+
+
+@pytest.fixture
+def auto_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No OMP_NUM_THREADS (the tests' workers set it), torch at 2 threads (a 2-core
+    machine's default) and every sample taken at once; the count restored after."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads_module, "SAMPLE_EVERY_S", 0.0)
+    monkeypatch.setattr(threads_module, "DECIDE_EVERY_S", 0.0)
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def loads(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
+    """other_runnable_threads answers these, one a call (the last one from then on)."""
+    answers = iter(values)
+    last = [values[-1]]
+
+    def sample() -> float:
+        last[0] = next(answers, last[0])
+        return last[0]
+
+    monkeypatch.setattr(threads_module, "other_runnable_threads", sample)
+
+
+def test_auto_uses_every_core_while_they_are_free(auto_env, monkeypatch) -> None:
+    loads(monkeypatch, [0])
+    threads = Threads()
+    threads.adapt()
+    assert (threads.count, torch.get_num_threads()) == (2, 2)
+    assert "--num-threads N or OMP_NUM_THREADS=N" in threads.describe()
+
+
+def test_auto_gives_way_to_busy_programs_and_takes_the_cores_back(auto_env, monkeypatch) -> None:
+    """Two busy programs on 2 cores: one thread (never zero); one busy program: one; gone:
+    two again, once the moving average has followed them out."""
+    loads(monkeypatch, [2, 2, 2, 1, 1, 1] + [0] * 20)
+    threads = Threads()
+    threads.adapt()
+    assert torch.get_num_threads() == 1
+    assert "(1 now" in threads.describe()
+    seen = []
+    for _ in range(25):
+        threads.adapt()
+        seen.append(torch.get_num_threads())
+    assert seen[0] == 1 and seen[-1] == 2
+
+
+def test_a_moment_of_load_does_not_flip_the_count(auto_env, monkeypatch) -> None:
+    """One sample of 2 busy programs among idle ones: the smoothed count stays below one
+    program, so the team keeps both cores."""
+    loads(monkeypatch, [0, 0, 0, 2] + [0] * 5)
+    threads = Threads()
+    counts = set()
+    for _ in range(9):
+        threads.adapt()
+        counts.add(torch.get_num_threads())
+    assert counts == {2}
+
+
+def test_a_fixed_count_is_kept_whatever_the_load(auto_env, monkeypatch) -> None:
+    loads(monkeypatch, [2])
+    threads = Threads(2)
+    for _ in range(5):
+        threads.adapt()
+    assert torch.get_num_threads() == 2
+    assert threads.describe().startswith("2, fixed by --num-threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert Threads().describe().startswith("2, fixed by OMP_NUM_THREADS")
+
+
+def test_compiled_code_keeps_the_count_it_started_with(auto_env, monkeypatch) -> None:
+    loads(monkeypatch, [2, 0, 0, 0, 0, 0, 0, 0])
+    threads = Threads(follow_load=False)
+    for _ in range(8):
+        threads.adapt()
+    assert torch.get_num_threads() == 1
+    assert "for the load at the start" in threads.describe()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_a_count_below_one_is_refused(bad) -> None:
+    with pytest.raises(RoseError, match="--num-threads must be an integer >= 1"):
+        Threads(bad)
+
+
+def test_each_compute_thread_gets_the_count_from_its_first_adapt(auto_env, monkeypatch) -> None:
+    """OpenMP's count is per thread: a Threads handed to another thread (rose-serve's
+    engine thread) sets it there, and leaves the thread that made it alone."""
+    loads(monkeypatch, [0])
+    torch.set_num_threads(1)
+    threads = Threads(2)
+    seen = []
+
+    def engine_thread() -> None:
+        threads.adapt()
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=engine_thread)
+    worker.start()
+    worker.join()
+    assert seen == [2] and torch.get_num_threads() == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_busy_programs_are_counted_and_this_process_is_not() -> None:
+    """The kernel's runnable count, less this process's own runnable threads: two CPU
+    loops beside this process are counted (a loop is runnable whether or not it holds a
+    core), this process itself (the thread reading, at least) is not."""
+    assert own_runnable_threads() >= 1
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        samples = []
+        for _ in range(40):
+            samples.append(other_runnable_threads())
+            if sorted(samples)[len(samples) // 2] >= 2:  # (the loops have started)
+                break
+            os.sched_yield()
+            threading.Event().wait(0.05)
+        assert sorted(samples)[len(samples) // 2] >= 2, samples
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@pytest.mark.slow
+def test_rose_generate_tells_what_it_chose_and_refuses_a_bad_count(tiny_run_dir) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    command = [sys.executable, "-m", "roseinfer.cli_generate", "--checkpoint-path",
+               str(tiny_run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "3"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    told = [line for line in done.stderr.splitlines() if line.startswith("[roseinfer] threads:")]
+    assert len(told) == 1 and "--num-threads N or OMP_NUM_THREADS=N" in told[0], done.stderr
+    done = subprocess.run(
+        [*command, "--num-threads", "0"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "[roseinfer] error: --num-threads must be an integer >= 1, got 0"
+    ]
