@@ -155,6 +155,10 @@ def test_bad_text_files_and_token_files_give_clear_errors(tmp_path):
     data_dir = str(tmp_path / "data")
     with pytest.raises(RoseError, match="not found"):
         prepare_data(text_file=str(tmp_path / "nope.txt"), data_dir=data_dir)
+    with pytest.raises(RoseError, match="text file /dev/null is not a regular file"):
+        prepare_data(text_file="/dev/null", data_dir=data_dir)
+    with pytest.raises(RoseError, match="is a directory"):
+        prepare_data(text_file=str(tmp_path), data_dir=data_dir)
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(RoseError, match="is empty"):
         prepare_data(text_file=str(tmp_path / "empty.txt"), data_dir=data_dir)
