@@ -283,7 +283,7 @@ def download_tinyshakespeare(data_dir: Path) -> Path:
         found = " (the one there has the wrong sha256)" if path.exists() else ""
         raise RoseError(
             f"could not download TinyShakespeare ({err}); offline? pass --text-file PATH "
-            f"(e.g. ../shared/data/tinyshakespeare.txt) or put the file at {path}{found}"
+            f"(any UTF-8 text file) or put TinyShakespeare's input.txt at {path}{found}"
         ) from None
     digest = _sha256(payload)
     if digest != TINYSHAKESPEARE_SHA256:

@@ -195,7 +195,9 @@ def test_tinyshakespeare_download_is_checked_and_skipped_when_present(
 
     monkeypatch.setattr(rosetrainer.data.urllib.request, "urlopen", offline)
     assert download_tinyshakespeare(tmp_path) == path  # there and intact: no download
-    with pytest.raises(RoseError, match="pass --text-file PATH .* or put the file at .*other"):
+    with pytest.raises(
+        RoseError, match="pass --text-file PATH .* or put TinyShakespeare.s input.txt at .*other"
+    ):
         download_tinyshakespeare(tmp_path / "other")
 
 
