@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rosetrainer.errors import ArgumentParser, RoseError, one_line, os_error_line, run_cli
+from rosetrainer.errors import (
+    ArgumentParser,
+    RoseError,
+    not_a_file,
+    one_line,
+    os_error_line,
+    run_cli,
+)
 from rosetrainer.files import ensure_writable_dir, write_bytes_atomically
 from rosetrainer.tokenizer import Tokenizer, get_encoding
 
@@ -247,9 +254,9 @@ def _file_sha256(path: Path) -> str:
 
 def _read_text(path: Path) -> tuple[bytes, str]:
     """The file's exact bytes and their text: no newline translation, so CRLF stays CRLF."""
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "not found"
-        raise RoseError(f"text file {path} {what}; pass --text-file with a UTF-8 text file")
+    why = not_a_file(path)
+    if why is not None:
+        raise RoseError(f"text file {path} {why}; pass --text-file with a UTF-8 text file")
     content = path.read_bytes()
     if not content:
         raise RoseError(f"text file {path} is empty; there is nothing to train on")
@@ -276,7 +283,7 @@ def download_tinyshakespeare(data_dir: Path) -> Path:
         found = " (the one there has the wrong sha256)" if path.exists() else ""
         raise RoseError(
             f"could not download TinyShakespeare ({err}); offline? pass --text-file PATH "
-            f"(e.g. ../shared/data/tinyshakespeare.txt) or put the file at {path}{found}"
+            f"(any UTF-8 text file) or put TinyShakespeare's input.txt at {path}{found}"
         ) from None
     digest = _sha256(payload)
     if digest != TINYSHAKESPEARE_SHA256:

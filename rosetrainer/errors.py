@@ -40,6 +40,17 @@ def os_cause(err: OSError) -> str:
     return OS_CAUSES.get(err.errno or 0, err.strerror or type(err).__name__)
 
 
+def not_a_file(path: Path) -> str | None:
+    """Why `path` cannot be read as a file of text, in words ("not found", "is a
+    directory", "is not a regular file": a device such as /dev/zero, which never ends);
+    None when it can."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file" if path.exists() else "not found"
+
+
 def os_error_line(err: OSError, path: str | Path, doing: str) -> str:
     """One line for a failed file operation: what, where, why, and what to do."""
     cause = os_cause(err)

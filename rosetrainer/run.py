@@ -6,8 +6,9 @@ metrics.jsonl, ... or a.pt, a.best.pt, ...):
 * the folder must take files (not read-only, not a file, not under /proc), checked now
   and not after an hour of tokenising;
 * an exclusive lock (flock on the run's lock file, released by the kernel when the
-  process ends, however it ends) keeps a second process from training the same run; a
-  run that fails removes the lock file it made (a finished run keeps it, with its files);
+  process ends, however it ends) keeps a second process from training the same run;
+  the run removes the lock file when it ends (finished, failed or stopped by Ctrl-C),
+  so a finished run leaves only its own files;
 * a new run never touches the files of an earlier one unless --overwrite says so: it
   refuses, naming the run it found and the choices (--resume, --overwrite, another path).
 """
@@ -56,16 +57,19 @@ def open_run(cfg: TrainConfig, is_main: bool) -> Iterator[RunFiles]:
 @contextlib.contextmanager
 def run_lock(path: Path) -> Iterator[TextIO]:
     """Hold an exclusive lock on `path`; sign it with this process's id (`sign`) once
-    the run is really claimed, so a refused run leaves the file as it found it.
+    the run is really claimed.
 
-    A run that fails (refused, no data offline, an error or an interrupt while it runs)
-    leaves no lock file it made: it is removed while still held, before the lock is let
-    go. So a process that opened the file just before it went locks a file no longer in
-    the folder: it checks, once it holds the lock, that `path` is still the file it
-    locked, and opens it again if not (two processes never both hold the run).
+    However the block ends (a finished run, a refused one, no data offline, an error, a
+    Ctrl-C), the lock file is removed while still held, before the lock is let go: the
+    file at `path` is then the one this process locked (no process removes it without
+    holding its lock), so another live run's lock is never removed. A process that
+    opened the file just before it went locks a file no longer in the folder: it checks,
+    once it holds the lock, that `path` is still the file it locked, and opens it again
+    if not (two processes never both hold the run). A process killed outright (SIGKILL)
+    leaves its file; the kernel has let its lock go, so the next run takes it over.
     """
     while True:
-        lock_file, created = _open_lock_file(path)
+        lock_file = _open_lock_file(path)
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,24 +85,16 @@ def run_lock(path: Path) -> Iterator[TextIO]:
         lock_file.close()  # a failed run removed it after we opened it: open the new one
     try:
         yield lock_file
-    except BaseException:
-        if created:
-            path.unlink(missing_ok=True)
-        raise
     finally:
+        if _still_at(lock_file, path):  # (it is, unless someone replaced it by hand)
+            path.unlink(missing_ok=True)
         fcntl.flock(lock_file, fcntl.LOCK_UN)
         lock_file.close()
 
 
-def _open_lock_file(path: Path) -> tuple[TextIO, bool]:
-    """The lock file opened for reading and appending, and whether this call made it."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        created = True
-    except FileExistsError:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        created = False
-    return os.fdopen(fd, "a+", encoding="utf-8"), created
+def _open_lock_file(path: Path) -> TextIO:
+    """The lock file (made if missing) opened for reading and appending."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "a+", encoding="utf-8")
 
 
 def _still_at(lock_file: TextIO, path: Path) -> bool:

@@ -28,8 +28,9 @@ def get_encoding(name: str = "gpt2") -> tiktoken.Encoding:
         )
         raise RoseError(
             f"could not load the {name!r} BPE files ({type(err).__name__}; {where}). "
-            f"Offline? Point TIKTOKEN_CACHE_DIR at a folder holding tiktoken's cached files, "
-            f"e.g. export TIKTOKEN_CACHE_DIR=$PWD/../shared/tiktoken_cache"
+            f"Offline? Copy tiktoken's cache folder from a machine where it ran "
+            f"($TMPDIR/data-gym-cache, /tmp/data-gym-cache on Linux) and point "
+            f"TIKTOKEN_CACHE_DIR at the copy, e.g. export TIKTOKEN_CACHE_DIR=$HOME/tiktoken_cache"
         ) from None
 
 

@@ -121,6 +121,14 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> int:
     return process.returncode
 
 
+def is_openai_error(response: httpx.Response, status: int) -> dict:
+    """The response's error, checked to be OpenAI's shape with this status."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
 def metrics(server: Server) -> dict[str, float]:
     """GET /metrics as {'name{labels}': value}."""
     return parse_metrics(httpx.get(server.url + "/metrics").text)

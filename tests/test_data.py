@@ -155,6 +155,10 @@ def test_bad_text_files_and_token_files_give_clear_errors(tmp_path):
     data_dir = str(tmp_path / "data")
     with pytest.raises(RoseError, match="not found"):
         prepare_data(text_file=str(tmp_path / "nope.txt"), data_dir=data_dir)
+    with pytest.raises(RoseError, match="text file /dev/null is not a regular file"):
+        prepare_data(text_file="/dev/null", data_dir=data_dir)
+    with pytest.raises(RoseError, match="is a directory"):
+        prepare_data(text_file=str(tmp_path), data_dir=data_dir)
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(RoseError, match="is empty"):
         prepare_data(text_file=str(tmp_path / "empty.txt"), data_dir=data_dir)
@@ -191,7 +195,9 @@ def test_tinyshakespeare_download_is_checked_and_skipped_when_present(
 
     monkeypatch.setattr(rosetrainer.data.urllib.request, "urlopen", offline)
     assert download_tinyshakespeare(tmp_path) == path  # there and intact: no download
-    with pytest.raises(RoseError, match="pass --text-file PATH .* or put the file at .*other"):
+    with pytest.raises(
+        RoseError, match="pass --text-file PATH .* or put TinyShakespeare.s input.txt at .*other"
+    ):
         download_tinyshakespeare(tmp_path / "other")
 
 

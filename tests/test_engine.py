@@ -35,7 +35,7 @@ from roseinfer.cache import paged as paged_cache
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
-from roseinfer.engine.config import ATTENTIONS
+from roseinfer.engine.config import ATTENTIONS, parse_bytes
 from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.engine.packed import PackedLinear
 from roseinfer.engine.sequence import EngineSequence
@@ -865,7 +865,10 @@ def test_pool_size_from_bytes_or_blocks(model) -> None:
     )
     assert EngineConfig(kv_cache_memory=2**30).pool_blocks(model.config, 4) > 0
     assert EngineConfig(num_kv_blocks=7).pool_blocks(model.config, 4) == 7
-    for bad in ("lots", "0GiB", "-1", 0):
+    # every binary and decimal unit up to tera, in any case
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes("2tb") == 2 * 10**12
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("512 MiB") == 2**29
+    for bad in ("lots", "0GiB", "-1", 0, "1PiB"):
         with pytest.raises(RoseError, match="kv_cache_memory"):
             EngineConfig(kv_cache_memory=bad)
     with pytest.raises(RoseError, match="not both"):

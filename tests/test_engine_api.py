@@ -56,6 +56,43 @@ def test_llm_generates_in_prompt_order_with_per_prompt_params(checkpoint: Path) 
     assert llm.engine.stats().prefix_cache_hits > 0
 
 
+def test_llm_outputs_read_as_vllms_so_its_offline_example_runs_unchanged(
+    checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """vLLM's offline quickstart, its loop verbatim (from vllm import LLM -> roseinfer):
+    each output's prompt, request id and completion (outputs[0]) as vLLM names them,
+    the same tokens and text as rose's own fields, the oracle's tokens."""
+    from roseinfer import LLM, SamplingParams
+
+    prompts = ["Hello, my name is", "The president of the United States is"]
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+    llm = LLM(model=str(checkpoint), dtype="float32")
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    for output in outputs:
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        print(f"Prompt: {prompt!r}, Generated text: {generated_text!r}")
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        f"Prompt: {p!r}, Generated text: {o.text!r}" for p, o in zip(prompts, outputs, strict=True)
+    ]
+    tokenizer = llm.engine.tokenizer
+    for prompt, output in zip(prompts, outputs, strict=True):
+        [completion] = output.outputs
+        assert output.finished and completion.finished() and completion.index == 0
+        assert output.request_id and output.prompt_token_ids == tokenizer.encode(prompt)
+        assert completion.token_ids == solo_ids(llm, prompt, sampling_params)
+        assert completion.text == tokenizer.decode(completion.token_ids)
+        assert completion.finish_reason == output.finish_reason == "length"
+        assert completion.logprobs == output.logprobs and len(completion.logprobs) == 6
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(lp.logprob for lp in output.logprobs)
+        )
+    (by_ids,) = llm.generate([tokenizer.encode(prompts[0])], sampling_params, use_tqdm=False)
+    assert by_ids.prompt is None  # (given as ids: vLLM's prompt is None too)
+    assert by_ids.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+
+
 def test_drain_yields_each_request_once_and_runs_what_a_step_adds(checkpoint: Path) -> None:
     """The engine's one drain loop: every request's last output, once, as it finishes; a
     request added after a step (after_step) is run too."""

@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -122,9 +123,12 @@ def test_a_second_process_on_a_locked_run_is_refused(
     run_copy: Path, text_file: Path, capsys
 ) -> None:
     before = snapshot(run_copy)
-    with run_lock(RunFiles.of(run_copy).lock) as lock_file:
+    lock = RunFiles.of(run_copy).lock
+    with run_lock(lock) as lock_file:
         sign(lock_file)  # this test process is the holder
         assert main([*tiny_run(text_file, run_copy), "--resume", "--max-steps", "6"]) == 2
+        assert lock.read_text() == f"{os.getpid()}\n"  # the live run's lock is left alone
+    assert not lock.exists()
     err = one_line_error(capsys)
     assert f"another process (pid {os.getpid()}) is training this run" in err
     assert unchanged(before)
@@ -154,17 +158,35 @@ def interrupted(monkeypatch: pytest.MonkeyPatch) -> int:
     return 130
 
 
-@pytest.mark.parametrize("failure", [offline, fails_while_it_runs, interrupted])
-def test_a_failed_run_leaves_no_lock_file_behind(
-    failure, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def interrupted_mid_run(monkeypatch: pytest.MonkeyPatch) -> int:
+    real_step = trainer.one_step
+
+    def step_then_ctrl_c(*args: object, **kwargs: object) -> tuple[float, bool]:
+        done = real_step(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # the trainer's handler: stop after this step
+        return done
+
+    monkeypatch.setattr(trainer, "one_step", step_then_ctrl_c)
+    return 130
+
+
+def finished(monkeypatch: pytest.MonkeyPatch) -> int:
+    return 0
+
+
+@pytest.mark.parametrize(
+    "ending", [finished, offline, fails_while_it_runs, interrupted, interrupted_mid_run]
+)
+def test_every_run_leaves_no_lock_file_behind(
+    ending, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's first command offline (no TinyShakespeare to download), a bug in the
-    loop, a Ctrl-C at startup: the lock is let go and its file gone, and the next run
-    claims the folder as usual (a finished run keeps its lock file, beside its files)."""
+    """A run that finishes, the README's first command offline (no TinyShakespeare to
+    download), a bug in the loop, a Ctrl-C at startup or while it trains: the lock is
+    let go and its file gone, and the next run claims the folder as usual."""
     run = tmp_path / "run"
-    outcome = failure(monkeypatch)
+    outcome = ending(monkeypatch)
     flags = tiny_run(text_file, run, "--max-steps", "2")
-    if failure is offline:  # the default dataset, into a data folder without it
+    if ending is offline:  # the default dataset, into a data folder without it
         flags = ["--data-dir", str(tmp_path / "data"), *flags[4:]]
     if isinstance(outcome, int):
         assert main(flags) == outcome
@@ -174,7 +196,7 @@ def test_a_failed_run_leaves_no_lock_file_behind(
     assert not (run / "train.lock").exists()
     monkeypatch.undo()
     assert main(tiny_run(text_file, run, "--max-steps", "2", "--overwrite")) == 0
-    assert (run / "train.lock").read_text() == f"{os.getpid()}\n"
+    assert not (run / "train.lock").exists()
 
 
 def test_a_lock_file_removed_after_it_was_opened_is_opened_again(tmp_path: Path) -> None:
@@ -188,7 +210,7 @@ def test_a_lock_file_removed_after_it_was_opened_is_opened_again(tmp_path: Path)
         if not opened:  # the first open: the file goes, another run makes a new one
             path.unlink()
             path.write_text("")
-        opened.append(handle[0])
+        opened.append(handle)
         return handle
 
     from rosetrainer import run as run_module
@@ -198,8 +220,8 @@ def test_a_lock_file_removed_after_it_was_opened_is_opened_again(tmp_path: Path)
         patch.setattr(run_module, "_open_lock_file", open_then_lose_the_race)
         with run_lock(path) as lock_file:
             sign(lock_file)
+            assert path.read_text() == f"{os.getpid()}\n"  # the new file is the one held
     assert len(opened) == 2 and opened[0].closed
-    assert path.read_text() == f"{os.getpid()}\n"
 
 
 # ---------------------------------------------------------------------------
@@ -588,7 +610,7 @@ def test_a_pt_checkpoint_path_is_that_file_for_train_resume_and_generate(
     path = tmp_path / "run" / "a.pt"
     assert main(tiny_run(text_file, path, "--max-steps", "2", "--eval-interval", "2")) == 0
     names = sorted(p.name for p in path.parent.iterdir())
-    assert names == ["a.best.pt", "a.lock", "a.loss.png", "a.metrics.jsonl", "a.pt"]
+    assert names == ["a.best.pt", "a.loss.png", "a.metrics.jsonl", "a.pt"]
     assert main(["--checkpoint-path", str(path), "--resume", "--max-steps", "3"]) == 0
     assert load_checkpoint(path)["step"] == 3
     assert [s for s, _ in train_losses(path.parent / "a.metrics.jsonl")] == [1, 2, 3]

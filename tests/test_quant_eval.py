@@ -26,7 +26,9 @@ from roseinfer.cli.eval import (
 )
 from rosetrainer.checkpoint import save_checkpoint
 from rosetrainer.config import GPTConfig
+from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -200,6 +202,14 @@ def test_eval_mistakes_are_one_line(
     assert code == 2 and out == ""
     [line] = err.splitlines()
     assert line.startswith("[roseinfer.cli.eval] error: ") and message in line, line
+
+
+@pytest.mark.parametrize(
+    ("path", "why"), [("/dev/null", "is not a regular file"), ("/", "is a directory")]
+)
+def test_a_text_file_that_is_no_file_is_named_so(path: str, why: str) -> None:
+    with pytest.raises(RoseError, match=f"^text file {path} {why}$"):
+        rose_eval.split_ids(path, Tokenizer("gpt2"), "val")
 
 
 def test_several_prompts_run_through_a_quantized_engine(

@@ -255,6 +255,26 @@ def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
     assert completion.usage.completion_tokens == 16
 
 
+def test_top_logprobs_without_logprobs_is_a_400_as_openai_answers_it(
+    client: openai.OpenAI,
+) -> None:
+    """Asked for alternatives without logprobs: OpenAI and vLLM refuse it (it was ignored)."""
+    import openai
+
+    messages = [{"role": "user", "content": "Hi"}]
+    for logprobs in ({}, {"logprobs": False}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=2, top_logprobs=3, **logprobs
+            )
+        assert refused.value.body["param"] == "top_logprobs"
+        assert "logprobs: true" in refused.value.body["message"]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2, logprobs=True, top_logprobs=3
+    )
+    assert len(reply.choices[0].logprobs.content[0].top_logprobs) == 3
+
+
 @pytest.mark.slow
 def test_length_fields_left_out_or_null_and_stream_options_without_a_stream(
     server: Server, tokenizer: Tokenizer

@@ -24,7 +24,7 @@ from urllib.parse import urljoin
 import httpx
 import pytest
 from models import make_test_model
-from serving import API_KEY, Server, running_server, write_test_checkpoint
+from serving import API_KEY, Server, is_openai_error, running_server, write_test_checkpoint
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
@@ -60,13 +60,6 @@ def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactor
              str(MAX_CONNECTIONS), "--root-path", "/rose"]  # fmt: skip
     with running_server(checkpoint[0], log, *flags) as running:
         yield running
-
-
-def is_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 def wait_until_served(server: Server) -> None:

@@ -21,6 +21,7 @@ from serving import (
     WINDOW,
     Server,
     admitted,
+    is_openai_error,
     leave_a_non_streamed_request,
     running_server,
     solo_text,
@@ -72,13 +73,6 @@ def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactor
              str(template)]  # fmt: skip
     with running_server(checkpoint[0], folder / "server.log", *flags) as server:
         yield server
-
-
-def is_openai_error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 # -- class 2: a non-streamed client that leaves is aborted (without --api-key here) --

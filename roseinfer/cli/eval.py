@@ -48,7 +48,7 @@ from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.generate import generate_batch, model_step, prefill
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.config import GPTConfig, TrainConfig
-from rosetrainer.errors import ArgumentParser, RoseError, run_cli
+from rosetrainer.errors import ArgumentParser, RoseError, not_a_file, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device
 from rosetrainer.tokenizer import Tokenizer
@@ -118,8 +118,9 @@ def split_ids(
     """The text's token ids: all of them, or the validation split, the last `val_fraction`
     as the trainer splits it (rosetrainer.data: the first int(n * (1 - f)) are training)."""
     path = Path(text_file)
-    if not path.is_file():
-        raise RoseError(f"text file not found: {path}")
+    why = not_a_file(path)
+    if why is not None:
+        raise RoseError(f"text file {path} {why}")
     try:
         ids = tokenizer.encode(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:

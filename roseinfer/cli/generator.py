@@ -51,12 +51,12 @@ from roseinfer.pipeline.launch import PipelineSetup, run_pipeline, stage_main, t
 from roseinfer.pipeline.runner import Driver
 from roseinfer.pipeline.stage import stage_layers
 from roseinfer.request.sampling import SamplingParams
-from roseinfer.request.sampling_params import StructuredOutputs
+from roseinfer.request.sampling_params import InvalidParam, StructuredOutputs
 from roseinfer.request.structured import grammar_for
 from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
 from roseinfer.speculative.verify import SpeculativeStats
 from rosetrainer.config import GPTConfig
-from rosetrainer.errors import RoseError, os_cause
+from rosetrainer.errors import RoseError, not_a_file, os_cause
 from rosetrainer.model import GPT
 from rosetrainer.runtime import pick_device, pick_dtype
 from rosetrainer.threads import Threads
@@ -138,7 +138,11 @@ def torch_generator(
     args: argparse.Namespace, params: SamplingParams, prompts: list[str], say: Say
 ) -> Generator:
     """The engine, or the teaching loop on the cache the flags name, on a PyTorch model."""
-    engine_settings = engine_config(args) if uses_engine(args, len(prompts)) else None
+    # The engine's flags are checked even when one prompt runs on another path: a bad
+    # value is told, never silently unused.
+    engine_settings = engine_config(args)
+    if not uses_engine(args, len(prompts)):
+        engine_settings = None
     if engine_settings is not None and args.batch_size is not None:
         raise RoseError(
             "--batch-size sizes the left-padded batches of --no-kv-cache, --cache, "
@@ -252,16 +256,34 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     # torch's default generator starts from the same seed in every process, so an unseeded
     # run would repeat itself: without --seed, draw a fresh one (shown on stderr).
     seed = random.SystemRandom().randrange(2**31) if args.seed is None else args.seed
-    return SamplingParams(
-        max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=seed,
-        ignore_eos=args.no_stop_at_eot,
-        stop=tuple(args.stop),
-        structured_outputs=structured,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=seed,
+            ignore_eos=args.no_stop_at_eot,
+            stop=tuple(args.stop),
+            structured_outputs=structured,
+        )
+    except InvalidParam as err:  # told by the flag the user typed, not the field's name
+        flag = FLAG_OF_FIELD.get(err.param)
+        message = str(err)
+        if flag is not None and message.startswith(err.param):
+            message = flag + message[len(err.param) :]
+        raise RoseError(message) from None
+
+
+# The SamplingParams fields whose command-line flag has another name.
+FLAG_OF_FIELD = {
+    "max_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "stop": "--stop",
+}
 
 
 def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
@@ -307,8 +329,9 @@ def read_prompts(args: argparse.Namespace) -> tuple[list[str], int]:
     if args.prompt_file:
         path = Path(args.prompt_file)
         from_stdin = args.prompt_file in STDIN_NAMES  # /dev/stdin is no regular file
-        if not from_stdin and not path.is_file():
-            raise RoseError(f"prompt file not found: {path}")
+        why = None if from_stdin else not_a_file(path)
+        if why is not None:
+            raise RoseError(f"prompt file {path} {why}")
         try:
             raw = sys.stdin.buffer.read() if from_stdin else path.read_bytes()
             lines = raw.decode("utf-8").splitlines()

@@ -31,6 +31,7 @@ from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.request import grammar_process
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.chat_template import ChatTemplate
+from roseinfer.serving.compiles import DEFAULT_PER_CLIENT as DEFAULT_COMPILES_PER_CLIENT
 from roseinfer.serving.connections import (
     DEFAULT_HEAD_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -78,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests (choices) admitted but without a first token, at most; more get 503 "
         "with Retry-After, and a request holding more choices than this a 400 (default: 256)",
+    )
+    p.add_argument(
+        "--max-waiting-per-client",
+        type=int,
+        help="of them from one client address, so that one client cannot turn the others "
+        "away; more get 503 (default: a quarter of --max-waiting; the proxies uvicorn "
+        "trusts are not one client, as for --max-connections-per-client)",
+    )
+    p.add_argument(
+        "--max-compiles-per-client",
+        type=int,
+        default=DEFAULT_COMPILES_PER_CLIENT,
+        help="new structured-output constraints compiling at once for one client address; "
+        "one more gets 429 (a constraint already compiled or compiling costs nothing; "
+        "default: %(default)s)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -179,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
             raise RoseError(
                 f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}"
             )
+    if args.max_waiting_per_client is not None and args.max_waiting_per_client < 1:
+        raise RoseError(f"--max-waiting-per-client must be >= 1, got {args.max_waiting_per_client}")
     for flag in (
+        "max_compiles_per_client",
         "max_connections",
         "max_connections_per_client",
         "max_live_watchers",
@@ -203,9 +222,13 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
     engine = engine_from_flags(model, tokenizer, args)
+    proxies = os.environ.get("FORWARDED_ALLOW_IPS", DEFAULT_PROXIES)  # as uvicorn.Config reads them
     settings = ServerSettings(
         model_name=served_model_name(args, source),
         max_waiting=args.max_waiting,
+        max_waiting_per_client=args.max_waiting_per_client,
+        max_compiles_per_client=args.max_compiles_per_client,
+        proxies=proxies,
         api_key=args.api_key,
         chat_template=chat_template,
         live_page=not args.no_live_page,
@@ -240,8 +263,7 @@ def run(args: argparse.Namespace) -> int:
                 args.request_head_timeout,
                 args.max_connections,
                 args.max_connections_per_client,
-                # the proxies uvicorn trusts, as it reads them (uvicorn.Config)
-                os.environ.get("FORWARDED_ALLOW_IPS", DEFAULT_PROXIES),
+                proxies,
             ),
         ),
         ready_line=f"[{PROG}] serving {settings.model_name} at {url}/v1 (device {device}, "

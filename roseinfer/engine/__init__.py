@@ -8,10 +8,17 @@ results).
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm import LLM
 from roseinfer.engine.llm_engine import LLMEngine
-from roseinfer.engine.outputs import EngineStats, RequestOutput, RequestOutputKind, TokenLogprob
+from roseinfer.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestOutput,
+    RequestOutputKind,
+    TokenLogprob,
+)
 
 __all__ = [
     "LLM",
+    "CompletionOutput",
     "EngineConfig",
     "EngineStats",
     "LLMEngine",

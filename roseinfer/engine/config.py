@@ -25,8 +25,8 @@ from rosetrainer.errors import RoseError
 # Without a size from the user: room for every running sequence at a full context,
 # but never more than this many bytes (a GPT-2 124M context of 1024 tokens takes 36 MiB).
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
-_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2}
-_UNITS["gb"] = 1000**3
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNITS.update(kb=1000, mb=1000**2, gb=1000**3, tb=1000**4)
 ATTENTIONS = ("kernel", "gather")  # see EngineConfig.attention
 
 

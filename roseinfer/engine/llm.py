@@ -3,7 +3,7 @@
 from roseinfer import LLM, SamplingParams
 llm = LLM("checkpoints/run")                      # a .pt, a run directory, or an HF directory
 outputs = llm.generate(["ROMEO:", "JULIET:"], SamplingParams(max_tokens=32))
-print(outputs[0].text)
+print(outputs[0].outputs[0].text)                 # vLLM's shape (outputs[0].text: the same)
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order.
+        """One finished output per prompt, in the prompts' order, read as vLLM's are
+        (`outputs[i].outputs[0].text`, `.token_ids`, `.finish_reason`) or as rose's
+        (`outputs[i].text`; see roseinfer/engine/outputs.py).
 
         A request whose prompt and max_tokens do not fit the context stops when the context
         is full (finish_reason "length"), as vLLM's offline LLM stops at max_model_len;
@@ -114,6 +116,9 @@ class LLM:
             for output in engine.drain(after_step=self.threads.adapt):
                 finished[output.request_id] = output
                 bar.update(1)
+        for prompt, request_id in zip(prompts, ids, strict=True):
+            if isinstance(prompt, str):
+                finished[request_id].prompt = prompt
         return [finished[request_id] for request_id in ids]
 
 

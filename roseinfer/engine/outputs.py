@@ -1,7 +1,14 @@
 """What the engine reports: per request (`RequestOutput`, `TokenLogprob`, as its
 `RequestOutputKind` asks) and for itself (`EngineStats`). A request's output is made
 by `EngineSequence.report` (roseinfer/engine/sequence.py); its text by the request's
-`Detokenizer`."""
+`Detokenizer`.
+
+A `RequestOutput` also reads as vLLM's: `output.outputs[0].text`, `.token_ids`,
+`.finish_reason` (a `CompletionOutput`), `output.prompt`, `output.prompt_token_ids`,
+`output.request_id`, `output.finished`, so vLLM's offline examples run on rose's `LLM`
+unchanged. rose's own code reads the request's fields directly (`output.text`): a rose
+request is one completion (n choices are n requests), so `outputs` holds just one.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +41,23 @@ class RequestOutputKind(Enum):
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request, by vLLM's names. `logprobs` are rose's TokenLogprob
+    (vLLM's are dicts of token id -> Logprob); `cumulative_logprob` is their sum."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # None: logprobs not asked for
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
     """One request's report from one engine step.
 
@@ -63,6 +87,24 @@ class RequestOutput:
     # Set when handling this request raised inside a step (its sampling, stop check,
     # text): it finished then with finish_reason "abort"; the other requests went on.
     error: str | None = None
+    prompt: str | None = None  # the prompt's text, where it was given as text (LLM.generate)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The completion, as vLLM's RequestOutput holds it: the whole request where this
+        output carries it (a finished one, any CUMULATIVE one), else what is new."""
+        whole = self.text is not None
+        logprobs = self.logprobs if whole else self.new_logprobs
+        completion = CompletionOutput(
+            index=0,
+            text=self.text if whole else self.new_text,
+            token_ids=self.token_ids if whole else self.new_token_ids,
+            cumulative_logprob=None if logprobs is None else sum(lp.logprob for lp in logprobs),
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return [completion]
 
 
 @dataclass

@@ -233,24 +233,33 @@ def compile_grammar(
     from roseinfer.request.grammar_process import pool
 
     text = grammar_text(spec)
-    key = (tokenizer.name, text)
-    with _lock:
-        grammar = _held.get(key) or _recent.get(key)
-        if grammar is not None:
-            _recent[key] = grammar
-            _recent.move_to_end(key)
-            return grammar
+    grammar = cached_grammar(tokenizer.name, text)
+    if grammar is not None:
+        return grammar
     if spec.json is not None:  # (a schema that refers to itself without end: before the library)
         dead = dead_schema(json.loads(spec.json))
         if dead is not None:
             raise InvalidParam(PARAM, f"invalid JSON schema: {dead}")
     pool.check(tokenizer.name, text, spec.kind, timeout_s)
     grammar = _compile(tokenizer.name, text, spec.json is not None or spec.json_object)
+    key = (tokenizer.name, text)
     with _lock:
         _recent[key] = _held[key] = grammar
         while len(_recent) > CACHE_SIZE:
             _recent.popitem(last=False)
     return grammar
+
+
+def cached_grammar(tokenizer_name: str, text: str) -> Grammar | None:
+    """The grammar `text` (`grammar_text`) compiled for this tokenizer, if it is cached
+    or held: found at once, never compiled here."""
+    key = (tokenizer_name, text)
+    with _lock:
+        grammar = _held.get(key) or _recent.get(key)
+        if grammar is not None:
+            _recent[key] = grammar
+            _recent.move_to_end(key)
+        return grammar
 
 
 def _compile(tokenizer_name: str, text: str, is_json: bool) -> Grammar:
@@ -337,6 +346,13 @@ def grammar_for(
     have `vocab_size` entries."""
     if spec is None:
         return None
+    check_vocabulary(tokenizer, vocab_size)
+    return compile_grammar(spec, tokenizer)
+
+
+def check_vocabulary(tokenizer: Tokenizer | None, vocab_size: int) -> None:
+    """Raise RoseError unless a model with `vocab_size` logits can follow constraints
+    spelled in `tokenizer`'s tokens."""
     if tokenizer is None:
         raise RoseError("structured outputs need the tokenizer: its vocabulary is the mask's")
     if vocab_size < tokenizer.n_vocab:
@@ -346,7 +362,6 @@ def grammar_for(
             f"structured outputs need a model with the whole vocabulary of its tokenizer "
             f"({tokenizer.n_vocab} tokens); this one has {vocab_size}"
         )
-    return compile_grammar(spec, tokenizer)
 
 
 def clear_cache() -> None:

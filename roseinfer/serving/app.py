@@ -11,6 +11,7 @@ every route (auth.py); bodies are bounded before any of this runs (limits.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,10 @@ from roseinfer.request import grammar_process
 from roseinfer.serving import live
 from roseinfer.serving.auth import OPEN_PATHS, api_key_check
 from roseinfer.serving.chat_template import ChatTemplate, ChatTemplateFailed
-from roseinfer.serving.checks import RequestChecks
+from roseinfer.serving.checks import TOKENIZING, RequestChecks
+from roseinfer.serving.compiles import DEFAULT_PER_CLIENT as DEFAULT_COMPILES_PER_CLIENT
+from roseinfer.serving.compiles import Compiles
+from roseinfer.serving.connections import DEFAULT_PROXIES, client_of, proxy_set
 from roseinfer.serving.engine_thread import EngineClient, EngineThread
 from roseinfer.serving.errors import (
     BadRequest,
@@ -54,6 +58,11 @@ from rosetrainer.tokenizer import Tokenizer
 class ServerSettings:
     model_name: str
     max_waiting: int = 256  # choices admitted but without a first token, at most
+    # of them from one client (None: a quarter of max_waiting, at least 1)
+    max_waiting_per_client: int | None = None
+    max_compiles_per_client: int = DEFAULT_COMPILES_PER_CLIENT  # new constraints at once
+    # the proxies uvicorn trusts (its forwarded_allow_ips): many clients, no one's share
+    proxies: str = DEFAULT_PROXIES
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -68,7 +77,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
     engine_thread = EngineThread(engine, threads=settings.threads)
     metrics = ServerMetrics(lambda: engine_thread.stats)
     engine_thread.on_finished = metrics.observe_finished
-    client = EngineClient(engine_thread, settings.max_waiting)
+    per_client = settings.max_waiting_per_client or max(1, settings.max_waiting // 4)
+    client = EngineClient(engine_thread, settings.max_waiting, per_client)
     chat_template = settings.chat_template or ChatTemplate()
     config = engine.model.config
     checks = RequestChecks(
@@ -79,7 +89,10 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         settings.max_waiting,
         speculative=engine.num_speculative_tokens is not None,
         length_limit=engine.length_limit,
+        max_waiting_per_client=per_client,
+        compiles=Compiles(tokenizer, config.vocab_size, settings.max_compiles_per_client),
     )
+    proxies = proxy_set(settings.proxies)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,20 +130,28 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         checks.model(body.model)
         if body.echo and body.logprobs is not None:
             raise BadRequest("echo with logprobs is not supported (no prompt logprobs)", "echo")
-        given = checks.prompt_ids(body.prompt)
+        sender = client_of(request, proxies)
+        given = await checks.prompt_ids(body.prompt)
         prompts = [checks.prompt(ids) for ids in given]
         echo = [tokenizer.decode(ids) if body.echo else "" for ids in given for _ in range(body.n)]
         builder = ResponseBuilder(
             f"cmpl-{uuid.uuid4().hex}", settings.model_name, tokenizer, chat=False, echo=echo
         )
-        constraint, grammar = await checks.constraint(body)
-        jobs = checks.jobs(body, prompts, body.logprobs, constraint)
+        constraint, grammar = await checks.constraint(body, sender)
+        jobs = checks.jobs(body, prompts, body.logprobs, constraint, sender)
         prompt_tokens = sum(map(len, prompts))
-        return await answer(request, client, metrics, body, jobs, prompt_tokens, builder, grammar)
+        return await answer(
+            request, client, metrics, body, jobs, prompt_tokens, builder, grammar, sender
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         checks.model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest(
+                "top_logprobs needs logprobs: true (set both, or neither)", "top_logprobs"
+            )
+        sender = client_of(request, proxies)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             text = await chat_template.render_off_loop(messages)
@@ -138,7 +159,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
             raise BadRequest(str(err), "messages") from None
         except ChatTemplateFailed as err:
             return server_error(str(err))
-        prompt = checks.prompt(tokenizer.encode(text))
+        prompt = checks.prompt(await checks.encode(text, "messages"))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder(
             f"chatcmpl-{uuid.uuid4().hex}",
@@ -147,9 +168,11 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
             chat=True,
             echo=[""] * body.n,
         )
-        constraint, grammar = await checks.constraint(body)
-        jobs = checks.jobs(body, [prompt], logprobs, constraint)
-        return await answer(request, client, metrics, body, jobs, len(prompt), builder, grammar)
+        constraint, grammar = await checks.constraint(body, sender)
+        jobs = checks.jobs(body, [prompt], logprobs, constraint, sender)
+        return await answer(
+            request, client, metrics, body, jobs, len(prompt), builder, grammar, sender
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -187,7 +210,9 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         checks.model(body.model)
-        ids = tokenizer.encode(body.prompt)
+        ids = await asyncio.get_running_loop().run_in_executor(
+            TOKENIZING, tokenizer.encode, body.prompt
+        )
         return {"tokens": ids, "count": len(ids), "max_model_len": config.block_size}
 
     @app.post("/detokenize")

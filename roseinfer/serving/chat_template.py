@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -35,6 +36,9 @@ DEFAULT_CHAT_TEMPLATE = (
 SAMPLE_CONVERSATION = [{"role": "user", "content": "Hello!"}]
 RENDER_TIMEOUT_S = 2.0
 MAX_REPEAT = 100_000  # items a `*` may make (a string or list times a number)
+# Renders run here, on threads of their own: never behind other work waiting on a thread
+# (a constraint's compile waits seconds: roseinfer/serving/compiles.py).
+RENDERING = ThreadPoolExecutor(2, thread_name_prefix="rose-template")
 
 
 class ChatTemplateFailed(Exception):
@@ -113,4 +117,4 @@ class ChatTemplate:
 
     async def render_off_loop(self, messages: list[dict[str, str]]) -> str:
         """`render` on a worker thread, so a slow template stalls no other client."""
-        return await asyncio.to_thread(self.render, messages)
+        return await asyncio.get_running_loop().run_in_executor(RENDERING, self.render, messages)

@@ -4,12 +4,20 @@ pydantic (protocol.py) checks each field's type and range; what depends on the s
 model and the sampler (the model's name, token ids, the context window, what
 `SamplingParams` accepts, what --max-waiting can ever admit) is checked here, each
 failure a BadRequest naming the field.
+
+Tokenizing is work for a thread, not the event loop: a 1 MiB prompt takes a second or
+more, during which no other client (nor /health) would be answered. A prompt is
+tokenized on a pool of threads of its own (TOKENIZING), and one certainly too long for
+the context is refused before: every token covers at least one byte and at most the
+vocabulary's longest token, so a text of more than context x that many bytes has more
+tokens than the context holds, whatever they are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from roseinfer.request.grammar_process import CompilerStopped
 from roseinfer.request.sampling_params import (
@@ -18,7 +26,8 @@ from roseinfer.request.sampling_params import (
     SamplingParams,
     StructuredOutputs,
 )
-from roseinfer.request.structured import Grammar, grammar_for
+from roseinfer.request.structured import Grammar
+from roseinfer.serving.compiles import Compiles, TooManyCompiles
 from roseinfer.serving.errors import BadRequest
 from roseinfer.serving.protocol import SamplingFields
 from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
@@ -27,6 +36,7 @@ from rosetrainer.tokenizer import Tokenizer
 
 Job = tuple[list[int], SamplingParams]  # one engine request: prompt ids and its params
 log = logging.getLogger("roseinfer.cli.serve")
+TOKENIZING = ThreadPoolExecutor(2, thread_name_prefix="rose-tokenize")  # prompts at once
 
 
 class RequestChecks:
@@ -42,9 +52,14 @@ class RequestChecks:
         *,
         speculative: bool,
         length_limit: int | None,
+        max_waiting_per_client: int,
+        compiles: Compiles,
     ) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.block_size, self.vocab_size, self.max_waiting = block_size, vocab_size, max_waiting
+        self.max_waiting_per_client, self.compiles = max_waiting_per_client, compiles
+        # The most bytes one token stands for (GPT-2's: 128): the byte bound above.
+        self.max_token_bytes = max(map(len, tokenizer.encoding.token_byte_values()))
         # The most tokens a request may hold, prompt and completion (the engine's
         # length_limit: None for a model whose positions never run out).
         self.length_limit = length_limit
@@ -66,17 +81,33 @@ class RequestChecks:
                 f"token ids must be below the vocabulary size {self.vocab_size}", param
             )
 
-    def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def prompt_ids(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
         """The prompt (a string, strings, token ids or lists of them) as lists of ids."""
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [await self.encode(prompt)]
         if not prompt:
             raise BadRequest("prompt is an empty list: give a string or token ids", "prompt")
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(text) for text in prompt]
+            return [await self.encode(text) for text in prompt]
         if isinstance(prompt[0], int):
             return [list(prompt)]
         return [list(ids) for ids in prompt]
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """`text`'s tokens, counted on a tokenizing thread; refused at once when it is
+        certainly longer than the context (see the module's doc)."""
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > self.block_size * self.max_token_bytes:
+            raise BadRequest(
+                f"the prompt has {size} bytes, so more than {self.block_size} tokens (no "
+                f"token holds more than {self.max_token_bytes} bytes), but the model's "
+                f"context window is {self.block_size}: shorten the prompt",
+                param=param,
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(TOKENIZING, self.tokenizer.encode, text)
 
     def prompt(self, ids: list[int]) -> list[int]:
         """The ids the engine runs: an empty prompt starts from end-of-text (one token, so
@@ -91,12 +122,13 @@ class RequestChecks:
         return ids or [self.tokenizer.eot_id]
 
     async def constraint(
-        self, body: SamplingFields
+        self, body: SamplingFields, client: str | None
     ) -> tuple[StructuredOutputs | None, Grammar | None]:
         """The constraint a request asks for (OpenAI's response_format or vLLM's
         structured_outputs, not both), and its grammar, compiled here in the handler (off
-        the event loop, within the compile's time bound): an invalid or pathological one
-        is this request's 400 and never reaches the engine thread. (None, None) for text.
+        the event loop, within the compile's time bound, within `client`'s share of the
+        compiles: compiles.py): an invalid or pathological one is this request's 400 and
+        never reaches the engine thread. (None, None) for text.
         """
         fmt, vllm = body.response_format, body.structured_outputs
         param = "structured_outputs" if vllm is not None else "response_format"
@@ -119,7 +151,9 @@ class RequestChecks:
                 spec = StructuredOutputs(json_object=True)
             else:
                 spec = StructuredOutputs(json=fmt.json_schema.schema_)
-            grammar = await asyncio.to_thread(grammar_for, spec, self.tokenizer, self.vocab_size)
+            grammar = await self.compiles.grammar(spec, client)
+        except TooManyCompiles as err:
+            raise BadRequest(str(err), param, status=429, code="too_many_compiles") from None
         except CompilerStopped as err:  # the server is stopping
             raise BadRequest(str(err), param, status=503, code="shutting_down") from None
         except RoseError as err:  # (InvalidParam is one)
@@ -172,15 +206,20 @@ class RequestChecks:
         prompts: list[list[int]],
         logprobs: int | None,
         structured_outputs: StructuredOutputs | None = None,
+        client: str | None = None,
     ) -> list[Job]:
         """One job per prompt and choice. Choice j of n > 1 with a seed samples with seed + j
-        (wrapping past 2**64 - 1), so the choices differ yet repeat under one seed."""
+        (wrapping past 2**64 - 1), so the choices differ yet repeat under one seed.
+        client: who sends it (None: not bounded per client, see connections.client_of)."""
         count = len(prompts) * body.n
-        if count > self.max_waiting:
+        limit, flag = self.max_waiting, "--max-waiting"
+        if client is not None and self.max_waiting_per_client < limit:
+            limit, flag = self.max_waiting_per_client, "--max-waiting-per-client"
+        if count > limit:
             what = f"{len(prompts)} prompt(s) x n={body.n}"
             raise BadRequest(
-                f"{what} = {count} choices, but this server admits at most {self.max_waiting} "
-                f"at once (--max-waiting): send fewer",
+                f"{what} = {count} choices, but this server admits at most {limit} "
+                f"at once ({flag}): send fewer",
                 param="n" if body.n > 1 else "prompt",
             )
         if body.stream_options is not None and not body.stream:

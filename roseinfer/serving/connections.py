@@ -23,6 +23,11 @@ requests, so a connection still holds its descriptor until it sends one).
   unless told otherwise) are many clients and are not bounded so; a proxy elsewhere
   is one address to this bound: raise it there.
 
+Above HTTP, `client_of` names a request's client the same way (the address a trusted
+proxy forwarded for, or None: one of many clients behind a proxy), for the bounds each
+client has a share of: its constraints compiling (compiles.py) and its requests waiting
+for a first token (engine_thread.py).
+
 When the process does run out of descriptors anyway (a low `ulimit -n`), asyncio logs
 every failed accept with a traceback, thousands a second;
 `QuietResourceErrors` lets one such line through per interval.
@@ -36,6 +41,7 @@ import json
 import logging
 import time
 
+from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from roseinfer.serving.errors import error_body
@@ -58,8 +64,7 @@ def bounded_protocol(
     `forwarded_allow_ips`: a list, or comma-separated) aside (pass it as
     `uvicorn.Config(http=...)`)."""
     per_client: dict[str, int] = {}  # open connections by client address
-    names = proxies.split(",") if isinstance(proxies, str) else proxies
-    trusted = {name.strip() for name in names}
+    trusted = proxy_set(proxies)
 
     class BoundedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
@@ -67,9 +72,7 @@ def bounded_protocol(
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            host = self.client[0] if self.client else None
-            if host in trusted or "*" in trusted:
-                host = None  # a proxy: many clients
+            host = one_client(self.client[0] if self.client else None, trusted)
             if len(self.connections) > max_connections:
                 refuse = too_many_connections(max_connections)
             elif host is not None and per_client.get(host, 0) >= max_per_client:
@@ -115,6 +118,25 @@ def bounded_protocol(
                 self.head_timer = None
 
     return BoundedH11Protocol
+
+
+def proxy_set(proxies: str | list[str]) -> set[str]:
+    """uvicorn's `forwarded_allow_ips` (a list, or comma-separated) as a set."""
+    names = proxies.split(",") if isinstance(proxies, str) else proxies
+    return {name.strip() for name in names}
+
+
+def one_client(host: str | None, trusted: set[str]) -> str | None:
+    """`host`, unless it is a trusted proxy: many clients, bounded by no per-client share."""
+    return None if host is None or host in trusted or "*" in trusted else host
+
+
+def client_of(request: Request, trusted: set[str]) -> str | None:
+    """The client a request counts against: its address, as uvicorn read it (behind a
+    trusted proxy, the address the proxy forwarded for); None for a trusted proxy's own
+    requests, which may be anyone's (a local client without X-Forwarded-For, on the
+    default settings)."""
+    return one_client(request.client.host if request.client else None, trusted)
 
 
 def too_many_connections(limit: int, per_client: bool = False) -> bytes:

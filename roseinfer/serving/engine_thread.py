@@ -26,6 +26,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -186,23 +187,42 @@ class QueueFull(Exception):
 
 
 class EngineClient:
-    """The event loop's side: submit prompts, iterate their outputs, abort on the way out."""
+    """The event loop's side: submit prompts, iterate their outputs, abort on the way out.
 
-    def __init__(self, engine_thread: EngineThread, max_waiting: int) -> None:
+    The queue --max-waiting bounds is shared: one client (its address, as
+    `connections.client_of` names it) may hold at most `max_waiting_per_client` of it, so
+    that a client sending many requests of many choices cannot turn every other away.
+    """
+
+    def __init__(
+        self, engine_thread: EngineThread, max_waiting: int, max_waiting_per_client: int
+    ) -> None:
         self.engine_thread = engine_thread
-        self.max_waiting = max_waiting
+        self.max_waiting, self.max_waiting_per_client = max_waiting, max_waiting_per_client
         # Choices admitted that have not produced a first token yet: the queue that
-        # --max-waiting bounds. Only the event loop touches it, so no lock is needed.
+        # --max-waiting bounds, in all and by client. Only the event loop touches them,
+        # so no lock is needed.
         self.num_waiting = 0
+        self.waiting_by_client: Counter[str] = Counter()
 
     async def generate(
-        self, request_id: str, prompts: list[tuple[list[int], SamplingParams]]
+        self,
+        request_id: str,
+        prompts: list[tuple[list[int], SamplingParams]],
+        client: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every (prompt ids, params) as its own engine request; yield (index, output)
         as they come, until all have finished. Leaving early (a client that went away, an
-        error) aborts every one still running, so its blocks are freed."""
+        error) aborts every one still running, so its blocks are freed. client: whose
+        share of the queue they take (None: no one's, see `connections.client_of`)."""
         if self.num_waiting + len(prompts) > self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (at most {self.max_waiting})")
+        held = self.waiting_by_client[client] if client is not None else 0
+        if client is not None and held + len(prompts) > self.max_waiting_per_client:
+            raise QueueFull(
+                f"this client has {held} requests waiting (at most "
+                f"{self.max_waiting_per_client} per client, --max-waiting-per-client)"
+            )
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 
@@ -212,7 +232,7 @@ class EngineClient:
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         index = {rid: i for i, rid in enumerate(ids)}
         waiting, running = set(ids), set(ids)
-        self.num_waiting += len(ids)
+        self._count_waiting(client, len(ids))
         try:
             for rid, (prompt_ids, params) in zip(ids, prompts, strict=True):
                 self.engine_thread.add(rid, prompt_ids, params, sink)
@@ -222,11 +242,18 @@ class EngineClient:
                     raise item
                 if item.request_id in waiting:
                     waiting.discard(item.request_id)
-                    self.num_waiting -= 1
+                    self._count_waiting(client, -1)
                 if item.finished:
                     running.discard(item.request_id)
                 yield index[item.request_id], item
         finally:
-            self.num_waiting -= len(waiting)
+            self._count_waiting(client, -len(waiting))
             for rid in running:
                 self.engine_thread.abort(rid)
+
+    def _count_waiting(self, client: str | None, change: int) -> None:
+        self.num_waiting += change
+        if client is not None:
+            self.waiting_by_client[client] += change
+            if not self.waiting_by_client[client]:
+                del self.waiting_by_client[client]

@@ -55,15 +55,17 @@ async def answer(
     prompt_tokens: int,
     builder: ResponseBuilder,
     grammar: Grammar | None = None,
+    sender: str | None = None,
 ) -> Response:
     """Run the request's jobs (one per prompt and choice) and answer: JSON, or a stream.
 
     grammar: the jobs' structured output, compiled by the handler. The engine finds it
     in the compile cache by its key; holding it here until this returns (the engine has
     made every job's matcher by the first output) keeps the cache from dropping it
-    before, so a grammar is never compiled on the engine thread.
+    before, so a grammar is never compiled on the engine thread. sender: the client whose
+    share of the waiting queue the jobs take (connections.client_of).
     """
-    outputs = client.generate(builder.request_id, jobs)
+    outputs = client.generate(builder.request_id, jobs, sender)
     try:
         if not body.stream:
             finals = await unless_disconnected(request, last_outputs(outputs, len(jobs)))

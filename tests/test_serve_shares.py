@@ -1,0 +1,210 @@
+"""No client can take what the others need (issue 52): the threads that wait for a
+constraint's compile, the event loop while a huge prompt is tokenized, the queue of
+requests waiting for a first token. A real server (uvicorn on 127.0.0.1, httpx as the
+client); clients told apart by X-Forwarded-For, as a proxy in front of the server names
+them (127.0.0.1 is a proxy uvicorn trusts, by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import (
+    WINDOW,
+    Server,
+    admitted,
+    is_openai_error,
+    running_server,
+    write_test_checkpoint,
+)
+
+from roseinfer.engine.config import EngineConfig
+from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.serving.app import ServerSettings, build_app
+from roseinfer.serving.background import BackgroundServer
+from rosetrainer.model import GPT
+from rosetrainer.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_WAITING = 16  # so a client's share is 4 (a quarter)
+SLOW_REGEX = "a{%d}"  # compiles for longer than the compile bound (10 s): refused then
+
+
+def client(name: str) -> dict[str, str]:
+    return {"X-Forwarded-For": name}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GPT]:
+    path = tmp_path_factory.mktemp("shares") / "tiny.pt"
+    return path, write_test_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactory) -> Server:
+    folder = tmp_path_factory.mktemp("shares-server")
+    flags = ["--max-waiting", str(MAX_WAITING), "--max-num-seqs", "1"]
+    with running_server(checkpoint[0], folder / "server.log", *flags) as server:
+        yield server
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+# -- F2: a huge prompt is refused before it is tokenized; tokenizing is off the loop --
+
+
+def test_a_prompt_certainly_past_the_context_is_refused_by_its_bytes(server: Server) -> None:
+    """A 1 MiB prompt has more than 1,024 tokens whatever they are (no GPT-2 token holds
+    more than 128 bytes): refused by its size, before a second of tokenizing, in the
+    style of the too-long refusal; one just under the bound is counted in tokens."""
+    huge = "ab " * 300_000  # 900,000 bytes > 1024 x 128
+    for path, body, param in [
+        ("/completions", {"prompt": huge, "max_tokens": 2}, "prompt"),
+        ("/completions", {"prompt": ["Hi", huge], "max_tokens": 2}, "prompt"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ]:
+        error = is_openai_error(httpx.post(server.base_url + path, json=body, timeout=30), 400)
+        assert error["param"] == param
+        assert "bytes, so more than 1024 tokens" in error["message"], error["message"]
+        assert "context window is 1024: shorten the prompt" in error["message"]
+    under = "ab " * 40_000  # 120,000 bytes: may fit as far as bytes can tell; it does not
+    error = is_openai_error(
+        httpx.post(server.base_url + "/completions", json={"prompt": under}, timeout=30), 400
+    )
+    assert re.match(
+        r"the prompt has \d+ tokens but the model's context window is 1024", error["message"]
+    )
+
+
+class WatchedTokenizer(Tokenizer):
+    """The GPT-2 tokenizer, noting the thread each encode runs on."""
+
+    threads: list[str]
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return super().encode(text)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(checkpoint: tuple[Path, GPT]) -> None:
+    tokenizer = WatchedTokenizer("gpt2")
+    tokenizer.threads = []
+    engine = LLMEngine(checkpoint[1], tokenizer, EngineConfig(num_kv_blocks=64))
+    with BackgroundServer(build_app(engine, tokenizer, ServerSettings("tiny"))) as server:
+        base = server.url + "/v1"
+        assert httpx.post(base + "/completions", json={"prompt": "Hi", "max_tokens": 1}).is_success
+        assert httpx.post(base + "/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+        assert httpx.post(base + "/chat/completions", json=CHAT).is_success
+        assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}).is_success
+    assert len(tokenizer.threads) >= 5
+    assert all(name.startswith("rose-tokenize") for name in tokenizer.threads), tokenizer.threads
+
+
+# -- F3: one client's share of the waiting queue --
+
+
+def test_one_client_cannot_fill_the_waiting_queue(server: Server) -> None:
+    """With one sequence running at a time, client A holds the engine with a long request
+    and sends more than its share of --max-waiting (a quarter): past the share its
+    requests get 503, and client B is still admitted and served."""
+    long = {"prompt": "ROMEO:", "max_tokens": WINDOW - 16, "ignore_eos": True, "temperature": 0}
+    short = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            running = asyncio.create_task(
+                http.post("/completions", json=long, headers=client("10.0.0.1"))
+            )
+            await admitted(http, server, 1)
+            flood = [
+                asyncio.create_task(
+                    http.post("/completions", json=short, headers=client("10.0.0.1"))
+                )
+                for _ in range(MAX_WAITING)
+            ]
+            # A's share fills: 4 admitted, the rest refused at once
+            refused = []
+            for task in asyncio.as_completed(flood):
+                response = await task
+                if response.status_code != 503:
+                    break  # (the long request ended: the queue moved on)
+                refused.append(response)
+                if len(refused) == MAX_WAITING - 4:
+                    break
+            assert len(refused) == MAX_WAITING - 4, [r.text for r in refused]
+            assert "--max-waiting-per-client" in refused[0].json()["error"]["message"]
+            assert not running.done(), "the long request ended before the flood was answered"
+            other = await http.post("/completions", json=short, headers=client("10.0.0.2"))
+            assert other.status_code == 200, other.text
+            assert (await running).status_code == 200
+            for task in flood:
+                assert (await task).status_code in (200, 503)
+
+    asyncio.run(run())
+
+
+def test_a_request_over_the_clients_share_is_a_400_naming_the_flag(server: Server) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "n": 5}  # 5 > a share of 4
+    response = httpx.post(server.base_url + "/completions", json=body, headers=client("10.0.0.3"))
+    error = is_openai_error(response, 400)
+    assert "at most 4 at once (--max-waiting-per-client)" in error["message"]
+    # the proxy's own requests (no X-Forwarded-For) are anyone's: the whole queue
+    assert httpx.post(server.base_url + "/completions", json=body, timeout=60).status_code == 200
+
+
+# -- F1: compiles wait on their own threads, a budget per client --
+
+
+def test_slow_constraints_from_one_client_never_hold_up_anothers_chat(server: Server) -> None:
+    """Client A sends many distinct constraints that each compile past the 10 s bound
+    (one changed digit each: a memory of refused texts would not know them); client B's
+    plain chat answers while A's first is still compiling, about as fast as before, and
+    A's constraints past its budget are refused at once (429)."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+
+            async def chat() -> float:
+                start = time.monotonic()
+                response = await http.post("/chat/completions", json=CHAT, headers=client("b"))
+                assert response.status_code == 200, response.text
+                return time.monotonic() - start
+
+            await chat()  # warm
+            baseline = max([await chat() for _ in range(3)])
+            slow = [
+                asyncio.create_task(
+                    http.post(
+                        "/chat/completions",
+                        json={
+                            **CHAT,
+                            "structured_outputs": {"regex": SLOW_REGEX % (2_000_000 + i)},
+                        },
+                        headers=client("a"),
+                    )
+                )
+                for i in range(10)
+            ]
+            await asyncio.sleep(1.0)  # the compiles have started (or been refused)
+            during = await chat()
+            pending = [task for task in slow if not task.done()]
+            assert len(pending) >= 1, "every slow constraint was answered before the chat"
+            assert during < baseline + 5.0, (during, baseline)
+            for task in slow:
+                if task.done():
+                    error = is_openai_error(task.result(), 429)
+                    assert error["code"] == "too_many_compiles"
+            assert len(pending) == 1  # A's budget: one new constraint compiling at once
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    asyncio.run(run())
