@@ -67,7 +67,7 @@ TEST_COMMAND = 'pip install -e ".[dev]" && python -m pytest -q'
 # ce9baf9), and the page that holds it now: the heading there, and a sentence of the
 # section's own text, so that a page which kept the title and lost the text fails.
 OLD_README_SECTIONS = {
-    "Two commands": ("getting-started.md", "Two commands", "The tests find `../shared` by themselves."),
+    "Two commands": ("getting-started.md", "Two commands", "the tests look there by themselves"),
     "The course": ("course.md", "The course", "graded against the uncached oracle by one command, no"),
     "Training": ("training.md", "Training", "Flags override a `--config` file (JSON or"),
     "What rose protects": ("protects.md", "What rose protects", "A dash means there is no switch"),

@@ -58,8 +58,8 @@ PATHS = {  # the CLI's three generation paths, picked by flags
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--temperature", "1e-50"], "temperature 1e-50 is too small to sample with in float32"),
-     (["--temperature", "1", "--top-p", "1e-50"], "top_p 1e-50 is too small to compare")],
+    [(["--temperature", "1e-50"], "--temperature 1e-50 is too small to sample with in float32"),
+     (["--temperature", "1", "--top-p", "1e-50"], "--top-p 1e-50 is too small to compare")],
 )  # fmt: skip
 def test_cli_generate_refuses_values_the_sampler_cannot_compute(
     path: str, flags: list[str], message: str, checkpoint: Path, tmp_path: Path, capsys

@@ -208,3 +208,25 @@ def test_slow_constraints_from_one_client_never_hold_up_anothers_chat(server: Se
             await asyncio.gather(*pending, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_one_new_constraint_sent_many_times_at_once_costs_one_compile(server: Server) -> None:
+    """A well-behaved client's batch: one new schema in many requests at once. The first
+    compiles it, the others wait for that compile instead of counting against the
+    client's budget: every request is answered, none refused."""
+    fields = {"structured_outputs": {"regex": "[a-z]{3}-[0-9]{7}"}}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            return await asyncio.gather(
+                *[
+                    http.post("/chat/completions", json={**CHAT, **fields}, headers=client("c"))
+                    for _ in range(4)  # (its share of the waiting queue)
+                ]
+            )
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    for response in responses:  # (max_tokens 2: a prefix of the pattern)
+        text = response.json()["choices"][0]["message"]["content"]
+        assert re.fullmatch(r"[a-z]{0,3}(-[0-9]{0,7})?", text), text

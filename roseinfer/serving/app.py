@@ -102,6 +102,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         # A constraint still compiling is killed with its worker: the process's exit
         # never waits on it (roseinfer/request/grammar_process.py).
         grammar_process.pool.stop()
+        checks.compiles.close()
 
     # The live page's files hold no data (it asks for the key, then sends it): open too.
     key_check = api_key_check(settings.api_key, (*OPEN_PATHS, *live.OPEN_PATHS))

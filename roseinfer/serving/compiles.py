@@ -53,6 +53,10 @@ class Compiles:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._grammar, spec, client)
 
+    def close(self) -> None:
+        """Let the threads go (the server has stopped: no handler waits any more)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
     def _grammar(self, spec: StructuredOutputs, client: str | None) -> Grammar:
         text = grammar_text(spec)
         grammar = cached_grammar(self.tokenizer.name, text)
