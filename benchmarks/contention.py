@@ -10,9 +10,9 @@ random weights of two shapes (the `tiny` preset a learner trains first, and GPT-
 * generate: `rose-generate`, one prompt, its default path (the static cache), as a user
   runs it (a process of its own; its own tokens/s line);
 * train: the trainer's optimizer step (`rosetrainer.step.train_step`), 8 x 128 tokens
-  (tiny) or 2 x 256 (GPT-2), the first step untimed;
-* engine: `LLM.generate` over 16 greedy requests (prompts of 16-64 random tokens, 32 new
-  tokens each) from a Hugging Face GPT-2 folder of the shape, and vLLM's CPU build on
+  (tiny) or 1 x 256 (GPT-2), the first step untimed;
+* engine: `LLM.generate` over 16 greedy requests (8 for GPT-2; prompts of 16-64 random
+  tokens, 32 new tokens each) from a Hugging Face GPT-2 folder of the shape, and vLLM's CPU build on
   the same folder and requests (benchmarks/vllm_venv.py sets it up as the engine
   benchmark does).
 
@@ -46,10 +46,10 @@ from rosetrainer.errors import ArgumentParser, run_cli
 
 SHAPES = {"tiny": "tiny", "gpt2": "gpt2"}  # shape: preset
 # Tokens each workload makes or trains on, per shape (quick: the smoke test's).
-GENERATE_TOKENS = {"tiny": 100, "gpt2": 40, "quick": 8}
-TRAIN_BATCH = {"tiny": (8, 128), "gpt2": (2, 256), "quick": (2, 32)}
-TRAIN_STEPS = {"tiny": 5, "gpt2": 3, "quick": 2}
-ENGINE_REQUESTS = {"tiny": 16, "gpt2": 16, "quick": 4}
+GENERATE_TOKENS = {"tiny": 100, "gpt2": 32, "quick": 8}
+TRAIN_BATCH = {"tiny": (8, 128), "gpt2": (1, 256), "quick": (2, 32)}
+TRAIN_STEPS = {"tiny": 5, "gpt2": 2, "quick": 2}
+ENGINE_REQUESTS = {"tiny": 16, "gpt2": 8, "quick": 4}
 ENGINE_NEW_TOKENS = 32
 SETTINGS = ("auto", "1", "cores")  # rose's threads: its choice, one, one per core
 QUICK_SETTINGS = ("auto", "1")
