@@ -197,12 +197,12 @@ def run(args: argparse.Namespace) -> int:
     # this thread keeps to one torch thread (roseinfer/serving/engine_thread.py says why).
     threads = Threads(args.num_threads)
     torch.set_num_threads(1)
-    if device.type == "cpu":
-        print(f"[{PROG}] threads: {threads.describe()}", file=sys.stderr, flush=True)
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
     engine = engine_from_flags(model, tokenizer, args)
+    if device.type == "cpu":  # (once the flags and the model are good: a mistake is one line)
+        print(f"[{PROG}] threads: {threads.describe()}", file=sys.stderr, flush=True)
     settings = ServerSettings(
         model_name=served_model_name(args, source),
         max_waiting=args.max_waiting,
