@@ -216,8 +216,6 @@ def run(args: argparse.Namespace) -> int:
     # this thread keeps to one torch thread (roseinfer/serving/engine_thread.py says why).
     threads = Threads(args.num_threads)
     torch.set_num_threads(1)
-    if device.type == "cpu":
-        print(f"[{PROG}] threads: {threads.describe()}", file=sys.stderr, flush=True)
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
@@ -271,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.shutdown_timeout,
         abort_all=app.state.engine_thread.abort_all,
     )
+    if device.type == "cpu":  # (once everything above is good: a mistake is one line)
+        print(f"[{PROG}] threads: {threads.describe()}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
 
