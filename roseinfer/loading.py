@@ -110,7 +110,14 @@ def model_config_and_tokenizer(
     """The model's shape, the tokenizer it was trained with, and where it is, without
     loading its weights (a split model's stages load their own shares)."""
     if hf_model:
-        return config_from_hf(read_hf_config(hf_model)), "gpt2", hf_model
+        hf_config = read_hf_config(hf_model)
+        if hf_config.get("model_type") in LLAMA_TYPES:
+            # (its stages' processes and the launcher know tokenizers by tiktoken's names)
+            raise RoseError(
+                f"a split model reads tiktoken tokenizers only, and {hf_model} brings its own "
+                f"tokenizer.json: run the folder in one process (rose-generate --hf-model)"
+            )
+        return config_from_hf(hf_config), "gpt2", hf_model
     path = checkpoint_to_load(checkpoint_path or newest_checkpoint())
     ckpt = load_checkpoint(path, mmap=True)  # mapped: no tensor is loaded
     config = GPTConfig.from_dict(ckpt["model_config"])

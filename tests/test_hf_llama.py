@@ -277,3 +277,34 @@ def test_rose_serve_chats_with_a_llama_folders_own_template_as_transformers(tmp_
     assert reply.choices[0].message.content == want
     assert reply.choices[0].finish_reason == ("stop" if stopped else "length")
     assert reply.usage.prompt_tokens == len(prompt)
+
+
+def test_rose_generate_runs_a_llama_folder_with_its_tokenizer_and_a_split_is_refused(
+    tmp_path, capsys
+) -> None:
+    """rose-generate --hf-model: the folder's own tokenizer encodes the prompt and decodes the
+    tokens, which are transformers' greedy ones; the split model (tiktoken tokenizers only)
+    says so in one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from roseinfer.cli.generate import main as generate_main
+
+    llama_folder_with_tokenizer(tmp_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    prompt = hf_tokenizer("Who is Romeo?", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = (
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+            .generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :]
+            .tolist()
+        )
+    common = ["--hf-model", str(tmp_path), "--prompt", "Who is Romeo?", "--max-new-tokens", "10"]
+    capsys.readouterr()
+    assert generate_main(["--json", "--temperature", "0", *common]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")  # (both stop at the folder's eos)
+    assert result["token_ids"] == (out[: out.index(eos)] if eos in out else out)
+    assert result["text"] == hf_tokenizer.decode(result["token_ids"])
+    assert generate_main([*common, "--pipeline-parallel-size", "2"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.endswith("run the folder in one process (rose-generate --hf-model)")
