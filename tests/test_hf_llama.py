@@ -308,3 +308,13 @@ def test_rose_generate_runs_a_llama_folder_with_its_tokenizer_and_a_split_is_ref
     assert generate_main([*common, "--pipeline-parallel-size", "2"]) == 2
     said = capsys.readouterr().err.strip()
     assert said.endswith("run the folder in one process (rose-generate --hf-model)")
+
+
+def test_structured_outputs_with_a_folders_own_tokenizer_are_refused_by_name(tmp_path) -> None:
+    from roseinfer.request.sampling_params import InvalidParam, StructuredOutputs
+    from roseinfer.request.structured import compile_grammar
+    from rosetrainer.tokenizer import HFTokenizer
+
+    llama_folder_with_tokenizer(tmp_path)
+    with pytest.raises(InvalidParam, match="structured outputs need a tiktoken tokenizer"):
+        compile_grammar(StructuredOutputs(regex="[0-9]+"), HFTokenizer(tmp_path))
