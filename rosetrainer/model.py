@@ -305,10 +305,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         # q, k, v in one matrix: n_head query heads, then n_kv_head key and value heads
         # (as many as the queries in GPT-2; fewer with grouped-query attention).
-        widths = (config.n_embd, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
-        self.qkv_widths = widths
-        qkv_bias = config.bias or config.qkv_bias
-        self.c_attn = nn.Linear(config.n_embd, sum(widths), bias=qkv_bias)
+        self.qkv_widths = (config.n_embd, config.kv_width, config.kv_width)
+        qkv_bias = config.bias or config.qkv_bias  # (Qwen2: biases here and nowhere else)
+        self.c_attn = nn.Linear(config.n_embd, sum(self.qkv_widths), bias=qkv_bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
