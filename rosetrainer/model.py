@@ -265,14 +265,11 @@ def attention(
     where it may; None: plain causal, only ever without a past, q_len == kv_len)."""
     if q.size(-2) == 1 and dropout_p == 0.0:
         return one_query_attention(q, k, v, attn_mask)
+    # Grouped queries: query head h reads key/value head h // group (GPT-2's call has no
+    # groups, and stays the plain one).
+    grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
     return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=attn_mask is None,
-        enable_gqa=k.size(1) != q.size(1),  # query head h reads key/value head h // group
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None, **grouped
     )
 
 
