@@ -17,9 +17,9 @@ from rosetrainer.checkpoint import (
 )
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
-from rosetrainer.hf import gpt_config_from_hf, load_hf_gpt2, read_hf_config
+from rosetrainer.hf import LLAMA_TYPES, config_from_hf, load_hf, read_hf_config
 from rosetrainer.model import GPT
-from rosetrainer.tokenizer import Tokenizer
+from rosetrainer.tokenizer import HFTokenizer, Tokenizer
 
 
 def newest_checkpoint() -> Path:
@@ -39,23 +39,25 @@ def load_model_and_tokenizer(
     tokenizer_name: str | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> tuple[GPT, Tokenizer, str]:
+) -> tuple[GPT, Tokenizer | HFTokenizer, str]:
     """The model in eval mode, its tokenizer, and where the model came from.
 
-    hf_model: a Hugging Face GPT-2 directory; otherwise `checkpoint_path` (a .pt file, a
+    hf_model: a Hugging Face GPT-2, Llama or Qwen2 directory (a Llama's or Qwen2's own
+    tokenizer.json is its tokenizer, unless tokenizer_name names another); otherwise `checkpoint_path` (a .pt file, a
     run directory, or None for the newest checkpoint under checkpoints/; the one rule of
     rosetrainer.checkpoint.RunFiles). Devices and dtypes: rosetrainer.runtime.pick_device
     and pick_dtype.
     """
     device = torch.device(device)
     if hf_model:
-        model, source, trained_with = load_hf_gpt2(hf_model, device), hf_model, "gpt2"
+        model, source, trained_with = load_hf(hf_model, device), hf_model, "gpt2"
     else:
         path = checkpoint_to_load(checkpoint_path or newest_checkpoint())
         model, ckpt = load_model(path, device)
         source, trained_with = str(path), ckpt.get("tokenizer_name", "gpt2")
     model = model.to(dtype).eval()
-    tokenizer = Tokenizer(tokenizer_name or trained_with)
+    tokenizer = hf_tokenizer(hf_model) if hf_model and not tokenizer_name else None
+    tokenizer = tokenizer or Tokenizer(tokenizer_name or trained_with)
     vocab_size = model.config.vocab_size
     if tokenizer.n_vocab > vocab_size:
         raise RoseError(
@@ -63,6 +65,19 @@ def load_model_and_tokenizer(
             f"vocabulary has {vocab_size}: use the tokenizer the model was trained with"
         )
     return fit_vocabulary(model, tokenizer.n_vocab), tokenizer, source
+
+
+def hf_tokenizer(folder: str) -> HFTokenizer | None:
+    """A Llama's or Qwen2's own tokenizer (its folder's tokenizer.json); None for a GPT-2,
+    which rose tokenizes with tiktoken's GPT-2."""
+    if read_hf_config(folder).get("model_type") not in LLAMA_TYPES:
+        return None
+    if not (Path(folder) / "tokenizer.json").is_file():
+        raise RoseError(
+            f"{folder} has no tokenizer.json; pass the folder save_pretrained wrote with its "
+            f"tokenizer, or name a tiktoken tokenizer with --tokenizer-name"
+        )
+    return HFTokenizer(folder)
 
 
 @torch.no_grad()
@@ -95,7 +110,14 @@ def model_config_and_tokenizer(
     """The model's shape, the tokenizer it was trained with, and where it is, without
     loading its weights (a split model's stages load their own shares)."""
     if hf_model:
-        return gpt_config_from_hf(read_hf_config(hf_model)), "gpt2", hf_model
+        hf_config = read_hf_config(hf_model)
+        if hf_config.get("model_type") in LLAMA_TYPES:
+            # (its stages' processes and the launcher know tokenizers by tiktoken's names)
+            raise RoseError(
+                f"a split model reads tiktoken tokenizers only, and {hf_model} brings its own "
+                f"tokenizer.json: run the folder in one process (rose-generate --hf-model)"
+            )
+        return config_from_hf(hf_config), "gpt2", hf_model
     path = checkpoint_to_load(checkpoint_path or newest_checkpoint())
     ckpt = load_checkpoint(path, mmap=True)  # mapped: no tensor is loaded
     config = GPTConfig.from_dict(ckpt["model_config"])

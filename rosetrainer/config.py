@@ -33,6 +33,19 @@ class GPTConfig:
     # every query besides the window (StreamingLLM's sinks); needs a window.
     sliding_window: int | None = None
     attention_sinks: int = 0
+    # The choices that make the block Llama-shaped (each default is GPT-2's):
+    # n_kv_head: key/value heads, fewer than the query heads in grouped-query attention
+    # (each serves n_head / n_kv_head query heads; 1 is multi-query); None: n_head.
+    n_kv_head: int | None = None
+    norm: str = "layernorm"  # or "rmsnorm": no mean subtracted, no bias (Llama)
+    norm_eps: float = 1e-5
+    # "gelu": GPT-2's up-projection, tanh GELU, down-projection; "swiglu": silu(gate) * up,
+    # then down (Llama). mlp_hidden: the width between; None: 4 * n_embd.
+    mlp: str = "gelu"
+    mlp_hidden: int | None = None
+    qkv_bias: bool = False  # biases on the query/key/value projection even without `bias` (Qwen2)
+    tie_embeddings: bool = True  # the output matrix is the token embedding (GPT-2, SmolLM2)
+    rotary_base: float = 10000.0  # the base of the rotary angles (Llama 3: 500,000)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -41,8 +54,22 @@ class GPTConfig:
             raise RoseError(
                 f"model config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        if self.n_kv_head is not None:
+            check_int("model config", "n_kv_head", self.n_kv_head, minimum=1)
+            if self.n_head % self.n_kv_head:
+                raise RoseError(
+                    f"model config: n_head ({self.n_head}) must be divisible by n_kv_head "
+                    f"({self.n_kv_head}): each key/value head serves a whole group of query heads"
+                )
         check_number("model config", "dropout", self.dropout, 0.0, 1.0, "[0, 1)")
-        check_bool("model config", "bias", self.bias)
+        for name in ("bias", "qkv_bias", "tie_embeddings"):
+            check_bool("model config", name, getattr(self, name))
+        check_choice("model config", "norm", self.norm, ("layernorm", "rmsnorm"))
+        check_number("model config", "norm_eps", self.norm_eps, 0.0, 1.0, "(0, 1)")
+        check_choice("model config", "mlp", self.mlp, ("gelu", "swiglu"))
+        if self.mlp_hidden is not None:
+            check_int("model config", "mlp_hidden", self.mlp_hidden, minimum=1)
+        check_number("model config", "rotary_base", self.rotary_base, 1.0, math.inf, "(1, inf)")
         if self.position_embedding not in ("learned", "rotary"):
             raise RoseError(
                 f"model config: position_embedding must be learned or rotary, "
@@ -67,6 +94,22 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or one per query head when it is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of one token's keys (and as many of its values) in one layer: what a KV
+        cache holds per token per layer, n_embd / group of them with grouped queries."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: mlp_hidden, or GPT-2's 4 * n_embd when it is None."""
+        return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
+
+    @property
     def unbounded(self) -> bool:
         """Whether a sequence may grow past block_size: rotary positions have no table to
         run out of, and a window keeps every query-key distance below what training saw."""
@@ -86,13 +129,45 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
-# Named shapes. `tiny` is the CPU quickstart model; the others are OpenAI's GPT-2 sizes.
-PRESETS: dict[str, dict[str, int]] = {
+# The Llama-shaped block: rotary positions, RMSNorm, a SwiGLU MLP, no biases.
+LLAMA = dict(position_embedding="rotary", norm="rmsnorm", mlp="swiglu", bias=False)
+
+# Named shapes. `tiny` is the CPU quickstart model; the gpt2* are OpenAI's GPT-2 sizes;
+# `tiny-llama` is `tiny` made Llama-shaped (two query heads per key/value head), and the
+# last two are the shapes of SmolLM2-135M and Qwen2.5-0.5B (their HF folders load too).
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+    "tiny-llama": dict(
+        **LLAMA, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=352, block_size=128
+    ),
+    "smollm2-135m": dict(
+        **LLAMA,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        n_embd=576,
+        mlp_hidden=1536,
+        vocab_size=49152,
+        block_size=8192,
+        rotary_base=100000.0,
+    ),
+    "qwen2.5-0.5b": dict(
+        **LLAMA,
+        n_layer=24,
+        n_head=14,
+        n_kv_head=2,
+        n_embd=896,
+        mlp_hidden=4864,
+        vocab_size=151936,
+        block_size=32768,
+        rotary_base=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+    ),
 }
 
 
@@ -203,6 +278,11 @@ def check_number(what: str, name: str, value: Any, low: float, high: float, inte
     )
     if not inside:
         raise RoseError(f"{what}: {name} must be a finite number {interval}, got {value!r}")
+
+
+def check_choice(what: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise RoseError(f"{what}: {name} must be {' or '.join(choices)}, got {value!r}")
 
 
 def check_bool(what: str, name: str, value: Any) -> None:

@@ -1,4 +1,11 @@
-"""The one GPT-2 of rose.
+"""The one GPT-2 of rose, and the Llama-shaped choices it can make.
+
+GPT-2 is the model a reader meets first; a GPTConfig can swap four of its parts for the
+ones Llama, SmolLM2 and Qwen2 use, each shown where it differs: rotary positions instead
+of a table (`rotary_cos_sin`), RMSNorm instead of LayerNorm (`norm_layer`), a SwiGLU MLP
+instead of GELU (`MLP`), and grouped-query attention (`CausalSelfAttention`: fewer
+key/value heads than query heads, each serving a group of queries, so a cache holds
+n_head / n_kv_head times fewer keys and values).
 
 Read top to bottom: the small functions that hold the KV-cache invariants
 (`concat_kv`, `causal_mask`, `position_ids`), the sliding-window mask (`window_mask`),
@@ -105,28 +112,28 @@ def banded_mask(
 
 # ---------------------------------------------------------------------------
 # Rotary positions (RoPE). Channel i of a head is paired with channel i + head_dim/2,
-# and the pair is turned by the angle pos * ROTARY_BASE^(-2i/head_dim). A query at p
-# and a key at s then score q . k turned by (p - s): only the distance counts.
+# and the pair is turned by the angle pos * base^(-2i/head_dim) (config.rotary_base). A
+# query at p and a key at s then score q . k turned by (p - s): only the distance counts.
 # ---------------------------------------------------------------------------
 
-ROTARY_BASE = 10000.0
 
-
-def rotary_cos_sin(pos: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    pos: torch.Tensor, head_dim: int, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles of positions `pos` (B, T): each (B, 1, T, head_dim).
 
     Float32 whatever the model's dtype: at position 10,000 a bf16 angle would be off by
     tens of radians. (apply_rotary rounds the cos and sin to the keys' dtype.)
     """
     exponents = torch.arange(0, head_dim, 2, device=pos.device).float() / head_dim
-    inv_freq = 1.0 / (ROTARY_BASE**exponents)
+    inv_freq = 1.0 / (base**exponents)
     angles = pos[..., None].float() * inv_freq  # (B, T, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]  # both halves of a pair, per head
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Turn each channel pair (x[i], x[i + d/2]) of x (B, n_head, T, d) by its angle."""
+    """Turn each channel pair (x[i], x[i + d/2]) of x (B, heads, T, d) by its angle."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
 
@@ -173,6 +180,8 @@ class KVCache(Protocol):
     for plain causal attention over the new tokens alone). Per layer: `update` keeps
     that layer's new keys/values and returns every key/value the new queries attend
     over, along the time axis. A cache counts the new tokens as held from `prepare` on.
+    Keys and values have the model's key/value heads, (B, n_kv_head, T, head_dim): a
+    grouped model's cache holds n_head / n_kv_head times fewer of them than its queries.
     """
 
     def prepare(
@@ -192,7 +201,8 @@ class AttendingKVCache(Protocol):
 
     `prepare` as in KVCache (its mask is None: the cache knows who sees what). Per layer,
     `attend(layer, q, k, v)` keeps the new keys/values and returns the new queries'
-    attention outputs, (B, n_head, q_len, head_dim) like q; q and k come turned (rotary).
+    attention outputs, (B, n_head, q_len, head_dim) like q; q and k come turned (rotary),
+    k and v with the model's n_kv_head heads (the cache keeps those, never a copy per query).
     """
 
     def prepare(
@@ -230,12 +240,18 @@ def one_query_attention(
     is built for blocks of many queries, and for a single query it is the slower choice
     (several times slower in bf16 on a CPU without bf16 instructions), while these few
     lines compile into one fused kernel. The softmax runs in float32, as SDPA's does.
+
+    Grouped queries: query heads g * group .. (g + 1) * group - 1 share key/value head g,
+    so q (B, n_head, 1, d) is read as (B, n_kv_head, group, d), a group's queries side by
+    side like the queries of a prefill; one product per key/value head, no copy of k, v.
     """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-    if attn_mask is not None:
+    B, n_head, _, head_dim = q.shape
+    q = q.view(B, k.size(1), n_head // k.size(1), head_dim)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    if attn_mask is not None:  # (B or 1, 1, 1, kv_len): the same for every query of a group
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return weights @ v
+    return (weights @ v).view(B, n_head, 1, head_dim)
 
 
 def attention(
@@ -249,8 +265,11 @@ def attention(
     where it may; None: plain causal, only ever without a past, q_len == kv_len)."""
     if q.size(-2) == 1 and dropout_p == 0.0:
         return one_query_attention(q, k, v, attn_mask)
+    # Grouped queries: query head h reads key/value head h // group (GPT-2's call has no
+    # groups, and stays the plain one).
+    grouped = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None, **grouped
     )
 
 
@@ -278,10 +297,14 @@ def cached_attention(
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
+        self.head_dim = config.head_dim
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        # q, k, v in one matrix: n_head query heads, then n_kv_head key and value heads
+        # (as many as the queries in GPT-2; fewer with grouped-query attention).
+        self.qkv_widths = (config.n_embd, config.kv_width, config.kv_width)
+        qkv_bias = config.bias or config.qkv_bias  # (Qwen2: biases here and nowhere else)
+        self.c_attn = nn.Linear(config.n_embd, sum(self.qkv_widths), bias=qkv_bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -294,9 +317,11 @@ class CausalSelfAttention(nn.Module):
         rope: Rope | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim): every head attends on its own.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.c_attn(x).split(self.qkv_widths, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim): every head attends on its own.
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         dropout = self.dropout if self.training else 0.0
         y = cached_attention(q, k, v, attn_mask, cache, layer, rope, dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -304,25 +329,44 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's: up to mlp_width, GELU, back down. SwiGLU (Llama's): c_fc makes two
+    projections at once, a gate and an "up", and the gate's SiLU scales the up one."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.swiglu = config.mlp == "swiglu"
+        hidden = config.mlp_width
+        self.c_fc = nn.Linear(
+            config.n_embd, 2 * hidden if self.swiglu else hidden, bias=config.bias
+        )
+        if not self.swiglu:
+            self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+def norm_layer(config: GPTConfig) -> nn.Module:
+    """GPT-2's LayerNorm (centre, scale, shift), or Llama's RMSNorm (scale by the root mean
+    square only: no mean, no bias)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm_layer(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm_layer(config)
         self.mlp = MLP(config)
 
     def forward(
@@ -350,7 +394,7 @@ def rope_for(config: GPTConfig, pos: torch.Tensor) -> Rope | None:
     """The rotary angles every layer turns its queries and keys by; None for learned positions."""
     if config.position_embedding == "learned":
         return None
-    return rotary_cos_sin(pos, config.head_dim)
+    return rotary_cos_sin(pos, config.head_dim, config.rotary_base)
 
 
 class GPT(nn.Module):
@@ -368,12 +412,12 @@ class GPT(nn.Module):
                 **parts,
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=norm_layer(config),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Tied embeddings: reading a token in and scoring it out use one matrix.
-        self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_embeddings:  # reading a token in and scoring it out use one matrix
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         # GPT-2's scaled init: each block adds two residual branches, so their output
         # projections start smaller to keep the residual stream's variance flat.

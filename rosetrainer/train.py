@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         add("--" + name.replace("_", "-"), type=int)
     for name in ("learning_rate", "min_lr", "weight_decay", "grad_clip"):
         add("--" + name.replace("_", "-"), type=float)
-    for name in ("block_size", "n_layer", "n_head", "n_embd"):
+    for name in ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
         add("--" + name.replace("_", "-"), type=int, help="override the preset")
     add("--dropout", type=float, help="override the preset")
     add("--position-embedding", choices=("learned", "rotary"),

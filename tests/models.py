@@ -29,6 +29,7 @@ import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -60,9 +61,11 @@ def make_test_model(
     position_embedding: str = "learned",
     sliding_window: int | None = None,
     attention_sinks: int = 0,
+    **choices: Any,
 ) -> GPT:
     """A small GPT in eval mode whose greedy output is varied and position-sensitive
-    (the chapters' wide init, rosecourse.demo.wide_random_init)."""
+    (the chapters' wide init, rosecourse.demo.wide_random_init). choices: further
+    GPTConfig fields (the Llama-shaped ones: LLAMA_CHOICES)."""
     config = GPTConfig(
         vocab_size=vocab_size,
         block_size=block_size,
@@ -72,8 +75,22 @@ def make_test_model(
         position_embedding=position_embedding,
         sliding_window=sliding_window,
         attention_sinks=attention_sinks,
+        **choices,
     )
     return wide_random_init(GPT(config), seed)
+
+
+# A test model made Llama-shaped: two query heads per key/value head, RMSNorm, SwiGLU, no
+# biases, rotary positions on a base other than 10,000 (make_test_model(**LLAMA_CHOICES)).
+LLAMA_CHOICES = dict(
+    position_embedding="rotary",
+    n_kv_head=1,
+    norm="rmsnorm",
+    mlp="swiglu",
+    mlp_hidden=48,
+    bias=False,
+    rotary_base=500.0,
+)
 
 
 def write_random_checkpoint(path: Path, config: GPTConfig) -> Path:

@@ -75,12 +75,17 @@ class Server:
 
 @contextmanager
 def running_server(
-    checkpoint: Path, log_path: Path, *flags: str, name: str | None = MODEL_NAME
+    checkpoint: Path,
+    log_path: Path,
+    *flags: str,
+    name: str | None = MODEL_NAME,
+    source_flag: str = "--checkpoint-path",
 ) -> Iterator[Server]:
-    """name: --served-model-name (None: the server's own default)."""
+    """name: --served-model-name (None: the server's own default); source_flag: how the
+    server is told `checkpoint` (--hf-model for a Hugging Face folder)."""
     named = ["--served-model-name", name] if name is not None else []
     command = [
-        sys.executable, "-m", "roseinfer.cli.serve", "--checkpoint-path", str(checkpoint),
+        sys.executable, "-m", "roseinfer.cli.serve", source_flag, str(checkpoint),
         "--port", "0", "--device", "cpu", *named, *flags,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread is fastest

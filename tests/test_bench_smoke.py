@@ -176,3 +176,22 @@ def test_quick_contention_bench_prints_every_workload_alone_and_busy() -> None:
         assert all(float(value) > 0 for value in figures[:4])
         assert figures[4].endswith("x")
     assert "cores" in done.stdout.splitlines()[0]
+
+
+def test_quick_grouped_bench_prints_a_third_of_the_kv_bytes_per_token(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Six query heads over two key/value heads against six over six, the same width and
+    workload: a third of the bytes per live token, each at its key/value heads' size times
+    the same block rounding; both checked against the oracle inside the benchmark."""
+    from benchmarks.grouped import main
+
+    assert main(["--quick"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if " kv heads " in line]
+    assert [(row[0], row[3]) for row in rows] == [("6", "2"), ("6", "6")]
+    (grouped, heads_grouped), (plain, heads_plain) = (
+        (float(row[6].replace(",", "")), float(row[7].replace(",", ""))) for row in rows
+    )
+    assert heads_plain == 3 * heads_grouped and plain == pytest.approx(3 * grouped, rel=0.01)
+    assert grouped / heads_grouped == pytest.approx(plain / heads_plain, rel=0.01)
+    assert all(float(row[-1].replace(",", "")) > 0 for row in rows)

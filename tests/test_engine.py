@@ -26,7 +26,7 @@ from unittest import mock
 import pytest
 import torch
 from engine_runs import assert_one_call_a_step, model_calls
-from models import assert_clear_margins, make_test_model
+from models import LLAMA_CHOICES, assert_clear_margins, make_test_model
 from torch import nn
 
 import roseinfer
@@ -62,6 +62,12 @@ def model():
     # A 512-token vocabulary keeps the oracle fast; GPT-2's tokenizer decodes those ids,
     # and its end-of-text (50256) is never sampled, so requests stop on length or stop ids.
     return make_test_model(0, block_size=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    """Llama-shaped, four query heads over one key/value head (multi-query)."""
+    return make_test_model(0, block_size=CONTEXT, n_head=4, **LLAMA_CHOICES)
 
 
 def engine_for(model, tokenizer, **config) -> LLMEngine:
@@ -234,6 +240,18 @@ def test_random_schedules_on_a_rotary_model(tokenizer, case: int) -> None:
             assert run["finished"][request_id].token_ids == want, request_id
 
 
+@pytest.mark.parametrize("case", CASES[:6])
+def test_random_schedules_on_a_grouped_model(grouped, tokenizer, case: int) -> None:
+    """The pool holds the one key/value head, the kernel or the gather reads it for the four
+    query heads: preemption, chunks, prefix hits, aborts, the solo runs' tokens."""
+    run = run_case(grouped, tokenizer, case)
+    assert run["engine"].runner.pool.k[0].shape[1] == 1
+    for request_id, (prompt, params) in run["requests"].items():
+        if request_id not in run["aborted"]:
+            want = solo(grouped, tokenizer, prompt, params)
+            assert run["finished"][request_id].token_ids == want, request_id
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_a_windowed_request_runs_far_past_the_context_on_a_few_blocks(
     tokenizer, attention: str
@@ -281,7 +299,9 @@ def test_the_random_schedules_exercise_every_path(model, tokenizer) -> None:
     assert sum(len(run["aborted"]) for run in runs) > 0
 
 
-def test_a_small_pool_preempts_and_still_equals_the_oracle(model, tokenizer) -> None:
+@pytest.mark.parametrize("which", ["model", "grouped"])
+def test_a_small_pool_preempts_and_still_equals_the_oracle(request, which, tokenizer) -> None:
+    model = request.getfixturevalue(which)
     engine = engine_for(model, tokenizer, num_kv_blocks=17, max_num_batched_tokens=64)
     rng = random.Random(5)
     prompts = [[rng.randrange(512) for _ in range(30)] for _ in range(4)]
@@ -368,9 +388,15 @@ def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, atte
 
 
 def kernel_case(
-    seed: int, dtype: torch.dtype, head_dim: int, kv_block_size: int, lens: list[int]
+    seed: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    kv_block_size: int,
+    lens: list[int],
+    group: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """A shuffled pool of one layer, tables for sequences of `lens` tokens, their queries."""
+    """A shuffled pool of one layer, tables for sequences of `lens` tokens, their queries
+    (`group` query heads for each of the pool's three key/value heads)."""
     generator = torch.Generator().manual_seed(seed)
     n_head, blocks = 3, [-(-n // kv_block_size) for n in lens]
     order = torch.randperm(sum(blocks) + 3, generator=generator)
@@ -380,7 +406,7 @@ def kernel_case(
         start += count
     shape = (len(order), n_head, kv_block_size, head_dim)
     k_pool, v_pool = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
-    q = torch.randn(len(lens), n_head, head_dim, generator=generator).to(dtype)
+    q = torch.randn(len(lens), n_head * group, head_dim, generator=generator).to(dtype)
     return q, k_pool, v_pool, paged_cache.padded_tables(tables, torch.device("cpu"))
 
 
@@ -408,6 +434,27 @@ def test_the_kernel_reads_the_blocks_in_place_as_attention_over_them_gathered(
     want = gpt.one_query_attention(q[:, :, None], keys, values, mask)[:, :, 0]
     tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # (the kernel sums in float32)
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize(("head_dim", "kv_block_size"), [(64, 16), (24, 3)])
+def test_the_kernel_reads_one_kv_head_for_its_group_of_query_heads(
+    group, head_dim, kv_block_size
+) -> None:
+    """Grouped queries: the kernel over a pool of three key/value heads equals attention over
+    the blocks gathered with each key/value head repeated for its group (query head h reads
+    key/value head h // group), though it never makes that copy."""
+    lens = [1, kv_block_size + 1, 5 * kv_block_size - 1, 40]
+    q, k_pool, v_pool, tables = kernel_case(1, torch.float32, head_dim, kv_block_size, lens, group)
+    got = kernels.paged_decode_attention(q, k_pool, v_pool, tables, torch.tensor(lens), 9, 2)
+    keys, values = (
+        paged_cache.gather_tables(pool, tables).repeat_interleave(group, dim=1)
+        for pool in (k_pool, v_pool)
+    )
+    positions = torch.arange(keys.size(2))[None, :]
+    mask = gpt.window_mask(torch.tensor(lens)[:, None] - 1, positions, 9, 2)[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], keys, values, mask)
+    torch.testing.assert_close(got, want[:, :, 0], atol=2e-6, rtol=2e-6)
 
 
 def test_without_the_kernel_the_engine_gathers_with_the_same_tokens(
@@ -579,9 +626,11 @@ def test_bfloat16_runs_where_onednn_is_capped_at_avx2(tmp_path) -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("which", ["model", "grouped"])
 def test_a_prefix_hit_equals_a_miss_and_a_fully_cached_prompt_recomputes_its_last_token(
-    model, tokenizer
+    request, which, tokenizer
 ) -> None:
+    model = request.getfixturevalue(which)
     prompt = list(range(100, 100 + 3 * KV_BLOCK))  # exactly three full blocks
     params = SamplingParams(max_tokens=8)
     engine = engine_for(model, tokenizer, num_kv_blocks=40)
@@ -873,6 +922,18 @@ def test_pool_size_from_bytes_or_blocks(model) -> None:
             EngineConfig(kv_cache_memory=bad)
     with pytest.raises(RoseError, match="not both"):
         EngineConfig(num_kv_blocks=4, kv_cache_memory="1MiB")
+
+
+def test_a_grouped_models_pool_holds_its_key_value_heads_only(model, grouped, tokenizer) -> None:
+    """Four query heads over one key/value head: a quarter of the bytes per block, and so
+    four times the blocks in the same memory; the pool's tensors are that size."""
+    config = EngineConfig(kv_block_size=4, kv_cache_memory="1MiB")
+    assert grouped.config.n_embd == model.config.n_embd
+    assert config.bytes_per_block(model.config, 4) == 4 * config.bytes_per_block(grouped.config, 4)
+    assert config.pool_blocks(grouped.config, 4) == 4 * config.pool_blocks(model.config, 4)
+    engine = engine_for(grouped, tokenizer, num_kv_blocks=10)
+    pool = engine.runner.pool
+    assert pool.nbytes == 10 * config.bytes_per_block(grouped.config, 4)
 
 
 # ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from engine_runs import assert_one_call_a_step, model_calls, run_checked, schedules
 from hypothesis import given
 from hypothesis import strategies as st
-from models import make_test_model, perturbed_copy
+from models import LLAMA_CHOICES, make_test_model, perturbed_copy
 
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine.block_manager import check_pool
@@ -134,6 +134,25 @@ def test_random_schedules_equal_solo_runs(
     assert stats.num_draft_tokens >= stats.num_accepted_tokens
     if len(continued) > 1:
         assert engine.block_manager.prefix_cache_hits > hits_before
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_grouped_model_speculates_with_the_oracles_tokens(tokenizer, kind) -> None:
+    """Four query heads over one key/value head, a pool small enough to preempt: every
+    greedy request's tokens are its solo uncached run's, with each kind of drafter."""
+    grouped = make_test_model(1, n_layer=3, n_head=4, block_size=CONTEXT, **LLAMA_CHOICES)
+    rng = random.Random(7)
+    engine = engine_for(
+        grouped, tokenizer, make_drafter(kind, grouped), 3, num_kv_blocks=CONTEXT // KV_BLOCK + 4,
+        max_num_batched_tokens=16, shuffle_blocks_seed=1,
+    )  # fmt: skip
+    outputs = run_checked(engine, workload(rng, 8), rng)
+    assert engine.stats().num_preemptions > 0
+    for output, prompt, params in outputs.values():
+        if params.greedy:
+            assert output.token_ids == solo(grouped, tokenizer, prompt, params)
+    stats = engine.stats().speculative
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 class RecordingDrafter:

@@ -284,7 +284,7 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("roseinfer.cli.export_hf.save_hf_gpt2", interrupted)
+    monkeypatch.setattr("roseinfer.cli.export_hf.save_hf", interrupted)
     assert main(["--checkpoint-path", str(tiny_run_dir), "--out", str(tmp_path / "hf")]) == 130
     err = capsys.readouterr().err
     assert err == "[roseinfer.cli.export_hf] interrupted: stopped by Ctrl-C\n"

@@ -20,7 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from models import assert_clear_margins, assert_logits_close, assert_varied, make_test_model
+from models import (
+    LLAMA_CHOICES,
+    assert_clear_margins,
+    assert_logits_close,
+    assert_varied,
+    make_test_model,
+)
 
 from roseinfer.cli import export_onnx as export_command
 from roseinfer.cli import generate as cli_generate
@@ -141,17 +147,23 @@ def test_batch_of_one_from_an_empty_past_to_a_full_context(
     assert_rows_match_oracle(results, [oracle(strong_model, prompt)])
 
 
-@pytest.mark.parametrize("position_embedding", ["learned", "rotary"])
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary", "llama"])
 def test_left_padded_ragged_batch_of_three(
     position_embedding: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """Rotary positions export too: the graph turns its keys at the position_ids given."""
+    """Rotary positions export too: the graph turns its keys at the position_ids given. A
+    Llama-shaped model (four query heads over one key/value head) too: its past_key_values
+    hold the key/value heads only."""
     if position_embedding == "learned":
         strong_model = request.getfixturevalue("strong_model")
         model = request.getfixturevalue("onnx_model")
-    else:
+    elif position_embedding == "rotary":
         strong_model = request.getfixturevalue("rotary_model")
         model = exported(strong_model, tmp_path)
+    else:
+        strong_model = make_test_model(5, block_size=32, vocab_size=512, n_head=4, **LLAMA_CHOICES)
+        model = exported(strong_model, tmp_path)
+        assert model.empty_past(1)[0].shape == (1, 1, 0, strong_model.config.head_dim)
     block_size = strong_model.config.block_size
     prompts = [[464, 68], [17, 329, 11, 290, 262, 110], [40]]
     recording = RecordingModel(model)

@@ -20,7 +20,7 @@ from unittest import mock
 import psutil
 import pytest
 import torch
-from models import assert_clear_margins, assert_logits_close, make_test_model
+from models import LLAMA_CHOICES, assert_clear_margins, assert_logits_close, make_test_model
 
 from roseinfer.cache.dense import StaticKVCache, new_cache
 from roseinfer.loops.generate import generate, generate_batch
@@ -70,6 +70,17 @@ def rotary_model() -> GPT:
 @pytest.fixture(scope="module")
 def rotary_checkpoint(rotary_model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(rotary_model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_model() -> GPT:
+    """Llama-shaped, four query heads over one key/value head: each stage's cache holds it."""
+    return make_test_model(3, n_layer=N_LAYER, n_head=4, **LLAMA_CHOICES)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(llama_model: GPT, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(llama_model, tmp_path_factory)
 
 
 @pytest.fixture
@@ -195,14 +206,16 @@ def pipeline_jobs() -> list[PipelineJob]:
 
 
 @pytest.mark.slow
-# Every stage turns its own layers' queries and keys, so rotary splits too (one case).
+# Every stage turns its own layers' queries and keys, so rotary splits too (one case), and
+# a Llama-shaped model's stages keep its key/value heads.
 @pytest.mark.parametrize(
-    "n_stages, position_embedding", [(2, "learned"), (3, "learned"), (2, "rotary")]
+    "n_stages, position_embedding",
+    [(2, "learned"), (3, "learned"), (2, "rotary"), (2, "llama")],
 )
 def test_split_model_equals_the_oracle(
     n_stages: int, position_embedding: str, request: pytest.FixtureRequest, no_stage_left: None
 ) -> None:
-    prefix = "" if position_embedding == "learned" else "rotary_"
+    prefix = "" if position_embedding == "learned" else f"{position_embedding}_"
     model = request.getfixturevalue(prefix + "model")
     checkpoint = request.getfixturevalue(prefix + "checkpoint")
     run = run_pipeline(PipelineSetup(str(checkpoint), n_stages), pipeline_jobs())

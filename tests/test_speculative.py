@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import assert_logits_close, make_test_model, perturbed_copy
+from models import LLAMA_CHOICES, assert_logits_close, make_test_model, perturbed_copy
 
 from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.cache.quantized import QuantizedKVCache
@@ -151,6 +151,21 @@ def test_a_rotary_model_rolls_back_too() -> None:
     got = speculative_generate(
         model, ModelDrafter(first_layers(model, 2)), PROMPT, GREEDY, num_speculative_tokens=3,
         cache=StaticKVCache(model), stats=stats,
+    )  # fmt: skip
+    assert got.token_ids == want
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("cache_kind", ["concat", "static"])
+def test_a_grouped_model_rolls_back_too(cache_kind) -> None:
+    """Four query heads over one key/value head: the cache holds (and truncates) that one."""
+    model = make_test_model(3, n_layer=3, n_head=4, block_size=CONTEXT, **LLAMA_CHOICES)
+    want = generate(model, PROMPT, GREEDY, use_cache=False).token_ids
+    cache = ConcatKVCache() if cache_kind == "concat" else StaticKVCache(model)
+    stats = SpeculativeStats()
+    got = speculative_generate(
+        model, ModelDrafter(first_layers(model, 2)), PROMPT, GREEDY, num_speculative_tokens=3,
+        cache=cache, stats=stats,
     )  # fmt: skip
     assert got.token_ids == want
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -19,7 +19,7 @@ import weakref
 import jsonschema
 import pytest
 import torch
-from models import assert_clear_margins, assert_logits_close, make_test_model
+from models import LLAMA_CHOICES, assert_clear_margins, assert_logits_close, make_test_model
 from torch import nn
 
 from benchmarks import structured as bench_structured
@@ -117,6 +117,12 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def model():
     return make_test_model(0, vocab_size=VOCAB, block_size=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    """Llama-shaped: four query heads over one key/value head."""
+    return make_test_model(0, vocab_size=VOCAB, block_size=CONTEXT, n_head=4, **LLAMA_CHOICES)
 
 
 @pytest.fixture(scope="module")
@@ -330,10 +336,12 @@ def run_engine(engine: LLMEngine, workload) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
-def test_a_mixed_batch_equals_each_requests_solo_run(model, tokenizer, pool: str) -> None:
+@pytest.mark.parametrize("which", ["model", "grouped"])
+def test_a_mixed_batch_equals_each_requests_solo_run(request, which, tokenizer, pool: str) -> None:
     """Every request's tokens are its solo uncached run's, whether the pool holds them all
     or preempts (a preempted request keeps its output and its matcher, and recomputes
-    only its cache)."""
+    only its cache); a grouped model's as GPT-2's."""
+    model = request.getfixturevalue(which)
     blocks = {"roomy": 200, "preempting": 14}[pool]
     engine = LLMEngine(
         model,

@@ -147,3 +147,40 @@ def test_vllm_serve_answers_with_roses_greedy_tokens(
         )
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert streamed == tokenizer.decode(oracle[0].token_ids)
+
+
+@pytest.mark.oracle
+def test_vllm_runs_an_exported_llama_shaped_checkpoint_with_roses_greedy_tokens(
+    vllm_python: Path, tmp_path: Path
+) -> None:
+    """The tiny-llama preset (4 query heads over 2 key/value heads, RMSNorm, SwiGLU, rotary
+    base 500,000, untied), exported as a LlamaForCausalLM: vLLM's greedy tokens are rose's
+    uncached ones."""
+    from models import write_random_checkpoint
+
+    from roseinfer.cli.export_hf import main as export_main
+    from rosetrainer.config import GPTConfig
+
+    config = GPTConfig.from_preset("tiny-llama", rotary_base=500000.0, tie_embeddings=False)
+    checkpoint = write_random_checkpoint(tmp_path / "run.pt", config)
+    folder = tmp_path / "hf"
+    assert export_main(["--checkpoint-path", str(checkpoint), "--out", str(folder)]) == 0
+    model, tokenizer, _ = load_model_and_tokenizer(str(checkpoint))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    oracle = []
+    for text in PROMPTS:
+        with torch.no_grad():
+            result = generate(
+                model, tokenizer.encode(text), params, use_cache=False, keep_logits=True
+            )
+        assert_clear_margins(result.step_logits)
+        oracle.append(result.token_ids)
+    run = vllm_venv.run_offline(
+        folder,
+        PROMPTS,
+        [NEW_TOKENS] * len(PROMPTS),
+        engine_args=ENGINE_ARGS,
+        kv_cache_gib=KV_CACHE_GIB,
+        logprobs=0,
+    )
+    assert [got.token_ids for got in run.outputs] == oracle

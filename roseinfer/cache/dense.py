@@ -216,7 +216,7 @@ class StaticKVCache:
         blocks = model.transformer.h
         weight = blocks[0].attn.c_attn.weight
         self._init_slots(cfg, max_len, weight.device)
-        shape = (batch_size, cfg.n_head, self.max_len, cfg.head_dim)
+        shape = (batch_size, cfg.kv_heads, self.max_len, cfg.head_dim)
         self.layers = [
             StaticLayerCache(
                 torch.zeros(shape, device=weight.device, dtype=weight.dtype),

@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL | None:
     for name in DTYPES.values():
         function = getattr(lib, f"paged_decode_attention_{name}")
         function.restype = None
-        function.argtypes = [pointer] * 5 + [size] * 7 + [ctypes.c_float, pointer, ctypes.c_int]
+        function.argtypes = [pointer] * 5 + [size] * 8 + [ctypes.c_float, pointer, ctypes.c_int]
     return lib
 
 
@@ -142,7 +142,8 @@ def paged_decode_attention(
     sinks: int,
 ) -> torch.Tensor:
     """q (n, n_head, head_dim): one query per sequence, at position lens[i] - 1 of its own;
-    k_pool, v_pool: one layer's blocks, (num_blocks, n_head, kv_block_size, head_dim);
+    k_pool, v_pool: one layer's blocks, (num_blocks, n_kv_head, kv_block_size, head_dim),
+    n_kv_head dividing n_head (query head h reads key/value head h // (n_head // n_kv_head));
     tables (n, max_blocks) int64, its blocks in order. Each query's attention over its
     visible keys (0 .. lens[i] - 1, or its window and sinks), (n, n_head, head_dim)."""
     function = getattr(library(), f"paged_decode_attention_{DTYPES[q.dtype]}")
@@ -158,6 +159,7 @@ def paged_decode_attention(
         lens.data_ptr(),
         n,
         n_head,
+        k_pool.size(1),
         head_dim,
         k_pool.size(2),
         tables.size(1),

@@ -79,7 +79,7 @@ class OffloadedKVCache:
         self.device = weight.device
         self.dtype = weight.dtype
         self.n_layer = len(blocks)
-        self.shape = (self.max_len, batch_size, cfg.n_head, cfg.head_dim)
+        self.shape = (self.max_len, batch_size, cfg.kv_heads, cfg.head_dim)
         self.host_k = [self._host_zeros() for _ in range(self.n_layer)]
         self.host_v = [self._host_zeros() for _ in range(self.n_layer)]
         self._new_slots()

@@ -63,16 +63,16 @@ class BlockGeometry:
     def __init__(self, config: GPTConfig, num_blocks: int, kv_block_size: int) -> None:
         self.num_blocks = num_blocks
         self.kv_block_size = kv_block_size
-        self.n_head = config.n_head
         self.attention_window, self.attention_sinks = config.sliding_window, config.attention_sinks
-        # one layer's keys (or values) of every block
-        self.layer_shape = (num_blocks, config.n_head, kv_block_size, config.head_dim)
+        # one layer's keys (or values) of every block, key/value heads only
+        self.layer_shape = (num_blocks, config.kv_heads, kv_block_size, config.head_dim)
 
 
 class KVPool(BlockGeometry):
-    """Keys and values of every block, per layer: (num_blocks, n_head, kv_block_size, head_dim).
+    """Keys and values of every block, per layer: (num_blocks, n_kv_head, kv_block_size,
+    head_dim) (a grouped model's key/value heads: its bytes per token shrink by the group).
 
-    Heads before tokens, as in the model's own (batch, n_head, time, head_dim): a
+    Heads before tokens, as in the model's own (batch, n_kv_head, time, head_dim): a
     sequence's blocks gathered in table order are then the keys attention reads, in one
     copy and already in the layout its matrix products want.
     """
@@ -160,7 +160,7 @@ class QuantizedKVPool(BlockGeometry):
             QuantizedStore(shape, bits, group_size, CHANNEL_DIM, device)
             for _ in range(config.n_layer)
         ]
-        exact_shape = (num_exact_blocks, config.n_head, kv_block_size, config.head_dim)
+        exact_shape = (num_exact_blocks, config.kv_heads, kv_block_size, config.head_dim)
         self.exact_k = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
         self.exact_v = [torch.zeros(exact_shape, dtype=dtype, device=device) for _ in self.k]
         self.exact_slot = torch.full((num_blocks,), -1, dtype=torch.long, device=device)

@@ -3,9 +3,11 @@
  * One query per sequence (a decode step), every head: the query attends to the keys at
  * positions 0 .. len - 1 of its own sequence (with a sliding window only the sinks and
  * the last `window` positions), found through its block table in one layer's pool,
- * (num_blocks, n_head, kv_block_size, head_dim). Nothing is copied: a block's keys for
+ * (num_blocks, n_kv_head, kv_block_size, head_dim). Nothing is copied: a block's keys for
  * one head are kv_block_size * head_dim numbers in a row, read in place, the heads of a
- * block one after the other, and each head's part of the sequence's next block is
+ * block one after the other (with grouped-query attention, query head h reads key/value
+ * head h / (n_head / n_kv_head): a group's queries read the same keys where they lie,
+ * never a copy per query head), and each head's part of the sequence's next block is
  * prefetched while it is read (the next block is anywhere in the pool: the processor's
  * own prefetcher cannot guess it).
  *
@@ -73,8 +75,9 @@ static inline float exp_nonpositive(float x) {
  * sequence's next block is anywhere in the pool). */
 #define ATTEND_HEADS(NAME, T, LOAD, STORE, D)                                                 \
     static inline void NAME(const T *q_seq, const T *k_pool, const T *v_pool,                  \
-                            const int64_t *table, int64_t len, int64_t n_head, int64_t h0,     \
-                            int64_t h1, int64_t head_dim, int64_t block_size, int64_t window,  \
+                            const int64_t *table, int64_t len, int64_t n_kv_head,              \
+                            int64_t q_per_kv, int64_t h0, int64_t h1, int64_t head_dim,        \
+                            int64_t block_size, int64_t window,                                \
                             int64_t sinks, float scale, T *out_seq) {                          \
         (void)head_dim;                                                                        \
         const int64_t heads = h1 - h0;                                                         \
@@ -104,11 +107,12 @@ static inline float exp_nonpositive(float x) {
                 const int64_t block = table[pos / block_size];                                 \
                 const int64_t next = pos + count < stop ? table[(pos + count) / block_size] : -1; \
                 for (int64_t h = 0; h < heads; h++) {                                          \
-                    const int64_t start = (block * n_head + h0 + h) * block_size + offset;     \
+                    const int64_t kv_head = (h0 + h) / q_per_kv;                               \
+                    const int64_t start = (block * n_kv_head + kv_head) * block_size + offset; \
                     const T *keys = k_pool + start * D;                                        \
                     const T *values = v_pool + start * D;                                      \
                     if (next >= 0) { /* this head's part of the next block, on its way in */  \
-                        const int64_t at = (next * n_head + h0 + h) * block_size * D;          \
+                        const int64_t at = (next * n_kv_head + kv_head) * block_size * D;      \
                         const char *next_k = (const char *)(k_pool + at);                      \
                         const char *next_v = (const char *)(v_pool + at);                      \
                         for (int64_t b = 0; b < block_size * D * (int64_t)sizeof(T); b += 64) { \
@@ -157,7 +161,7 @@ static inline float exp_nonpositive(float x) {
     }
 
 /* The exported function for one dtype: q (n, n_head, head_dim), the layer's pools
- * (num_blocks, n_head, block_size, head_dim), tables (n, max_blocks) int64, lens (n,)
+ * (num_blocks, n_kv_head, block_size, head_dim), tables (n, max_blocks) int64, lens (n,)
  * int64 (each query's position + 1), window <= 0 for none; out (n, n_head, head_dim);
  * threads: PyTorch's intra-op thread count (OpenMP's own is per calling thread). The
  * tasks are the sequences, each split into as many groups of heads as it takes to give
@@ -166,9 +170,11 @@ static inline float exp_nonpositive(float x) {
     ATTEND_HEADS(NAME##_64, T, LOAD, STORE, 64)                                                \
     ATTEND_HEADS(NAME##_any, T, LOAD, STORE, head_dim)                                         \
     void NAME(const T *q, const T *k_pool, const T *v_pool, const int64_t *tables,             \
-              const int64_t *lens, int64_t n, int64_t n_head, int64_t head_dim,                \
-              int64_t block_size, int64_t max_blocks, int64_t window, int64_t sinks,           \
+              const int64_t *lens, int64_t n, int64_t n_head, int64_t n_kv_head,               \
+              int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window,        \
+              int64_t sinks,                                                                   \
               float scale, T *out, int threads) {                                              \
+        const int64_t q_per_kv = n_head / n_kv_head; /* query heads per key/value head */     \
         int64_t groups = (2 * (int64_t)threads + n - 1) / n;                                   \
         groups = groups < 1 ? 1 : groups > n_head ? n_head : groups;                           \
         const int64_t per_group = (n_head + groups - 1) / groups;                              \
@@ -181,11 +187,11 @@ static inline float exp_nonpositive(float x) {
             const T *q_seq = q + seq * n_head * head_dim;                                      \
             T *out_seq = out + seq * n_head * head_dim;                                        \
             if (head_dim == 64)                                                                \
-                NAME##_64(q_seq, k_pool, v_pool, table, lens[seq], n_head, h0, h1, head_dim,   \
-                          block_size, window, sinks, scale, out_seq);                          \
+                NAME##_64(q_seq, k_pool, v_pool, table, lens[seq], n_kv_head, q_per_kv, h0,    \
+                          h1, head_dim, block_size, window, sinks, scale, out_seq);            \
             else                                                                               \
-                NAME##_any(q_seq, k_pool, v_pool, table, lens[seq], n_head, h0, h1, head_dim,  \
-                           block_size, window, sinks, scale, out_seq);                         \
+                NAME##_any(q_seq, k_pool, v_pool, table, lens[seq], n_kv_head, q_per_kv, h0,   \
+                           h1, head_dim, block_size, window, sinks, scale, out_seq);           \
         }                                                                                      \
     }
 

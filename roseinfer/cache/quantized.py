@@ -155,7 +155,7 @@ def kv_bytes_per_token(
 ) -> float:
     """Bytes one token takes in the cache, keys and values of every layer, scales included
     (auto: `itemsize`-byte numbers). The exact window adds a fixed amount per sequence."""
-    numbers = 2 * config.n_layer * config.n_embd  # a key and a value per channel per layer
+    numbers = 2 * config.n_layer * config.kv_width  # a key and a value per channel per layer
     if kv_cache_dtype == "auto":
         return numbers * itemsize
     return numbers * (BITS[kv_cache_dtype] / 8 + METADATA_BYTES_PER_GROUP / group_size)
@@ -325,7 +325,7 @@ class QuantizedKVCache(StaticKVCache):
         self._init_slots(cfg, max_len, weight.device)
         self.kv_cache_dtype, self.window, self.group_size = kv_cache_dtype, window, group_size
         self.keys_per = keys_per
-        shape = (batch_size, cfg.n_head, self.max_len, cfg.head_dim)
+        shape = (batch_size, cfg.kv_heads, self.max_len, cfg.head_dim)
         self.layers = [
             QuantizedLayerCache(
                 shape,

@@ -64,7 +64,7 @@ class RollingKVCache:
         # Below S + W slots nothing ever rolls: position p stays in slot p.
         self.max_len = max_len if max_len is not None and max_len < slots else None
         weight = model.transformer.h[0].attn.c_attn.weight
-        shape = (batch_size, cfg.n_head, self.max_len or slots, cfg.head_dim)
+        shape = (batch_size, cfg.kv_heads, self.max_len or slots, cfg.head_dim)
         self.k = [weight.new_zeros(shape) for _ in range(cfg.n_layer)]
         self.v = [weight.new_zeros(shape) for _ in range(cfg.n_layer)]
         self.reset()
@@ -167,10 +167,11 @@ class RollingKVCache:
         return forks
 
 
-def rerotate(k: torch.Tensor, delta: int) -> torch.Tensor:
-    """Keys rotated at their positions p -> the same keys at p + delta (delta may be < 0)."""
+def rerotate(k: torch.Tensor, delta: int, base: float = 10000.0) -> torch.Tensor:
+    """Keys rotated at their positions p -> the same keys at p + delta (delta may be < 0),
+    by the model's rotary base."""
     angle = torch.tensor([[delta]], device=k.device)
-    return gpt.apply_rotary(k, *gpt.rotary_cos_sin(angle, k.size(-1)))
+    return gpt.apply_rotary(k, *gpt.rotary_cos_sin(angle, k.size(-1), base))
 
 
 class ReRotatingSinkCache:
@@ -189,6 +190,7 @@ class ReRotatingSinkCache:
         if cfg.position_embedding != "rotary" or cfg.sliding_window is None:
             raise RoseError("re-rotating keys needs a rotary model with a sliding window")
         self.window, self.sinks = cfg.sliding_window, cfg.attention_sinks
+        self.rotary_base = cfg.rotary_base
         self.reset()
 
     def reset(self, pad_lengths: torch.Tensor | None = None) -> None:
@@ -234,7 +236,9 @@ class ReRotatingSinkCache:
         forward, so they are turned back by as many positions."""
         s = self.sinks
         for layer, (k, v) in enumerate(self.layers):
-            k = torch.cat([k[:, :, :s], rerotate(k[:, :, s + dropped :], -dropped)], dim=2)
+            k = torch.cat(
+                [k[:, :, :s], rerotate(k[:, :, s + dropped :], -dropped, self.rotary_base)], dim=2
+            )
             v = torch.cat([v[:, :, :s], v[:, :, s + dropped :]], dim=2)
             self.layers[layer] = (k, v)
 

@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         metavar="FILE",
         help="a Jinja2 chat template (sees `messages` and `add_generation_prompt`); default: "
-        "role-prefixed paragraphs ending in 'Assistant:'",
+        "the --hf-model folder's own (tokenizer_config.json), else role-prefixed paragraphs "
+        "ending in 'Assistant:'",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -219,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
+    if args.chat_template is None and getattr(tokenizer, "chat_template", None):
+        chat_template = ChatTemplate(tokenizer.chat_template)  # the model's own (a Llama's)
     engine = engine_from_flags(model, tokenizer, args)
     proxies = os.environ.get("FORWARDED_ALLOW_IPS", DEFAULT_PROXIES)  # as uvicorn.Config reads them
     settings = ServerSettings(

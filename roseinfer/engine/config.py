@@ -105,9 +105,11 @@ class EngineConfig:
         kv_cache_group_size channels of each token)."""
         if self.kv_cache_dtype == "auto":
             return self.kv_block_size * kv_bytes_per_token(model, "auto", itemsize=element_size)
-        numbers = 2 * model.n_layer * model.n_embd * self.kv_block_size
-        key_groups = model.n_layer * model.n_embd  # one per channel
-        value_groups = model.n_layer * self.kv_block_size * model.n_embd // self.kv_cache_group_size
+        numbers = 2 * model.n_layer * model.kv_width * self.kv_block_size
+        key_groups = model.n_layer * model.kv_width  # one per channel
+        value_groups = (
+            model.n_layer * self.kv_block_size * model.kv_width // self.kv_cache_group_size
+        )
         groups = key_groups + value_groups
         return numbers * BITS[self.kv_cache_dtype] // 8 + groups * METADATA_BYTES_PER_GROUP
 

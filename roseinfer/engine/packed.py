@@ -99,7 +99,7 @@ def packed_linears(model: GPT, rows: int) -> GPT:
         if isinstance(module, nn.Linear):
             return PackedLinear(module, rows, gelu)
         clone = copy.copy(module)  # shares parameters and buffers; children are rebuilt
-        fused = isinstance(module, MLP) and isinstance(module.gelu, nn.GELU)
+        fused = isinstance(module, MLP) and not module.swiglu  # (SwiGLU has no GELU to fuse)
         clone._modules = {
             name: rebuilt(child, module.gelu if fused and name == "c_fc" else None)
             for name, child in module._modules.items()

@@ -5,8 +5,8 @@ prompt length and past length. Its inputs and outputs carry the names Hugging Fa
 exporters use, so code written for those runs it unchanged:
 
     input_ids (B, T), attention_mask (B, P + T), position_ids (B, T),
-    past_key_values.{i}.key / .value (B, heads, P, head_dim)
-        -> logits (B, T, vocab), present.{i}.key / .value (B, heads, P + T, head_dim)
+    past_key_values.{i}.key / .value (B, kv_heads, P, head_dim)
+        -> logits (B, T, vocab), present.{i}.key / .value (B, kv_heads, P + T, head_dim)
 
 What makes one graph fit every step: nothing in it may be a number read off the example
 inputs. The model is rose's one GPT (rosetrainer/model.py), called with `ExportCache`
@@ -87,7 +87,7 @@ def example_inputs(
     slots = torch.arange(past + new)[None, :]
     attention_mask = (slots >= torch.tensor(pads)[:, None]).long()
     position_ids = gpt.padded_position_ids(attention_mask)[:, past:]
-    shape = (batch, config.n_head, past, config.head_dim)
+    shape = (batch, config.kv_heads, past, config.head_dim)
     past_kv = tuple(
         (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
         for _ in range(config.n_layer)
@@ -179,6 +179,7 @@ def write_meta(
     meta = {
         "n_layer": config.n_layer,
         "n_head": config.n_head,
+        "n_kv_head": config.kv_heads,
         "head_dim": config.head_dim,
         "n_embd": config.n_embd,
         "block_size": config.block_size,

@@ -57,6 +57,7 @@ class OnnxMeta:
 
     n_layer: int
     n_head: int
+    n_kv_head: int  # the heads of past_key_values (fewer than n_head: grouped queries)
     head_dim: int
     block_size: int
     vocab_size: int
@@ -68,6 +69,7 @@ class OnnxMeta:
     @classmethod
     def read(cls, path: Path) -> OnnxMeta:
         data = json.loads(path.read_text(encoding="utf-8"))
+        data.setdefault("n_kv_head", data.get("n_head"))  # (written before grouped queries)
         return cls(**{name: data[name] for name in cls.__dataclass_fields__})
 
 
@@ -118,7 +120,7 @@ class OnnxModel:
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
         """The first step's past: every layer's keys and values with 0 positions."""
-        shape = (batch, self.meta.n_head, 0, self.meta.head_dim)
+        shape = (batch, self.meta.n_kv_head, 0, self.meta.head_dim)
         return [np.zeros(shape, dtype=np.float32) for _ in range(2 * self.meta.n_layer)]
 
     def __call__(

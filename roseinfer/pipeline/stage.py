@@ -30,7 +30,7 @@ from rosetrainer import model as gpt
 from rosetrainer.checkpoint import load_checkpoint, strip_wrapper_prefixes
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
-from rosetrainer.hf import load_hf_gpt2
+from rosetrainer.hf import load_hf
 from rosetrainer.model import GPT, KVCache
 
 BLOCK_NAME = re.compile(r"transformer\.h\.(\d+)\.")
@@ -171,7 +171,7 @@ def load_stage(
     together), and everything outside the stage is dropped at once.
     """
     if hf:
-        stage_module = PipelineStage(load_hf_gpt2(str(source)), stage, n_stages)
+        stage_module = PipelineStage(load_hf(str(source)), stage, n_stages)
         return stage_module.to(device=device, dtype=dtype).eval()
     ckpt = load_checkpoint(source, mmap=True)
     config = GPTConfig.from_dict(ckpt["model_config"])

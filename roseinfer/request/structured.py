@@ -232,6 +232,12 @@ def compile_grammar(
     """
     from roseinfer.request.grammar_process import pool
 
+    if not hasattr(tokenizer, "encoding"):  # a Hugging Face folder's tokenizer.json
+        raise InvalidParam(
+            PARAM,
+            "structured outputs need a tiktoken tokenizer (llguidance reads its table); this "
+            "model brings a Hugging Face tokenizer.json",
+        )
     text = grammar_text(spec)
     grammar = cached_grammar(tokenizer.name, text)
     if grammar is not None:

@@ -28,7 +28,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """A token's own text; a token holding part of a UTF-8 character shows U+FFFD."""
-    return tokenizer.encoding.decode_single_token_bytes(token_id).decode("utf-8", "replace")
+    return tokenizer.token_bytes(token_id).decode("utf-8", "replace")
 
 
 def completion_logprobs(
@@ -54,7 +54,7 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[st
     """The chat shape: one object per token, with its bytes and its top alternatives."""
 
     def one(token_id: int, logprob: float) -> dict:
-        raw = tokenizer.encoding.decode_single_token_bytes(token_id)
+        raw = tokenizer.token_bytes(token_id)
         text = raw.decode("utf-8", "replace")
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
 
