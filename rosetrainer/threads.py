@@ -46,6 +46,18 @@ DECIDE_EVERY_S = 0.2
 SMOOTHING = 0.2
 
 
+# --num-threads at most this many per core: more threads than cores only wait for each
+# other, and a count in the tens of thousands crashes OpenMP (too many threads to start).
+MAX_THREADS_PER_CORE = 4
+
+
+def omp_count(value: str) -> int | None:
+    """The thread count OMP_NUM_THREADS sets ("4", or a list per nesting level, "4,1"), or
+    None where OpenMP ignores it ("abc", "0", "-3")."""
+    first = value.split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity), not the machine's count."""
     if hasattr(os, "sched_getaffinity"):
@@ -95,11 +107,20 @@ class Threads:
         environment sets it, else auto. follow_load=False: auto picks a count for the
         load at the start and keeps it (compiled kernels keep the count they were built
         for: torch.compile's CPU code names it in every parallel loop)."""
+        most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
         if num_threads is not None and (
-            not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1
+            not isinstance(num_threads, int)
+            or isinstance(num_threads, bool)
+            or not 1 <= num_threads <= most
         ):
-            raise RoseError(f"--num-threads must be an integer >= 1, got {num_threads!r}")
-        env = os.environ.get("OMP_NUM_THREADS")
+            raise RoseError(
+                f"--num-threads must be an integer in [1, {most}] ({MAX_THREADS_PER_CORE} per "
+                f"core at most: more only wait for each other), got {num_threads!r}"
+            )
+        self.ignored_env = None  # an OMP_NUM_THREADS that is not a count (OpenMP ignores it)
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if env and not omp_count(env):
+            self.ignored_env, env = env, ""
         self.fixed_by = (
             "--num-threads" if num_threads is not None else "OMP_NUM_THREADS" if env else None
         )
@@ -115,6 +136,13 @@ class Threads:
 
     def describe(self) -> str:
         """One line: the count chosen, why, and how to change it."""
+        if self.ignored_env is not None:
+            return f"OMP_NUM_THREADS={self.ignored_env!r} is not a count, so auto: " + (
+                self._describe()
+            )
+        return self._describe()
+
+    def _describe(self) -> str:
         if self.fixed_by:
             return f"{self.count}, fixed by {self.fixed_by} (OpenMP spins while it waits)"
         if not self.follow_load:

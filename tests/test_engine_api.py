@@ -93,6 +93,51 @@ def test_llm_outputs_read_as_vllms_so_its_offline_example_runs_unchanged(
     assert by_ids.outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
 
+def test_llm_takes_vllms_prompt_dicts_keywords_and_top_k_off(checkpoint: Path) -> None:
+    """What vLLM's offline examples spell differently: TextPrompt / TokensPrompt dicts, the
+    sampling_params keyword, top_k=-1 for off, get_tokenizer()."""
+    from roseinfer import LLM, SamplingParams
+
+    llm = LLM(model=str(checkpoint))
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, top_k=-1)
+    assert greedy.top_k == 0  # (vLLM's off, stored as rose's)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("What light")
+    outputs = llm.generate(
+        [{"prompt": "What light"}, {"prompt_token_ids": ids}], sampling_params=greedy,
+        use_tqdm=False,
+    )  # fmt: skip
+    want = solo_ids(llm, "What light", greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == [want, want]
+    assert outputs[0].prompt == "What light" and outputs[1].prompt is None
+    (alone,) = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert alone.outputs[0].token_ids == want
+    with pytest.raises(RoseError, match="TextPrompt and TokensPrompt"):
+        llm.generate({"text": "What light"}, greedy, use_tqdm=False)
+
+
+def test_llm_called_from_several_threads_runs_each_call_whole(checkpoint: Path) -> None:
+    """The engine is not thread-safe: LLM.generate calls from several threads run one after
+    the other, each with its oracle tokens, and the LLM still works after."""
+    import threading
+
+    llm = roseinfer.LLM(str(checkpoint))
+    greedy = roseinfer.SamplingParams(temperature=0.0, max_tokens=6)
+    results: dict[int, list[int]] = {}
+
+    def call(i: int) -> None:
+        (output,) = llm.generate([PROMPTS[i]], greedy, use_tqdm=False)
+        results[i] = output.token_ids
+
+    callers = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert results == {i: solo_ids(llm, PROMPTS[i], greedy) for i in range(4)}
+    assert not llm.engine.has_unfinished()
+
+
 def test_drain_yields_each_request_once_and_runs_what_a_step_adds(checkpoint: Path) -> None:
     """The engine's one drain loop: every request's last output, once, as it finishes; a
     request added after a step (after_step) is run too."""

@@ -99,10 +99,26 @@ def test_compiled_code_keeps_the_count_it_started_with(auto_env, monkeypatch) ->
     assert "for the load at the start" in threads.describe()
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
-def test_a_count_below_one_is_refused(bad) -> None:
-    with pytest.raises(RoseError, match="--num-threads must be an integer >= 1"):
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, 100_000])
+def test_a_count_out_of_range_is_refused(bad) -> None:
+    """Below one, not an integer, or past 4 a core (100,000 threads crash OpenMP)."""
+    with pytest.raises(RoseError, match=r"--num-threads must be an integer in \[1, \d+\]"):
         Threads(bad)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3"])
+def test_an_omp_num_threads_that_is_no_count_leaves_auto_and_is_told(
+    value, auto_env, monkeypatch
+) -> None:
+    """OpenMP ignores such a value: rose does too, and says so, instead of calling a count
+    fixed that nothing fixed."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    loads(monkeypatch, [0])
+    threads = Threads()
+    assert threads.fixed_by is None and threads.follow_load
+    assert threads.describe().startswith(f"OMP_NUM_THREADS={value!r} is not a count, so auto")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # (a count per nesting level: the first)
+    assert Threads().describe().startswith("2, fixed by OMP_NUM_THREADS")
 
 
 def test_each_compute_thread_gets_the_count_from_its_first_adapt(auto_env, monkeypatch) -> None:
@@ -159,5 +175,6 @@ def test_rose_generate_tells_what_it_chose_and_refuses_a_bad_count(tiny_run_dir)
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "[roseinfer] error: --num-threads must be an integer >= 1, got 0"
+        "[roseinfer] error: --num-threads must be an integer in [1, "
+        f"{4 * os.cpu_count()}] (4 per core at most: more only wait for each other), got 0"
     ]

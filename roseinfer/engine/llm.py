@@ -8,6 +8,7 @@ print(outputs[0].outputs[0].text)                 # vLLM's shape (outputs[0].tex
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -48,6 +49,7 @@ class LLM:
         engine_config: EngineConfig's fields (kv_block_size, num_kv_blocks, kv_cache_memory,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, ...)."""
         self.threads = Threads(num_threads)
+        self.lock = threading.Lock()  # one generate at a time (the engine is not thread-safe)
         spec = as_speculative_config(speculative)
         if hf is None:
             hf = model is not None and (Path(model) / "config.json").is_file()
@@ -75,27 +77,34 @@ class LLM:
         llm = cls.__new__(cls)
         llm.source = "in memory"
         llm.threads = Threads()
+        llm.lock = threading.Lock()
         spec = as_speculative_config(speculative)
         config = EngineConfig(**engine_config)
         llm.engine = speculative_engine(model, tokenizer, config, spec, draft_model)
         return llm
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer the engine encodes and decodes with (vLLM's name)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in the prompts' order, read as vLLM's are
         (`outputs[i].outputs[0].text`, `.token_ids`, `.finish_reason`) or as rose's
-        (`outputs[i].text`; see roseinfer/engine/outputs.py).
+        (`outputs[i].text`; see roseinfer/engine/outputs.py). A prompt is text, token ids,
+        or vLLM's dicts {"prompt": text} and {"prompt_token_ids": ids}.
 
         A request whose prompt and max_tokens do not fit the context stops when the context
         is full (finish_reason "length"), as vLLM's offline LLM stops at max_model_len;
-        rose-serve refuses such a request with a 400, as vLLM's server does."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = SamplingParams() if params is None else params
+        rose-serve refuses such a request with a 400, as vLLM's server does. Calls from
+        several threads run one after the other (the engine steps one batch at a time)."""
+        one = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
+        prompts = [as_prompt(prompt) for prompt in ([prompts] if one else prompts)]
+        params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -103,6 +112,12 @@ class LLM:
                 f"{len(params)} SamplingParams for {len(prompts)} prompt(s): "
                 f"give one, or one per prompt"
             )
+        with self.lock:
+            return self._generate(prompts, params, use_tqdm)
+
+    def _generate(
+        self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.engine
         # Only the finished outputs are returned: the engine makes no other.
         final_only = RequestOutputKind.FINAL_ONLY
@@ -120,6 +135,24 @@ class LLM:
             if isinstance(prompt, str):
                 finished[request_id].prompt = prompt
         return [finished[request_id] for request_id in ids]
+
+
+# A prompt as LLM.generate takes it: text, token ids, or vLLM's TextPrompt / TokensPrompt.
+Prompt = str | list[int] | dict
+
+
+def as_prompt(prompt: Prompt) -> str | list[int]:
+    """Text or token ids, from any of the prompt forms `LLM.generate` takes."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+            return prompt["prompt_token_ids"]
+        raise RoseError(
+            f"a prompt given as a dict is {{'prompt': text}} or {{'prompt_token_ids': ids}} "
+            f"(vLLM's TextPrompt and TokensPrompt), got the keys {sorted(prompt)}"
+        )
+    return prompt
 
 
 def as_speculative_config(speculative: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -174,7 +174,7 @@ class SamplingParams:
 
     max_tokens: int = 16  # new tokens at most
     temperature: float = 0.0  # 0 means greedy: argmax, no randomness
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all (-1 too: vLLM's "off")
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # with sampling: one seed, one output (None: a fresh one)
     stop: tuple[str, ...] = ()  # stop once the text contains one of these
@@ -204,10 +204,12 @@ class SamplingParams:
                 f"temperature {self.temperature!r} is too small to sample with in float32 "
                 f"(smallest: {FLOAT32_TINY:.2g}); use 0 for greedy",
             )
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidParam(
-                "top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+                "top_k", f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}"
             )
+        if self.top_k == -1:  # vLLM's spelling of off: stored as rose's
+            object.__setattr__(self, "top_k", 0)
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_p < FLOAT32_TINY:
