@@ -1410,6 +1410,11 @@ def both_repeat_interleaved(q, k, v, attn_mask):
 
 
 @alternative("21")
+def sdpa_with_groups(q, k, v, attn_mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+
+
+@alternative("21")
 def by_einsum(q, k, v, attn_mask):
     b, n_head, _, d = q.shape
     queries = q.view(b, k.size(1), n_head // k.size(1), d)

@@ -1,8 +1,8 @@
 """The course: an exercise per chapter, graded by `rose-course` against the oracle.
 
 Every lesson's reference solution passes its check; every known wrong answer of the
-chapters 00, 01, 10 to 17 and 20 is caught with its own diagnosis (chapters 02 to 09:
-tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
+chapters 00, 01, 10 to 17 and 20 is caught with its own diagnosis (chapters 02 to 09, 18
+and 21: tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
 yet" line; the reference solutions pass `check all` through the installed console
 script; and no line of a reference solution is printed in its chapter.
 """
