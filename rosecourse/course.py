@@ -95,6 +95,7 @@ LESSONS = [
         "the rolling cache's slot for each position (sinks kept, the window modulo W)",
     ),
     Lesson("20", "choice_mask", "the allowed-token mask of a choice constraint"),
+    Lesson("21", "grouped_attention", "one decode query per head, grouped over the cache"),
 ]
 
 

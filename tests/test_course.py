@@ -1,8 +1,8 @@
 """The course: an exercise per chapter, graded by `rose-course` against the oracle.
 
 Every lesson's reference solution passes its check; every known wrong answer of the
-chapters 00, 01, 10 to 17 and 20 is caught with its own diagnosis (chapters 02 to 09:
-tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
+chapters 00, 01, 10 to 17 and 20 is caught with its own diagnosis (chapters 02 to 09, 18
+and 21: tests/test_exercises.py); a fresh workspace's stubs each fail with one "not written
 yet" line; the reference solutions pass `check all` through the installed console
 script; and no line of a reference solution is printed in its chapter.
 """
@@ -62,10 +62,9 @@ WRONG = [(exercise, wrong) for exercise in NEW_EXERCISES for wrong in exercise.k
 
 def test_every_chapter_has_its_exercise_or_build() -> None:
     chapters = sorted(path.name[:2] for path in (REPO_ROOT / "chapters").glob("[0-9][0-9]-*.md"))
-    # Chapter 19's exercise is a build (the verify-and-rollback step); chapter 21's (grouped
-    # queries over the cache) is not wired in yet; every other chapter has one lesson of
-    # its own, in order.
-    assert [c.chapter for c in LESSONS] == [c for c in chapters if c not in ("19", "21")]
+    # Chapter 19's exercise is a build (the verify-and-rollback step); every other chapter
+    # has one lesson of its own, in order.
+    assert [c.chapter for c in LESSONS] == [c for c in chapters if c != "19"]
     assert [b.chapters for b in BUILDS if b.name == "verify"] == ["19"]
     assert lesson("7").name == "padded_position_ids"
 

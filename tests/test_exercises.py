@@ -18,6 +18,7 @@ from rosecourse.exercises import (
     ch08_mask_slice,
     ch09_window_start,
     ch18_rolling_slot,
+    ch21_grouped_attention,
 )
 from rosecourse.solutions import ch02_concat_kv as solution02
 from rosecourse.solutions import ch03_causal_mask as solution03
@@ -28,6 +29,7 @@ from rosecourse.solutions import ch07_padded_position_ids as solution07
 from rosecourse.solutions import ch08_mask_slice as solution08
 from rosecourse.solutions import ch09_window_start as solution09
 from rosecourse.solutions import ch18_rolling_slot as solution18
+from rosecourse.solutions import ch21_grouped_attention as solution21
 
 SOLUTIONS = [
     (ch02_concat_kv.check_concat_kv, solution02.concat_kv),
@@ -39,6 +41,7 @@ SOLUTIONS = [
     (ch08_mask_slice.check_mask_slice, solution08.mask_slice),
     (ch09_window_start.check_window_start, solution09.window_start),
     (ch18_rolling_slot.check_rolling_slot, solution18.rolling_slot),
+    (ch21_grouped_attention.check_grouped_attention, solution21.grouped_attention),
 ]
 
 # The first step each known wrong answer parts from the reference on the oracle model
@@ -79,6 +82,17 @@ FIRST_DIVERGENT_STEP = {
     "a_step_early": 56,
     "measures_the_sequence": 58,
     "never_cuts": 57,
+    # 21: every decode step is the learner's attention; a mask-blind one reads the static
+    # cache's empty slots at once, and scores overflow only in the probe's large ones.
+    "heads_in_wrong_order": 1,
+    "values_tiled": 1,
+    "queries_regrouped_wrong": 1,
+    "scaled_by_group_width": 1,
+    "scaled_by_n_embd": 1,
+    "softmax_over_group": 1,
+    "group_mean_query": 1,
+    "no_max_subtraction": None,
+    "mask_ignored": 1,
 }
 
 
