@@ -33,11 +33,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from rosetrainer import model as gpt
+
+
+class PlainPool(Protocol):
+    """What FlexAttention reads of a pool (roseinfer.cache.paged.KVPool, heads_major)."""
+
+    kv_block_size: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
 
 Q_BLOCK = 128  # queries per mask block (FlexAttention's default)
 
@@ -191,6 +203,35 @@ class FlexStep:
             q, keys, values, tables, visits, num_visits, self.block_place, query_pos,
             self.kv_block_size, self.window, self.sinks,
         )  # fmt: skip
+
+
+class StaticDecodeCache:
+    """A decode step's view of a plain pool over static buffers (a
+    `rosetrainer.model.AttendingKVCache`; roseinfer.engine.cuda_graphs fills them): row
+    i's new key and value written at slots[i], then every row's query over its own
+    blocks (tables, block_place as `FlexStep` takes them) through FlexAttention in place.
+    Nothing here waits for the device, so a CUDA graph can hold the step."""
+
+    def __init__(
+        self,
+        pool: PlainPool,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        block_place: torch.Tensor,
+    ) -> None:
+        self.pool, self.slots, self.positions = pool, slots, positions
+        rows = len(slots)
+        self.flex = FlexStep(
+            tables, block_place, positions, [1] * rows, rows, pool.kv_block_size, None, 0
+        )
+
+    def prepare(self, batch: int, q_len: int, device: torch.device) -> tuple[torch.Tensor, None]:
+        return self.positions[None, :], None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        return self.flex.attend(q, self.pool.k[layer], self.pool.v[layer])
 
 
 def pool_as_keys(blocks: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from roseinfer.cache.flex import FlexStep, block_places
+from roseinfer.cache.flex import StaticDecodeCache, block_places
 from roseinfer.cache.paged import KVPool
-from rosetrainer.model import GPT, LayerPast
+from rosetrainer.model import GPT
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -45,31 +45,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 def bucket_for(rows: int, buckets: list[int]) -> int:
     """The smallest bucket that holds `rows` rows."""
     return next(size for size in buckets if size >= rows)
-
-
-class StaticDecodeCache:
-    """The decode step's view of the pool over `DecodeGraphs`' static buffers (a
-    `rosetrainer.model.AttendingKVCache`): each row's new key and value written at its
-    slot, then every row's query over its own blocks, through FlexAttention in place
-    (roseinfer.cache.flex). Nothing here waits for the device, so a graph can hold it."""
-
-    def __init__(self, pool: KVPool, graphs: DecodeGraphs, rows: int) -> None:
-        self.pool = pool
-        self.slots, self.positions = graphs.slots[:rows], graphs.positions[:rows]
-        self.flex = FlexStep(
-            graphs.tables[:rows], graphs.block_place, self.positions, [1] * rows, rows,
-            pool.kv_block_size, None, 0,
-        )  # fmt: skip
-
-    def prepare(self, batch: int, q_len: int, device: torch.device) -> tuple[torch.Tensor, None]:
-        return self.positions[None, :], None
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.pool.write(layer, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        return self.flex.attend(q, self.pool.k[layer], self.pool.v[layer])
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> LayerPast:
-        raise NotImplementedError  # (attention is this cache's own step: attend)
 
 
 class DecodeGraphs:
@@ -110,7 +85,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def step(self, rows: int) -> torch.Tensor:
         """The decode step over the first `rows` static rows: (rows, vocab) logits."""
-        cache = StaticDecodeCache(self.pool, self, rows)
+        cache = StaticDecodeCache(
+            self.pool, self.slots[:rows], self.positions[:rows], self.tables[:rows],
+            self.block_place,
+        )  # fmt: skip
         return self.model(self.ids[None, :rows], cache=cache, validate=False).logits[0]
 
     def fill(self, tables: list[list[int]], positions: list[int], ids: list[int]) -> int:
