@@ -30,7 +30,7 @@ from models import assert_clear_margins, make_test_model
 from torch import nn
 
 import roseinfer
-from roseinfer.cache import kernels
+from roseinfer.cache import flex, kernels
 from roseinfer.cache import paged as paged_cache
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
@@ -370,6 +370,38 @@ def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, atte
         kinds = {n == 1 for n in engine.last_batch.num_new_tokens}
         mixed += kinds == {True, False}
     assert mixed >= 3  # steps with decodes and prompt chunks both
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (6, 1)])
+def test_flex_reads_fewer_key_heads_than_query_heads_in_place(window, sinks) -> None:
+    """FlexAttention over the pool (a decode row and a chunk in one step) with two key and
+    value heads for four query heads (grouped-query attention) equals attention over each
+    sequence's keys gathered, every key head shared by its group of query heads."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, n_head, head_dim, kv_block, num_blocks = 2, 4, 8, 4, 12
+    k_pool, v_pool = (
+        torch.randn(kv_heads, num_blocks, kv_block, head_dim, generator=generator).transpose(0, 1)
+        for _ in range(2)
+    )  # (stored heads first, as the engine's flex pool)
+    tables = [[7, 2, 9], [4, 11, 0]]
+    computed, new = [10, 5], [1, 4]  # a decode row, then a chunk of 4
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
+    q = torch.randn(1, n_head, sum(new), head_dim, generator=generator)
+    table = flex.table_tensor(tables, torch.device("cpu"))
+    step = flex.FlexStep(
+        table, flex.block_places(table, num_blocks), positions, new, 1, kv_block, window, sinks
+    )
+    got = step.attend(q, k_pool, v_pool)
+    start = 0
+    for t, c, n in zip(tables, computed, new, strict=True):
+        slots = torch.tensor([t[p // kv_block] * kv_block + p % kv_block for p in range(c + n)])
+        keys, values = (pool.transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, slots]
+                        for pool in (k_pool, v_pool))  # fmt: skip
+        keys, values = (x.repeat_interleave(n_head // kv_heads, 0) for x in (keys, values))
+        mask = gpt.window_mask(torch.arange(c, c + n)[:, None], torch.arange(c + n), window, sinks)
+        want = gpt.attention(q[:, :, start : start + n], keys[None], values[None], mask)
+        torch.testing.assert_close(got[:, :, start : start + n], want)
+        start += n
 
 
 def test_decode_batches_pad_to_buckets() -> None:

@@ -98,7 +98,13 @@ def paged_flex_attention(
         compute_q_blocks=False,  # (the backward pass's index: inference has none)
     )
     enable_gqa = q.size(1) != keys.size(1)
-    return flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=enable_gqa)
+    # On CUDA the kernel's tile of keys (BLOCK_N) must divide the mask's KV block, the
+    # pool's kv_block_size (16 by default; Triton's default tile is wider). Not yet run on
+    # a GPU (benchmarks/gpu.sh will).
+    options = {"BLOCK_N": min(64, kv_block_size)} if q.is_cuda else None
+    return flex_attention(
+        q, keys, values, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
+    )
 
 
 @functools.cache
