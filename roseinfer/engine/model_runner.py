@@ -27,7 +27,7 @@ import torch
 
 from roseinfer.cache import kernels
 from roseinfer.cache.paged import KVPool, PagedKVCache, QuantizedKVPool
-from roseinfer.engine.cuda_graphs import DecodeGraphs
+from roseinfer.engine.cuda_graphs import DecodeGraphs, bucket_for
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
@@ -71,6 +71,9 @@ class ModelRunner:
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time ("model")
         self.num_decode = 0  # the last step's decode batch: sequences feeding one token
+        # The rows the last step's static decode step ran over (its tokens padded to a
+        # bucket, every row's logits made), or None where the step ran eager.
+        self.graph_rows: int | None = None
 
     @torch.inference_mode()
     def run(
@@ -101,7 +104,9 @@ class ModelRunner:
         logits_at = at.to(self.pool.device) if len(at) < len(ids) else None
         started = time.perf_counter()
         tables = [seq.block_table for seq in seqs]
+        self.graph_rows = None
         if self.graphs is not None and self.graphs.takes(num_new, max(map(len, tables))):
+            self.graph_rows = bucket_for(len(ids), self.graphs.buckets)
             positions = [seq.num_computed_tokens for seq in seqs]
             logits = self.graphs.run(tables, positions, ids)
             logits = logits if logits_at is None else logits[logits_at]
