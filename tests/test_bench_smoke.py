@@ -195,3 +195,33 @@ def test_quick_grouped_bench_prints_a_third_of_the_kv_bytes_per_token(
     assert heads_plain == 3 * heads_grouped and plain == pytest.approx(3 * grouped, rel=0.01)
     assert grouped / heads_grouped == pytest.approx(plain / heads_plain, rel=0.01)
     assert all(float(row[-1].replace(",", "")) > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_gpu_script_dry_run_measures_every_stage_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu.sh --dry-run: every stage the GPU run has, on the CPU with tiny
+    shapes, each figure in results.jsonl; the compiled and graph paths give the tokens
+    of the oracle and of the eager engine."""
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu.sh", "--dry-run"], cwd=REPO_ROOT, env=env,
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("bandwidth", "decode", "engine", "serve", "train"):
+        assert f"== {name}: exit 0" in done.stdout, done.stdout
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    by_stage = {}
+    for row in rows:
+        by_stage.setdefault(row["stage"], []).append(row)
+    assert by_stage["bandwidth"][0]["gb_per_s"] > 0
+    (decode,) = by_stage["decode"]
+    assert decode["tokens_equal_oracle"] and 0 < decode["fraction_of_roofline"]
+    engine = {row["run"]: row for row in by_stage["engine"]}
+    assert engine["tokens"]["requests_equal_to_eager"] == engine["tokens"]["requests"]
+    assert engine["rose"]["tok_s"] > 0 and engine["rose eager (before)"]["tok_s"] > 0
+    assert engine["transformers generate_batch"]["tok_s"] > 0
+    serve = {row["run"]: row for row in by_stage["serve"]}
+    for run in ("default", "enforce-eager"):
+        assert serve[run]["completed"] == serve[run]["clients"]
+        assert serve[run]["output_tok_s"] > 0

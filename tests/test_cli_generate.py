@@ -282,7 +282,7 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
     argv = ["--kv-block-size", "8", "--max-num-seqs", "3", "--max-num-batched-tokens", "64"]
     argv += ["--kv-cache-memory", "1MiB", "--no-prefix-caching", "--kv-cache-dtype", "int8"]
     argv += ["--kv-cache-window", "0", "--kv-cache-group-size", "16", "--no-pack-weights"]
-    argv += ["--attention", "gather"]
+    argv += ["--attention", "flex", "--enforce-eager"]
     wanted = EngineConfig(
         kv_block_size=8,
         max_num_seqs=3,
@@ -293,7 +293,8 @@ def test_serve_and_cli_generate_take_the_engine_sizes_under_the_same_flags() -> 
         kv_cache_window=0,
         kv_cache_group_size=16,
         pack_weights=False,
-        attention="gather",
+        attention="flex",
+        enforce_eager=True,
     )
     for front_door in (serve, cli_generate):
         assert engine_config(front_door.build_parser().parse_args(argv)) == wanted

@@ -30,12 +30,13 @@ from models import LLAMA_CHOICES, assert_clear_margins, make_test_model
 from torch import nn
 
 import roseinfer
-from roseinfer.cache import kernels
+from roseinfer.cache import flex, kernels
 from roseinfer.cache import paged as paged_cache
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS, parse_bytes
+from roseinfer.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
 from roseinfer.engine.outputs import RequestOutput, RequestOutputKind
 from roseinfer.engine.packed import PackedLinear
 from roseinfer.engine.sequence import EngineSequence
@@ -102,9 +103,11 @@ def run_to_end(
 
 
 def note_the_road(engine: LLMEngine, seen: set[str]) -> None:
-    """After a step: which road the step's decode rows took (in place, or gathered)."""
-    if engine.runner.num_decode:
-        seen.add("kernel" if engine.runner.in_place else "gather")
+    """After a step: which road the step's decode rows took (in place by the kernel or
+    FlexAttention, or gathered)."""
+    runner = engine.runner
+    if runner.num_decode:
+        seen.add("flex" if runner.flex else "kernel" if runner.in_place else "gather")
 
 
 # ---------------------------------------------------------------------------
@@ -332,8 +335,9 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
 
 
 def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
-    """Both decode reads ("kernel": the blocks read in place, "gather": the blocks gathered
-    every step) against the readable reference, chapter 11's gather-then-attend cache
+    """Every read ("kernel": the decode rows' blocks read in place by the C kernel, "flex":
+    the whole step's by FlexAttention, "gather": the blocks gathered every step; "auto":
+    the kernel on a CPU) against the readable reference, chapter 11's gather-then-attend cache
     (`FlatPagedKVCache`: every key of the step's sequences side by side under one mask)
     swapped in for the engine's."""
     rng = random.Random(2)
@@ -354,7 +358,8 @@ def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
             finished = run_to_end(engine, after_step=watch)
         runs[attention] = [finished[i] for i in ids]
         # (the kernel builds on this machine: a test below takes the road without it)
-        assert roads == {"kernel": {"kernel"}}.get(attention, {"gather"})
+        in_place = {"auto": {"kernel"}, "kernel": {"kernel"}, "flex": {"flex"}}
+        assert roads == in_place.get(attention, {"gather"})
     for attention in ATTENTIONS:
         for fast, reference in zip(runs[attention], runs["reference"], strict=True):
             assert fast.token_ids == reference.token_ids
@@ -385,6 +390,95 @@ def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, atte
         kinds = {n == 1 for n in engine.last_batch.num_new_tokens}
         mixed += kinds == {True, False}
     assert mixed >= 3  # steps with decodes and prompt chunks both
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (6, 1)])
+def test_flex_reads_fewer_key_heads_than_query_heads_in_place(window, sinks) -> None:
+    """FlexAttention over the pool (a decode row and a chunk in one step) with two key and
+    value heads for four query heads (grouped-query attention) equals attention over each
+    sequence's keys gathered, every key head shared by its group of query heads."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, n_head, head_dim, kv_block, num_blocks = 2, 4, 8, 4, 12
+    k_pool, v_pool = (
+        torch.randn(kv_heads, num_blocks, kv_block, head_dim, generator=generator).transpose(0, 1)
+        for _ in range(2)
+    )  # (stored heads first, as the engine's flex pool)
+    tables = [[7, 2, 9], [4, 11, 0]]
+    computed, new = [10, 5], [1, 4]  # a decode row, then a chunk of 4
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
+    q = torch.randn(1, n_head, sum(new), head_dim, generator=generator)
+    table = flex.table_tensor(tables, torch.device("cpu"))
+    step = flex.FlexStep(
+        table, flex.block_places(table, num_blocks), positions, new, 1, kv_block, window, sinks
+    )
+    got = step.attend(q, k_pool, v_pool)
+    start = 0
+    for t, c, n in zip(tables, computed, new, strict=True):
+        slots = torch.tensor([t[p // kv_block] * kv_block + p % kv_block for p in range(c + n)])
+        keys, values = (pool.transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, slots]
+                        for pool in (k_pool, v_pool))  # fmt: skip
+        keys, values = (x.repeat_interleave(n_head // kv_heads, 0) for x in (keys, values))
+        mask = gpt.window_mask(torch.arange(c, c + n)[:, None], torch.arange(c + n), window, sinks)
+        want = gpt.attention(q[:, :, start : start + n], keys[None], values[None], mask)
+        torch.testing.assert_close(got[:, :, start : start + n], want)
+        start += n
+
+
+def test_decode_batches_pad_to_buckets() -> None:
+    """A decode step of n rows replays the graph of the smallest bucket that holds them:
+    powers of two up to max_num_seqs, and max_num_seqs itself."""
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert [bucket_for(n, batch_buckets(48)) for n in (1, 3, 4, 5, 33, 48)] == [1, 4, 4, 8, 48, 48]
+
+
+def watch_padding(graphs: DecodeGraphs, replays: list[int]) -> Callable[..., torch.Tensor]:
+    """graphs.run, noting each step's bucket and checking that its padding rows hold the
+    spare block alone and write their keys only there."""
+    run = graphs.run
+
+    def watched(tables: list[list[int]], positions: list[int], ids: list[int]) -> torch.Tensor:
+        logits = run(tables, positions, ids)
+        n, rows = len(ids), bucket_for(len(ids), graphs.buckets)
+        replays.append(rows)
+        padding = graphs.tables[n:rows]
+        assert (padding[:, 0] == graphs.pad_block).all() and (padding[:, 1:] == -1).all()
+        assert (graphs.slots[n:rows] // KV_BLOCK == graphs.pad_block).all()
+        assert not (graphs.tables[:n] == graphs.pad_block).any()  # no sequence holds it
+        assert logits.shape[0] == n
+        return logits
+
+    return watched
+
+
+def test_the_static_decode_step_gives_the_eager_steps_tokens(model, tokenizer) -> None:
+    """The step a CUDA graph captures (static buffers, rows padded to a bucket), run
+    directly here, against the same engine with every step eager (enforce_eager): the
+    same tokens and logprobs, equal to the oracle's. Padding rows feed the pool's spare
+    block, which the block manager never hands out, and read nothing else."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    params = SamplingParams(max_tokens=10, logprobs=1)
+    runs, replays = {}, []
+    for eager in (True, False):
+        engine = engine_for(
+            model, tokenizer, attention="flex", enforce_eager=eager, num_kv_blocks=60,
+            max_num_seqs=6, max_num_batched_tokens=16,
+        )  # fmt: skip
+        graphs = engine.runner.graphs
+        assert (graphs is None) == eager
+        if not eager:
+            assert engine.pool.num_blocks == engine.block_manager.num_blocks + 1
+            graphs.run = watch_padding(graphs, replays)
+        ids = [engine.add_request(p, params) for p in prompts]
+        finished = run_to_end(engine)
+        runs[eager] = [finished[i] for i in ids]
+    assert set(replays) == {1, 2, 4, 6}  # every bucket replayed, padded where needed
+    for graph_run, eager_run, prompt in zip(runs[False], runs[True], prompts, strict=True):
+        assert graph_run.token_ids == eager_run.token_ids == solo(model, tokenizer, prompt, params)
+        for a, b in zip(graph_run.logprobs, eager_run.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-5
 
 
 def kernel_case(

@@ -162,6 +162,20 @@ def test_llm_loads_a_hugging_face_directory(hf_gpt2_dir: Path) -> None:
     assert output.token_ids == solo_ids(llm, "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
 
 
+def test_llm_runs_where_auto_points_and_says_so(
+    checkpoint: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """LLM's default device is "auto": CUDA where there is one, here the CPU, said in one
+    line; CUDA asked for where there is none is one clear error, before anything loads."""
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    llm = roseinfer.LLM(str(checkpoint))
+    assert str(next(llm.engine.model.parameters()).device) == expected
+    assert capsys.readouterr().err == f"[rose] LLM on {expected.split(':')[0]} (device='auto')\n"
+    if not torch.cuda.is_available():
+        with pytest.raises(RoseError, match="--device cuda, but CUDA is not available here"):
+            roseinfer.LLM(str(checkpoint), device="cuda")
+
+
 def test_llm_rejects_a_mismatched_params_list(checkpoint: Path) -> None:
     llm = roseinfer.LLM(str(checkpoint))
     with pytest.raises(RoseError, match="2 SamplingParams for 3 prompt"):

@@ -312,6 +312,17 @@ class StaticKVCache:
                 f"{self.seq_len + q_len} do not fit"
             )
 
+    def fix_addresses(self) -> None:
+        """Tell torch.compile that the tensors a step reads and writes stay where they are
+        (`mark_static_address`), so that a compiled step may replay as a CUDA graph
+        (mode "reduce-overhead") that writes them in place."""
+        tensors = [t for layer in self.layers for t in (layer.k, layer.v)]
+        tensors += [self.filled, self.causal_rows]
+        if self.real_slots is not None:
+            tensors += [self.real_slots, self.pad_lengths]
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)
+
     def fork(self, n: int) -> list[StaticKVCache]:
         """n caches for n continuations: the buffers are written in place, so each fork
         gets its own copy (copy-on-fork)."""

@@ -50,6 +50,7 @@ from typing import Protocol
 import torch
 
 from roseinfer.cache import kernels
+from roseinfer.cache.flex import FlexStep, block_places, table_tensor
 from roseinfer.cache.quantized import BITS, CHANNEL_DIM, TIME_DIM, QuantizedStore
 from rosetrainer import model as gpt
 from rosetrainer.config import GPTConfig
@@ -74,7 +75,9 @@ class KVPool(BlockGeometry):
 
     Heads before tokens, as in the model's own (batch, n_kv_head, time, head_dim): a
     sequence's blocks gathered in table order are then the keys attention reads, in one
-    copy and already in the layout its matrix products want.
+    copy and already in the layout its matrix products want. heads_major: the same view
+    of a layer stored heads first, (n_head, num_blocks, ...), so that the whole layer is
+    one key axis for FlexAttention (roseinfer.cache.flex) without a copy.
     """
 
     quantized = False
@@ -86,11 +89,19 @@ class KVPool(BlockGeometry):
         kv_block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        heads_major: bool = False,
     ) -> None:
         super().__init__(config, num_blocks, kv_block_size)
         shape = self.layer_shape
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        if heads_major:  # stored (n_head, num_blocks, ...), seen as layer_shape
+            stored = (shape[1], shape[0], *shape[2:])
+            self.k = [torch.zeros(stored, dtype=dtype, device=device).transpose(0, 1)
+                      for _ in range(config.n_layer)]  # fmt: skip
+            self.v = [torch.zeros(stored, dtype=dtype, device=device).transpose(0, 1)
+                      for _ in range(config.n_layer)]  # fmt: skip
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
 
     @property
     def device(self) -> torch.device:
@@ -265,6 +276,8 @@ class PoolSettings(Protocol):
 
     def exact_blocks(self) -> int: ...
 
+    def attention_on(self, device: torch.device) -> str: ...
+
 
 def make_pool(
     config: GPTConfig,
@@ -273,9 +286,11 @@ def make_pool(
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVPool | QuantizedKVPool:
-    """The engine's pool: plain for kv_cache_dtype "auto", else quantized."""
+    """The engine's pool: plain for kv_cache_dtype "auto" (stored heads first where
+    FlexAttention reads it), else quantized."""
     if engine.kv_cache_dtype == "auto":
-        return KVPool(config, num_blocks, engine.kv_block_size, dtype, device)
+        flex = engine.attention_on(device) == "flex"
+        return KVPool(config, num_blocks, engine.kv_block_size, dtype, device, flex)
     return QuantizedKVPool(
         config,
         num_blocks,
@@ -378,7 +393,9 @@ class PagedKVCache:
     how many new tokens this call feeds. The leading sequences that feed one token each
     attend together as a decode batch: with in_place, through the compiled kernel reading
     their blocks where they lie (the caller checked `kernels.runs_on(pool)`), else over
-    their blocks gathered.
+    their blocks gathered. With flex, the decode rows and the chunks each attend in one
+    FlexAttention call reading the pool in place (roseinfer.cache.flex: a plain pool
+    stored heads first).
     """
 
     def __init__(
@@ -388,9 +405,11 @@ class PagedKVCache:
         num_computed: list[int],
         num_new: list[int],
         in_place: bool = False,
+        flex: bool = False,
     ) -> None:
         self.pool = pool
         self.kv_block_size = pool.kv_block_size
+        self.block_tables = block_tables if flex else None
         self.tables = padded_tables(block_tables, pool.device)
         self.num_computed = torch.tensor(num_computed, dtype=torch.long)
         self.num_new = torch.tensor(num_new, dtype=torch.long)
@@ -413,6 +432,15 @@ class PagedKVCache:
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), self.num_new).to(device)
         self.written_slots = slot_mapping(self.tables, seq_of_token, positions, self.kv_block_size)
         self.pool.before_write(self.written_slots)
+        if self.block_tables is not None:  # FlexAttention reads for the whole step
+            pool, tables = self.pool, table_tensor(self.block_tables, device)
+            self.flex = FlexStep(
+                tables, block_places(tables, pool.num_blocks), positions,
+                self.num_new.tolist(), self.num_decode, self.kv_block_size,
+                pool.attention_window, pool.attention_sinks,
+            )  # fmt: skip
+            return positions[None, :], None
+        self.flex = None
         self.decode_positions = positions[: self.num_decode]
         gathered = self.num_decode and not self.in_place
         self.decode_mask = self._decode_mask(device) if gathered else None
@@ -424,6 +452,8 @@ class PagedKVCache:
         pool, then each sequence's queries over its own keys: the outputs, shaped like q."""
         new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (total_new, *entries)
         self.pool.write(layer, self.written_slots, new_k, new_v)
+        if self.flex is not None:
+            return self.flex.attend(q, self.pool.k[layer], self.pool.v[layer])
         outputs = []
         n = self.num_decode
         if n:  # one query per row: (n, n_head, head_dim)
@@ -530,6 +560,7 @@ class FlatPagedKVCache:
         num_computed: list[int],
         num_new: list[int],
         in_place: bool = False,  # (not read: the flat row attends in the model, over gathered keys)
+        flex: bool = False,  # (nor this)
     ) -> None:
         self.pool = pool
         self.kv_block_size = pool.kv_block_size

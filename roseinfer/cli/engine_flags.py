@@ -70,10 +70,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=ATTENTIONS,
         default=DEFAULTS.attention,
-        help="how decoding requests read their keys and values from the KV pool: 'kernel', "
-        "in place, by a small C kernel built at first use (on a CPU; elsewhere, or without "
-        "a C compiler, it gathers), or 'gather', each request's blocks gathered every step "
-        f"(the same tokens; default: {DEFAULTS.attention})",
+        help="how attention reads keys and values from the KV pool: 'kernel', decoding "
+        "requests in place by a small C kernel built at first use (on a CPU; elsewhere, or "
+        "without a C compiler, it gathers); 'flex', every request in place through compiled "
+        "FlexAttention; 'gather', each decoding request's blocks gathered every step; "
+        f"'auto', flex on CUDA, else kernel (the same tokens; default: {DEFAULTS.attention})",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs for decode steps (with flex attention "
+        "on CUDA, decode steps replay graphs captured at start-up, one per batch-size bucket)",
     )
     engine.add_argument(
         "--num-threads",
@@ -208,6 +215,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         pack_weights=not args.no_pack_weights,
         attention=args.attention,
+        enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_window=kv_cache_window(args),
         kv_cache_group_size=kv_cache_group_size(args),

@@ -10,6 +10,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from roseinfer.cache.quantized import (
     BITS,
     DEFAULT_GROUP_SIZE,
@@ -27,7 +29,7 @@ from rosetrainer.errors import RoseError
 DEFAULT_POOL_CAP_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 _UNITS.update(kb=1000, mb=1000**2, gb=1000**3, tb=1000**4)
-ATTENTIONS = ("kernel", "gather")  # see EngineConfig.attention
+ATTENTIONS = ("auto", "kernel", "flex", "gather")  # see EngineConfig.attention
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,20 @@ class EngineConfig:
     # Tests: hand out free blocks in a random order drawn from this seed, so a logical
     # block number used where a physical one belongs cannot pass by luck. None: in order.
     shuffle_blocks_seed: int | None = None
-    # How the decoding sequences read their keys and values in a step's one model call
-    # (the same tokens either way; the pool is the only copy): "kernel", in place, by a
-    # small C kernel compiled at first use (roseinfer.cache.kernels; on a CPU, for a plain
-    # pool: a quantized or GPU pool, or no C compiler, gathers instead); "gather", each
-    # sequence's blocks gathered into one tensor every step, then attention in PyTorch.
-    # Prompt and verify chunks read their own keys from the pool either way.
-    attention: str = "kernel"
+    # How a step's attention reads the keys and values (the same tokens every way; the
+    # pool is the only copy): "kernel", the decoding sequences in place, by a small C
+    # kernel compiled at first use (roseinfer.cache.kernels; on a CPU, for a plain pool:
+    # a quantized or GPU pool, or no C compiler, gathers instead), each prompt or verify
+    # chunk alone; "flex", the decode rows and the chunks each in one compiled
+    # FlexAttention call reading the pool in place (roseinfer.cache.flex; a quantized pool
+    # gathers instead); "gather", each decoding sequence's blocks gathered into one tensor
+    # every step, then attention in PyTorch; "auto": "flex" on CUDA, "kernel" elsewhere.
+    attention: str = "auto"
+    # With "flex" on a plain pool: decode steps (every sequence feeding one token) replay
+    # through CUDA graphs captured at start-up, one per batch-size bucket
+    # (roseinfer.engine.cuda_graphs; on a CPU the same static-buffer step runs directly).
+    # True: every step eager (vLLM's enforce_eager).
+    enforce_eager: bool = False
     # On a CPU: the model's linear layers run with their weights packed once for oneDNN
     # (roseinfer.engine.packed: about one more copy of the weights, a faster step).
     pack_weights: bool = True
@@ -87,6 +96,12 @@ class EngineConfig:
             raise RoseError(
                 f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}"
             )
+
+    def attention_on(self, device: torch.device) -> str:
+        """The attention this engine runs on `device` ("auto" resolved)."""
+        if self.attention != "auto":
+            return self.attention
+        return "flex" if device.type == "cuda" else "kernel"
 
     def check_model(self, model: GPTConfig) -> None:
         """The settings that depend on the model (a quantized pool's group size)."""

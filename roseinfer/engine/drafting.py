@@ -80,6 +80,7 @@ class PoolDrafter:
             positions,
             [1] * len(seqs),
             self.runner.in_place,
+            self.runner.flex,
         )
         idx = torch.tensor([ids], device=self.pool.device)
         return self.model(idx, cache=cache, validate=False).logits[0]

@@ -2,12 +2,14 @@
 
 from roseinfer import LLM, SamplingParams
 llm = LLM("checkpoints/run")                      # a .pt, a run directory, or an HF directory
+                                                  # (on CUDA when there is a GPU: device="cpu" to choose)
 outputs = llm.generate(["ROMEO:", "JULIET:"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)                 # vLLM's shape (outputs[0].text: the same)
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -32,7 +34,7 @@ class LLM:
         model: str | None = None,
         *,
         hf: bool | None = None,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "float32",
         tokenizer: str | None = None,
         speculative: SpeculativeConfig | dict | None = None,
@@ -43,6 +45,8 @@ class LLM:
         tells them apart by its config.json); None takes the newest checkpoint.
         num_threads: CPU threads for PyTorch, fixed (None: OMP_NUM_THREADS if set, else
         auto: one per core, fewer while other programs keep the cores busy; rosetrainer/threads.py).
+        device: "auto" (CUDA when there is a GPU, else the CPU; one line on stderr says
+        which), "cpu", "cuda" or "cuda:N" (CUDA asked for where there is none: a RoseError).
         speculative: speculative decoding, a SpeculativeConfig or its fields as a dict, e.g.
         {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft", "model":
         "checkpoints/small", "num_speculative_tokens": 4}.
@@ -54,6 +58,7 @@ class LLM:
         if hf is None:
             hf = model is not None and (Path(model) / "config.json").is_file()
         torch_device = pick_device(device)
+        print(f"[rose] LLM on {torch_device} (device={device!r})", file=sys.stderr)
         gpt, tok, self.source = load_model_and_tokenizer(
             None if hf else model,
             model if hf else None,

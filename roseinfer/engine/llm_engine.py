@@ -113,7 +113,14 @@ class LLMEngine:
             check_engine_draft(draft, model)
         draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
         num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
-        self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
+        attention = config.attention_on(weight.device)
+        # Decode steps in CUDA graphs (roseinfer.engine.cuda_graphs): FlexAttention over a
+        # plain pool, a bounded context; the pool has one spare block for padding rows.
+        graphs = not config.enforce_eager and attention == "flex"
+        graphs = graphs and config.kv_cache_dtype == "auto" and self.length_limit is not None
+        graphs = graphs and model.config.sliding_window is None
+        pool_blocks = num_blocks + 1 if graphs else num_blocks
+        self.pool = make_pool(model.config, pool_blocks, config, weight.dtype, weight.device)
         self.block_manager = BlockManager(
             num_blocks,
             config.kv_block_size,
@@ -126,25 +133,27 @@ class LLMEngine:
         self.runner = ModelRunner(
             model,
             self.pool,
-            config.attention,
+            attention,
             config.record_writes,
             config.max_num_seqs,
             config.pack_weights,
+            graphs,
         )
         self.draft_pool: KVPool | None = None  # a draft model's own pool
         self.drafter: Drafter | PoolDrafter | None = drafter
         if draft is not None:
             if own_pool:  # in the draft's dtype, on its device (they may differ from the target's)
                 own = draft.lm_head.weight
+                flex = config.attention_on(own.device) == "flex"
                 self.draft_pool = KVPool(
-                    draft.config, num_blocks, config.kv_block_size, own.dtype, own.device
+                    draft.config, num_blocks, config.kv_block_size, own.dtype, own.device, flex
                 )
             if self_draft:  # (the target's packed weights, shared)
                 draft = first_layers(self.runner.model, draft.config.n_layer)
             runner = ModelRunner(
                 draft,
                 self.draft_pool if own_pool else self.pool,
-                config.attention,
+                config.attention_on((self.draft_pool or self.pool).device),
                 max_num_seqs=config.max_num_seqs,
                 pack_weights=config.pack_weights and not self_draft,
             )

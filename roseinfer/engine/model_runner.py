@@ -8,12 +8,15 @@ its sequence's position and pool slot, so every product with the weights runs on
 all of the step's rows. The decoding sequences go first, then the chunks; attention is
 the cache's own step, each sequence over its own keys (roseinfer.cache.paged).
 
-How the decoding sequences read their keys is the one choice (`EngineConfig.attention`):
-"kernel" (the default) reads each one's blocks where they lie in the pool with a small
-compiled kernel (roseinfer.cache.kernels: on a CPU, for a plain pool; elsewhere, or
-where it cannot be built, the gather); "gather" gathers each sequence's blocks into one
-tensor every step and attends in PyTorch. Both give the same tokens (tests check it).
-The pool is the only copy of the keys and values.
+How attention reads the keys is the one choice (`EngineConfig.attention`, resolved for
+the pool's device): "kernel" (the CPU's default) reads each decoding sequence's blocks
+where they lie in the pool with a small compiled kernel (roseinfer.cache.kernels: on a
+CPU, for a plain pool; elsewhere, or where it cannot be built, the gather); "flex" (the
+default on CUDA) reads the pool in place for the decode rows and the chunks alike, one
+compiled FlexAttention call each (roseinfer.cache.flex; a quantized pool gathers);
+"gather" gathers each sequence's blocks into one tensor every step and attends in
+PyTorch. All give the same tokens (tests check it). The pool is the only copy of the
+keys and values.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from roseinfer.cache import kernels
 from roseinfer.cache.paged import KVPool, PagedKVCache, QuantizedKVPool
+from roseinfer.engine.cuda_graphs import DecodeGraphs, bucket_for
 from roseinfer.engine.packed import can_pack, packed_linears
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.model import GPT
@@ -38,6 +42,7 @@ class ModelRunner:
         record_writes: bool = False,
         max_num_seqs: int = 64,
         pack_weights: bool = False,
+        decode_graphs: bool = False,
     ) -> None:
         # The model the steps run: on a CPU its linear layers packed once for oneDNN, for
         # the decode batch's row count (roseinfer.engine.packed); the caller's stays as it was.
@@ -45,9 +50,20 @@ class ModelRunner:
         self.model = packed_linears(model, max_num_seqs) if packing else model
         self.pool = pool
         self.attention = attention
-        # Decode rows read their blocks in place where the kernel runs on this pool.
+        # Decode rows read their blocks in place where the kernel runs on this pool; with
+        # flex, the whole step does (a plain pool, stored heads first for it).
         self.in_place = attention == "kernel" and kernels.runs_on(pool)
-        # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
+        self.flex = attention == "flex" and not pool.quantized
+        # Decode steps through static buffers, replayed as CUDA graphs on a GPU (the pool's
+        # last block is the padding rows' spare: the caller left it out of the manager's).
+        self.graphs = None
+        if decode_graphs and self.flex:
+            max_blocks = -(-model.config.block_size // pool.kv_block_size)
+            capture = pool.device.type == "cuda"
+            pad_block = pool.num_blocks - 1
+            self.graphs = DecodeGraphs(
+                self.model, pool, max_num_seqs, max_blocks, pad_block, capture
+            )  # For checks (record_writes: tests, chapters): the pool slots the last step wrote,
         # and the block tables of the sequences that wrote them, as they were then. Off,
         # a step copies no table and never waits for the device to hand the slots back.
         self.record_writes = record_writes
@@ -55,6 +71,9 @@ class ModelRunner:
         self.writer_tables: list[list[int]] = []
         self.seconds: dict[str, float] = {}  # the last step's model time ("model")
         self.num_decode = 0  # the last step's decode batch: sequences feeding one token
+        # The rows the last step's static decode step ran over (its tokens padded to a
+        # bucket, every row's logits made), or None where the step ran eager.
+        self.graph_rows: int | None = None
 
     @torch.inference_mode()
     def run(
@@ -84,13 +103,23 @@ class ModelRunner:
         )
         logits_at = at.to(self.pool.device) if len(at) < len(ids) else None
         started = time.perf_counter()
-        idx = torch.tensor([ids], device=self.pool.device)  # (1, the step's tokens)
-        out = self.model(idx, cache=cache, logits_at=logits_at, validate=False)
+        tables = [seq.block_table for seq in seqs]
+        self.graph_rows = None
+        if self.graphs is not None and self.graphs.takes(num_new, max(map(len, tables))):
+            self.graph_rows = bucket_for(len(ids), self.graphs.buckets)
+            positions = [seq.num_computed_tokens for seq in seqs]
+            logits = self.graphs.run(tables, positions, ids)
+            logits = logits if logits_at is None else logits[logits_at]
+            written = self.graphs.slots[: len(ids)]
+        else:
+            idx = torch.tensor([ids], device=self.pool.device)  # (1, the step's tokens)
+            out = self.model(idx, cache=cache, logits_at=logits_at, validate=False)
+            logits, written = out.logits[0], cache.written_slots
         self.seconds = {"model": time.perf_counter() - started}
         self.num_decode = num_new.count(1)  # (they come first)
         if self.record_writes:
-            self.written_slots = cache.written_slots.tolist()
-        return [seqs[i] for i in done], out.logits[0]
+            self.written_slots = written.tolist()
+        return [seqs[i] for i in done], logits
 
     @torch.inference_mode()
     def fill(self, seqs: list[EngineSequence], num_new: list[int]) -> None:
@@ -110,9 +139,8 @@ class ModelRunner:
         order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)
         seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
         computed = [seq.num_computed_tokens for seq in seqs]
-        cache = PagedKVCache(
-            self.pool, [seq.block_table for seq in seqs], computed, num_new, self.in_place
-        )
+        tables = [seq.block_table for seq in seqs]
+        cache = PagedKVCache(self.pool, tables, computed, num_new, self.in_place, self.flex)
         ids = [
             token
             for seq, start, n in zip(seqs, computed, num_new, strict=True)

@@ -206,7 +206,10 @@ def generate_batch(
             raise RoseError(
                 "compile needs an unquantized StaticKVCache: its decode steps have one shape"
             )
-        decode_step = compiled_step(compile)
+        device_type = cache.layers[0].k.device.type
+        decode_step = compiled_step(compile, device_type)
+        if device_type == "cuda":
+            cache.fix_addresses()
     steps = cached_steps(model, seqs, keep, cache, prefill_chunk, decode_step)
     return _run(steps, seqs, on_token, keep_logits)
 
@@ -242,7 +245,10 @@ def _run(
 
 # How the one-token step may be compiled:
 # * "default": inductor fuses the small ops (layer norms, GELU, the cache write,
-#   attention's softmax) around the usual matmul library calls; compiles in seconds.
+#   attention's softmax) around the usual matmul library calls; compiles in seconds. On
+#   CUDA the step also replays as a CUDA graph (mode "reduce-overhead", gpt-fast's way):
+#   one launch a token instead of one per kernel, the cache's buffers at fixed addresses
+#   (StaticKVCache.fix_addresses) so the graph writes them in place.
 # * "max-autotune": the weights are frozen into the graph as constants, so they can be
 #   packed once for the matmul kernels, and inductor times its own generated matmul
 #   kernels against the library's and keeps the faster. For one-row decode matmuls on a
@@ -252,14 +258,16 @@ COMPILE_MODES = ("default", "max-autotune")
 
 
 @functools.cache
-def compiled_step(mode: str = "default") -> StepFn:
-    """`model_step` through torch.compile, built on first use (importing dynamo is slow)."""
+def compiled_step(mode: str = "default", device_type: str = "cpu") -> StepFn:
+    """`model_step` through torch.compile, built on first use (importing dynamo is slow),
+    for a cache on `device_type` ("cuda": in CUDA graphs)."""
     if mode not in COMPILE_MODES:
         raise RoseError(
             f"compile is one of {', '.join(COMPILE_MODES)} (or None for eager), got {mode!r}"
         )
     if mode == "default":
-        return torch.compile(model_step, dynamic=False, fullgraph=True)
+        graphs = "reduce-overhead" if device_type == "cuda" else None
+        return torch.compile(model_step, dynamic=False, fullgraph=True, mode=graphs)
     from torch._inductor import config as inductor_config  # (imported on demand: slow)
 
     # CUDA graphs stay off: they would need the step's inputs at fixed addresses.
