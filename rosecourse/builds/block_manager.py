@@ -27,18 +27,15 @@ engine's window hook (`drop_out_of_window`) is not the learner's to write.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from unittest import mock
 
-import roseinfer.engine.llm_engine
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
-from roseinfer.engine.block_manager import BlockManager, check_pool
+from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.sequence import EngineSequence
@@ -89,15 +86,28 @@ def tokenizer() -> Tokenizer:
     return Tokenizer("gpt2")
 
 
-def learners(module: types.ModuleType):
-    """What LLMEngine calls to build its manager, building the learner's instead."""
+def learners(module: types.ModuleType) -> Callable[..., BlockManagerProtocol]:
+    """What LLMEngine builds its manager with (`block_manager_class`): the learner's
+    BlockManager, with what the engine also calls that the build leaves out (this model
+    has no sliding window; chapters 11-13 draft no tokens)."""
 
-    def make(num_blocks, kv_block_size, enable_prefix_caching=True, *_window_and_seed):
-        manager = module.BlockManager(num_blocks, kv_block_size, enable_prefix_caching)
-        manager.drop_out_of_window = lambda seq: None  # no sliding window in this model
-        return manager
+    class Learners(module.BlockManager):
+        def __init__(self, num_blocks, kv_block_size, enable_prefix_caching, *_seed_window):
+            super().__init__(num_blocks, kv_block_size, enable_prefix_caching)
+            if not isinstance(getattr(self, "cache_version", None), int):
+                raise Mismatch(
+                    "your BlockManager's __init__ sets no cache_version (an int): the "
+                    "engine's scheduler reads it to know when the prefix cache changed"
+                )
 
-    return make
+        @property
+        def num_available(self) -> int:
+            return self.num_free + len(self.evictable)
+
+        def drop_out_of_window(self, seq: EngineSequence) -> None:
+            pass
+
+    return Learners
 
 
 def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[str, tuple]:
@@ -112,11 +122,8 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
         enable_prefix_caching=schedule.enable_prefix_caching,
         record_writes=True,  # the pool's invariants are checked after every step
     )
-    swap = contextlib.nullcontext()
-    if module is not None:
-        swap = mock.patch.object(roseinfer.engine.llm_engine, "BlockManager", learners(module))
-    with swap:
-        engine = LLMEngine(oracle_model(), tokenizer(), config)
+    made = BlockManager if module is None else learners(module)
+    engine = LLMEngine(oracle_model(), tokenizer(), config, block_manager_class=made)
     seen: dict[str, tuple] = {}
     step = 0
     while step <= max(r.arrives for r in schedule.requests) or engine.has_unfinished():

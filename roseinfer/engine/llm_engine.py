@@ -42,7 +42,12 @@ import torch
 
 from roseinfer.cache.paged import KVPool, make_pool
 from roseinfer.cache.quantized import kv_bytes_per_token
-from roseinfer.engine.block_manager import BlockManager, blocks_for, blocks_short
+from roseinfer.engine.block_manager import (
+    BlockManager,
+    BlockManagerProtocol,
+    blocks_for,
+    blocks_short,
+)
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.drafting import PoolDrafter
 from roseinfer.engine.model_runner import ModelRunner
@@ -83,8 +88,11 @@ class LLMEngine:
         config: EngineConfig | None = None,
         drafter: Drafter | None = None,
         num_speculative_tokens: int | None = None,
+        block_manager_class: Callable[..., BlockManagerProtocol] = BlockManager,
     ) -> None:
-        """drafter, num_speculative_tokens: speculative decoding (both, or neither)."""
+        """drafter, num_speculative_tokens: speculative decoding (both, or neither).
+        block_manager_class: what makes the pool's bookkeeping, called as BlockManager is
+        (another implementation of BlockManagerProtocol: a learner's, say)."""
         config = EngineConfig() if config is None else config  # (frozen: safe to share)
         if (drafter is None) != (num_speculative_tokens is None):
             raise RoseError("speculative decoding takes a drafter and num_speculative_tokens")
@@ -114,7 +122,7 @@ class LLMEngine:
         draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
         num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
         self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
-        self.block_manager = BlockManager(
+        self.block_manager = block_manager_class(
             num_blocks,
             config.kv_block_size,
             config.enable_prefix_caching,
