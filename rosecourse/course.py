@@ -287,8 +287,12 @@ UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+# An untouched stub's verdict: not a wrong answer, no answer yet.
+UNWRITTEN = "not written yet"
+
+
 def unwritten(name: str, directory: Path) -> list[str] | None:
-    """The FAILED lines of check `name` (as `check_name` gives it) when its file in
+    """The "not written yet" lines of check `name` (as `check_name` gives it) when its file in
     `directory` is still the stub `rose-course start` writes, or None when it is anything
     else: the learner's work, a file that is missing or does not parse (the check's to run
     and word). The stub is recognised by its code, whatever its comments, layout and
@@ -301,12 +305,12 @@ def unwritten(name: str, directory: Path) -> list[str] | None:
         return None
     if name in BUILD_NAMES:
         return [
-            f"{name}/{part}: FAILED: not written yet: replace the stub's body (write {first})"
+            f"{name}/{part}: {UNWRITTEN}: replace the stub's body (write {first})"
             for part, first in UNWRITTEN_PARTS[name]
         ]
     function = lesson(name).name
     return [
-        f"{function}: FAILED: not written yet: replace the stub with your function "
+        f"{function}: {UNWRITTEN}: replace the stub with your function "
         f"[it raises NotImplementedError: write {function}]"
     ]
 
@@ -534,7 +538,7 @@ def grade(chosen: Lesson | Build, directory: Path) -> CheckResult:
             return result
         passed = sum(part.passed for part in parts)
         return CheckResult(
-            chosen.name, passed == len(parts), None, f"{passed}/{len(parts)} parts pass"
+            chosen.name, 0 < passed == len(parts), None, f"{passed}/{len(parts)} parts pass"
         )
     try:
         fn = load_learner(chosen, directory)

@@ -106,7 +106,7 @@ def keys_query_the_queries(q, k, v):
 @alternative("00")
 def attention_with_a_float_mask(q, k, v):
     t = q.size(-2)
-    bias = torch.full((t, t), -math.inf).triu(1)
+    bias = torch.full((t, t), -math.inf, dtype=q.dtype, device=q.device).triu(1)
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias, dim=-1) @ v
 
 
@@ -453,7 +453,8 @@ def real_tokens_in_the_row(attention_mask):
 @alternative("07")
 def slot_minus_padding(attention_mask):
     padding = (attention_mask == 0).sum(-1, keepdim=True)
-    return (torch.arange(attention_mask.size(1)) - padding).clamp(min=0)
+    slots = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    return (slots - padding).clamp(min=0)
 
 
 @alternative("07")
@@ -3065,3 +3066,4 @@ def blind_build(
 
 
 import blind_mutants  # noqa: E402, F401  (registers them: kept apart, see its docstring)
+import contract_mutants  # noqa: E402, F401  (the same: wrong answers by class, issue 54)

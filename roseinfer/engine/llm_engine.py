@@ -89,10 +89,13 @@ class LLMEngine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int | None = None,
         block_manager_class: Callable[..., BlockManagerProtocol] = BlockManager,
+        scheduler_class: Callable[..., Scheduler] = Scheduler,
     ) -> None:
         """drafter, num_speculative_tokens: speculative decoding (both, or neither).
         block_manager_class: what makes the pool's bookkeeping, called as BlockManager is
-        (another implementation of BlockManagerProtocol: a learner's, say)."""
+        (another implementation of BlockManagerProtocol: a learner's, say);
+        scheduler_class: what makes the scheduler, called as Scheduler is (a subclass with
+        another policy)."""
         config = EngineConfig() if config is None else config  # (frozen: safe to share)
         if (drafter is None) != (num_speculative_tokens is None):
             raise RoseError("speculative decoding takes a drafter and num_speculative_tokens")
@@ -130,7 +133,7 @@ class LLMEngine:
             model.config.sliding_window,
             model.config.attention_sinks,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = scheduler_class(config, self.block_manager)
         self.runner = ModelRunner(
             model,
             self.pool,
