@@ -182,29 +182,32 @@ def hint(name: str, directory: Path, seen: bool) -> int:
             "first (or pass --dir)"
         )
     texts = course.hints(name)
-    used, total = course.hints_used(name, directory)
+    given = course.given_hints(name, course.read_hint_record(directory))
+    total = len(texts)
     if seen:
-        for number in range(1, used + 1):
-            print(hint_text(name, number, total, texts[number - 1]))
-        if not used:
+        for index in given:
+            print(hint_text(name, index + 1, total, texts[index]))
+        if not given:
             print(f"no hints given for {name} yet: `{PROG} hint {name}` gives the first")
         return 0
-    given = course.hint_next(name, directory)
-    if given is None:
+    following = course.hint_next(name, directory)
+    if following is None:
         print(
             f"no more hints for {name}: all {total} given (--seen shows them again; the "
             f"reference solution: `{PROG} start answers/ --solutions`)"
         )
         return 0
-    number, text = given
-    print(hint_text(name, number, total, text))
+    number, text, part = following
+    print(hint_text(name, number, total, text, part))
     return 0
 
 
-def hint_text(name: str, number: int, total: int, text: str) -> str:
-    """A hint as printed: numbered, its prose wrapped to the terminal's usual width, its
-    code lines (indented by four spaces in the solution's HINTS) as they are."""
-    lines = [f"hint {number} of {total} for {name}:"]
+def hint_text(name: str, number: int, total: int, text: str, part: str | None = None) -> str:
+    """A hint as printed: numbered (and, for a build, the failing part it is about), its
+    prose wrapped to the terminal's usual width, its code lines (indented by four spaces
+    in the solution's HINTS) as they are."""
+    about = f" (about {name}/{part}, which failed)" if part else ""
+    lines = [f"hint {number} of {total} for {name}{about}:"]
     for line in text.splitlines():
         if line.startswith("    "):
             lines.append(line)

@@ -93,6 +93,7 @@ from rosecourse.course import (
     key,
     learner_file,
     load_learner,
+    note_failing_part,
 )
 from rosecourse.exercises import CheckResult
 from rosecourse.exercises.common import Exercise, Raised, check
@@ -348,6 +349,18 @@ def grade_in_child(
         return False
     finally:
         child.stop()
+        if exercise is None:  # a build: `hint` gives its first failing part's hints first
+            note_failing_part(chosen.name, directory, first_failing(chosen, child.transcript))
+
+
+def first_failing(build: Build, transcript: str) -> str | None:
+    """The first of `build`'s parts whose line in `transcript` is not "passed"."""
+    for line in transcript.splitlines():
+        for part in build.parts:
+            said = line.removeprefix(f"{build.name}/{part.name}: ")
+            if said != line and not said.startswith("passed"):
+                return part.name
+    return None
 
 
 def exercise_of(chosen: Lesson | Build) -> Exercise | None:

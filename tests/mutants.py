@@ -1984,6 +1984,13 @@ class DropoutReadFromTheConfig(reference_model.Block):
 _chain_hash = reference_block_manager.chain_hash
 
 
+@build_mutant("block_manager", "BlockManager", name="cache_version_never_changes")
+class CacheVersionNeverChanges(reference_block_manager.BlockManager):
+    # the mistake: keys enter and leave `cached`, and cache_version stays 0 (the scheduler
+    # keeps serving a waiting request its first lookup's blocks)
+    cache_version = property(lambda self: 0, lambda self, value: None)
+
+
 @build_mutant("block_manager", "BlockManager", name="lookup_skips_a_missing_block")
 class LookupSkipsAMissingBlock(reference_block_manager.BlockManager):
     def cached_prefix(self, token_ids):
@@ -2024,6 +2031,7 @@ class _AdvanceOf(reference_block_manager.BlockManager):
             if block.hash is None and key not in self.cached:
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+                self.cache_version += 1
 
 
 @build_mutant("block_manager", "BlockManager", name="generated_blocks_never_cached")
@@ -2762,6 +2770,7 @@ def grows_a_block_too_many(self, seq: EngineSequence, num_tokens: int) -> None:
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]
             del self.cached[block.hash]
+            self.cache_version += 1
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         seq.block_table.append(block_id)
@@ -2820,6 +2829,7 @@ def cached_key_moved_to_the_copy(self, seq: EngineSequence, num_new: int) -> Non
         if block.hash is None:
             block.hash, block.token_ids = key, tokens
             self.cached[key] = block.block_id
+            self.cache_version += 1
 
 
 # -- build verify: RollbackCache, verify_greedy, accept_or_resample, verify_sampled ------

@@ -284,6 +284,7 @@ class Script:
         self.caching = caching
         self.live: list[EngineSequence] = []
         self.seen: list[tuple] = []
+        self.cache_as_noted: tuple[frozenset, object] | None = None  # (keys, cache_version)
 
     def call(self, what: str, fn, *args):
         """fn(*args); when the learner's code raises, that is noted as the call's answer
@@ -298,10 +299,20 @@ class Script:
 
     def note(self, what: str, answer: object = None) -> None:
         manager = self.manager
+        problem = pool_problem(manager, self.live, self.caching)
+        noted = (frozenset(manager.cached), getattr(manager, "cache_version", None))
+        if problem is None and self.cache_as_noted is not None:
+            keys, version = self.cache_as_noted
+            if keys != noted[0] and version == noted[1]:
+                problem = (
+                    "a key entered or left `cached` and cache_version did not change: the "
+                    "scheduler would serve a waiting request the blocks of an old lookup"
+                )
+        self.cache_as_noted = noted
         self.seen.append(
             (
                 what,
-                pool_problem(manager, self.live, self.caching),
+                problem,
                 answer,
                 manager.num_free,
                 len(manager.evictable),
@@ -495,8 +506,28 @@ def _shared_prefixes(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(40), module)
 
 
+def evicted_while_waiting() -> Schedule:
+    """A waiting request's cached prefix evicted while it waits: r0 leaves its two full
+    blocks cached; r2, which shares them, finds them but waits for room while r1 grows
+    and evicts one; when r2 starts, only what the cache holds then may be served (the
+    scheduler looks it up again only when `cache_version` says the cache changed)."""
+    head = chunk("ROMEO:\nBut soft, what light through yonder window", 8)
+    return Schedule(
+        (
+            Request(head + chunk(" breaks?", 1), 1),
+            Request(chunk("JULIET:\nO Romeo, Romeo! wherefore art thou", 12), 8, arrives=1),
+            Request(head + chunk(" is the east, and Juliet", 5), 4, arrives=1),
+        ),
+        kv_block_size=4,
+        num_kv_blocks=6,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+
+
 def _short_pool(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(9), module)  # preemptions and evictions
+    compare_schedule(evicted_while_waiting(), module)
 
 
 PIECES = ("ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "Good night, good night")
@@ -611,6 +642,7 @@ def _evicts_the_newest(self, seq: EngineSequence, num_tokens: int) -> None:
             block_id, _ = self.evictable.popitem(last=True)
             block = self.blocks[block_id]
             del self.cached[block.hash]
+            self.cache_version += 1
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         seq.block_table.append(block_id)
