@@ -417,8 +417,9 @@ def judge(
         result = broke_the_check(name, error)
     finally:
         torch.set_num_threads(threads)
-    child.require_guard()  # (nothing said the verdict yet: a dead guard, or changed
-    intact()  # grading code, is the verdict)
+    # Said only now: a reaper killed, or grading code changed on disk, is the verdict instead.
+    child.require_guard()
+    intact()
     print(result)
     return result.passed
 

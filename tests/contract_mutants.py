@@ -73,7 +73,7 @@ def positions_in_int32(past_len, q_len, device=None):
 # -- numerics: no max subtracted; top-p in float16, or without the p >= 1 shortcut
 
 
-@breaks("00", "NaN or inf where every value is finite")
+@breaks("00", "gives NaN where the values are numbers")
 def softmax_without_the_max(q, k, v):
     weights = _scores(q, k).exp()
     return weights / weights.sum(-1, keepdim=True) @ v
@@ -87,12 +87,12 @@ def _top_p(logits, p, dtype):
     return logits.masked_fill(drop, float("-inf"))
 
 
-@breaks("05", "GPT-2's vocabulary")
+@breaks("05", "GPT-2's vocabulary), 0.5): from index")
 def top_p_summed_in_float16(logits, p):
     return logits if p >= 1.0 else _top_p(logits, p, torch.float16)
 
 
-@breaks("05", "GPT-2's vocabulary), 1.0)")
+@breaks("05", "GPT-2's vocabulary), 1.0): from index")
 def top_p_without_the_shortcut(logits, p):
     return _top_p(logits, p, logits.dtype)
 
