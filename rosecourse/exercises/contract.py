@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from rosetrainer.errors import one_line
+
 # The key under which a probe's outcomes carry what the watcher found, call by call.
 PROPERTIES = "properties of each call"
 META = torch.device("meta")
@@ -202,7 +204,7 @@ class Watcher:
         try:
             result = self.fn(*moved(args, to), **{k: moved(v, to) for k, v in kwargs.items()})
         except Exception as error:  # what it raised is the finding (or tells nothing)
-            return f"raises {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            return f"raises {one_line(error)}"
         return signature(result)
 
 
