@@ -140,12 +140,12 @@ def run(args: argparse.Namespace) -> int:
     names = course.check_names() if args.chapter == "all" else [course.check_name(args.chapter)]
     if not args.dir.is_dir():
         raise CourseError(f"no workspace at {args.dir}: run `{PROG} start DIR`")
-    passed = {name: check(name, args.dir, args.timeout) for name in names}
+    verdicts = check(names, args.dir, args.timeout)
     hints = {name: course.hints_used(name, args.dir) for name in names}
     if len(names) == 1:
         (name,) = names
         used, total = hints[name]
-        stuck = not passed[name] and used < total
+        stuck = verdicts[name] != "passed" and used < total
         where = "" if args.dir == Path(".") else f" --dir {args.dir}"
         print(
             f"hints used: {used} of {total}"
@@ -156,15 +156,14 @@ def run(args: argparse.Namespace) -> int:
         width = max(map(len, files.values()))
         print(f"\n{'check':<13}  {'file':<{width}}  {'hints':<5}  verdict")
         for name in names:
-            verdict = "passed" if passed[name] else "FAILED"
             used, total = hints[name]
-            print(f"{name:<13}  {files[name]:<{width}}  {f'{used}/{total}':<5}  {verdict}")
-        failed = [name for name, ok in passed.items() if not ok]
-        print(
-            f"{len(names) - len(failed)}/{len(names)} passed"
-            + (f"; failing: {' '.join(failed)}" if failed else "")
-        )
-    return 0 if all(passed.values()) else 1
+            print(f"{name:<13}  {files[name]:<{width}}  {f'{used}/{total}':<5}  {verdicts[name]}")
+        summary = [f"{list(verdicts.values()).count('passed')}/{len(names)} passed"]
+        for verdict, said in ((course.UNWRITTEN, course.UNWRITTEN), ("FAILED", "failing")):
+            these = [name for name in names if verdicts[name] == verdict]
+            summary += [f"{said}: {' '.join(these)}"] if these else []
+        print("; ".join(summary))
+    return 0 if all(verdict == "passed" for verdict in verdicts.values()) else 1
 
 
 def hint(name: str, directory: Path, seen: bool) -> int:
@@ -183,29 +182,32 @@ def hint(name: str, directory: Path, seen: bool) -> int:
             "first (or pass --dir)"
         )
     texts = course.hints(name)
-    used, total = course.hints_used(name, directory)
+    given = course.given_hints(name, course.read_hint_record(directory))
+    total = len(texts)
     if seen:
-        for number in range(1, used + 1):
-            print(hint_text(name, number, total, texts[number - 1]))
-        if not used:
+        for index in given:
+            print(hint_text(name, index + 1, total, texts[index]))
+        if not given:
             print(f"no hints given for {name} yet: `{PROG} hint {name}` gives the first")
         return 0
-    given = course.hint_next(name, directory)
-    if given is None:
+    following = course.hint_next(name, directory)
+    if following is None:
         print(
             f"no more hints for {name}: all {total} given (--seen shows them again; the "
             f"reference solution: `{PROG} start answers/ --solutions`)"
         )
         return 0
-    number, text = given
-    print(hint_text(name, number, total, text))
+    number, text, part = following
+    print(hint_text(name, number, total, text, part))
     return 0
 
 
-def hint_text(name: str, number: int, total: int, text: str) -> str:
-    """A hint as printed: numbered, its prose wrapped to the terminal's usual width, its
-    code lines (indented by four spaces in the solution's HINTS) as they are."""
-    lines = [f"hint {number} of {total} for {name}:"]
+def hint_text(name: str, number: int, total: int, text: str, part: str | None = None) -> str:
+    """A hint as printed: numbered (and, for a build, the failing part it is about), its
+    prose wrapped to the terminal's usual width, its code lines (indented by four spaces
+    in the solution's HINTS) as they are."""
+    about = f" (about {name}/{part}, which failed)" if part else ""
+    lines = [f"hint {number} of {total} for {name}{about}:"]
     for line in text.splitlines():
         if line.startswith("    "):
             lines.append(line)
@@ -214,21 +216,31 @@ def hint_text(name: str, number: int, total: int, text: str) -> str:
     return "\n".join(lines)
 
 
-def check(name: str, directory: Path, timeout: float) -> bool:
-    """Grade check `name`'s file in `directory`; whether it passed. An untouched stub is
-    answered at once, from its source (`course.unwritten`: no torch, no process); anything
-    else in processes of its own, one check after the other, so that one chapter's code
-    cannot stop, stall or change the grading of the next, nor reach this process's memory."""
+def check(names: list[str], directory: Path, timeout: float) -> dict[str, str]:
+    """Grade each check's file in `directory`, in order; each one's verdict ("passed",
+    "FAILED", or course.UNWRITTEN). An untouched
+    stub is answered at once, from its source (`course.unwritten`: no torch, no process);
+    anything else in processes of its own, one check after the other, so that one
+    chapter's code cannot stop, stall or change the grading of the next, nor reach this
+    process's memory (rosecourse/runner.py)."""
     from rosecourse import course
 
-    lines = course.unwritten(name, directory)
-    if lines is not None:
-        print("\n".join(lines))
-        return False
-    from rosecourse.runner import grade_in_child, protect_grader
+    unwritten = {name: course.unwritten(name, directory) for name in names}
+    written = [name for name in names if unwritten[name] is None]
+    grader = None
+    if written:
+        from rosecourse.runner import Grader
 
-    protect_grader()
-    return grade_in_child(course.find(name), directory, timeout)
+        grader = Grader(written, directory, timeout)  # every check loaded before any runs
+    verdicts = {}
+    for name in names:
+        lines = unwritten[name]
+        if lines is not None:
+            print("\n".join(lines))
+            verdicts[name] = course.UNWRITTEN
+        else:
+            verdicts[name] = "passed" if grader.grade(name) else "FAILED"
+    return verdicts
 
 
 def os_error_line(error: OSError) -> str:

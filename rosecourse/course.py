@@ -288,8 +288,12 @@ UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+# An untouched stub's verdict: not a wrong answer, no answer yet.
+UNWRITTEN = "not written yet"
+
+
 def unwritten(name: str, directory: Path) -> list[str] | None:
-    """The FAILED lines of check `name` (as `check_name` gives it) when its file in
+    """The "not written yet" lines of check `name` (as `check_name` gives it) when its file in
     `directory` is still the stub `rose-course start` writes, or None when it is anything
     else: the learner's work, a file that is missing or does not parse (the check's to run
     and word). The stub is recognised by its code, whatever its comments, layout and
@@ -302,12 +306,12 @@ def unwritten(name: str, directory: Path) -> list[str] | None:
         return None
     if name in BUILD_NAMES:
         return [
-            f"{name}/{part}: FAILED: not written yet: replace the stub's body (write {first})"
+            f"{name}/{part}: {UNWRITTEN}: replace the stub's body (write {first})"
             for part, first in UNWRITTEN_PARTS[name]
         ]
     function = lesson(name).name
     return [
-        f"{function}: FAILED: not written yet: replace the stub with your function "
+        f"{function}: {UNWRITTEN}: replace the stub with your function "
         f"[it raises NotImplementedError: write {function}]"
     ]
 
@@ -403,8 +407,11 @@ def not_a_file(path: Path, directory: Path) -> CourseError:
 # Hints: the how, one at a time, when the learner asks
 # ---------------------------------------------------------------------------
 
-# Where `rose-course hint` notes, per check, how many of its hints it has given.
+# Where `rose-course hint` notes, per check, which of its hints it has given (how many:
+# the first ones; or their indexes, once a build's failing part took one out of turn),
+# and `rose-course check`, under FAILING, the part each build's last check failed first.
 HINT_RECORD = ".rose-course-hints.json"
+FAILING = "failing"
 
 
 def hints(name: str) -> tuple[str, ...]:
@@ -418,9 +425,9 @@ def hints(name: str) -> tuple[str, ...]:
     return ()
 
 
-def read_hint_record(directory: Path) -> dict[str, int]:
-    """How many hints each check has had in the workspace; none if the record is missing
-    or damaged (the count then starts again: the hints are no secret, only counted)."""
+def read_hint_record(directory: Path) -> dict[str, object]:
+    """The workspace's record as written (see HINT_RECORD); empty if it is missing or
+    damaged (the count then starts again: the hints are no secret, only counted)."""
     path = directory / HINT_RECORD
     if not path.is_file():  # (a pipe or a device in its place would block the read)
         return {}
@@ -428,34 +435,87 @@ def read_hint_record(directory: Path) -> dict[str, int]:
         record = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
-    if not isinstance(record, dict):
-        return {}
-    return {name: count for name, count in record.items() if isinstance(count, int)}
+    return record if isinstance(record, dict) else {}
+
+
+def given_hints(name: str, record: dict[str, object]) -> list[int]:
+    """The indexes of check `name`'s hints the record says were given, in order: a count
+    (the first ones) or, once a hint was given out of turn, the indexes themselves."""
+    total = len(hints(name))
+    given = record.get(name, 0)
+    if isinstance(given, int) and not isinstance(given, bool):
+        return list(range(min(max(given, 0), total)))
+    if isinstance(given, list):
+        return sorted({i for i in given if isinstance(i, int) and 0 <= i < total})
+    return []
 
 
 def hints_used(name: str, directory: Path) -> tuple[int, int]:
     """(how many of check `name`'s hints the workspace has had, how many it has)."""
-    total = len(hints(name))
-    return min(max(read_hint_record(directory).get(name, 0), 0), total), total
+    return len(given_hints(name, read_hint_record(directory))), len(hints(name))
 
 
-def hint_next(name: str, directory: Path) -> tuple[int, str] | None:
-    """Give the workspace check `name`'s next hint: (its number, from 1, and its text),
-    noted in the workspace's HINT_RECORD (written atomically, beside the learner's files
-    and never over one of them); None when every hint has been given."""
+def failing_part(name: str, record: dict[str, object]) -> str | None:
+    """The part of build `name` its last check failed first, as the record notes it."""
+    failing = record.get(FAILING)
+    part = failing.get(name) if isinstance(failing, dict) else None
+    return part if isinstance(part, str) else None
+
+
+def about(name: str, part: str | None) -> list[int]:
+    """The indexes of build `name`'s hints about its `part`: those that name the class
+    (or the function) the part grades first (UNWRITTEN_PARTS)."""
+    graded = dict(UNWRITTEN_PARTS.get(name, ())).get(part) if part else None
+    if graded is None:
+        return []
+    owner, _, method = graded.partition(".")
+    word = f"{owner}." if method else owner
+    return [i for i, text in enumerate(hints(name)) if word in text]
+
+
+def hint_next(name: str, directory: Path) -> tuple[int, str, str | None] | None:
+    """Give the workspace check `name`'s next hint: (its number, from 1, its text, and the
+    failing part it is about, if it is), noted in the workspace's HINT_RECORD (written
+    atomically, beside the learner's files and never over one of them); None when every
+    hint has been given. A build whose last check failed gets that part's hints first."""
     if not (directory / file_name(name)).is_file():  # a workspace holds the exercise's file
         raise CourseError(
             f"no {file_name(name)} in {directory}: run `rose-course start {directory}` "
             "first (or pass --dir)"
         )
     with workspace_lock(directory):
-        used, total = hints_used(name, directory)
-        if used == total:
-            return None
         record = read_hint_record(directory)
-        record[name] = used + 1
+        given = given_hints(name, record)
+        part = failing_part(name, record)
+        firsts = about(name, part)
+        order = firsts + [i for i in range(len(hints(name))) if i not in firsts]
+        left = [i for i in order if i not in given]
+        if not left:
+            return None
+        index = left[0]
+        given = sorted([*given, index])
+        record[name] = len(given) if given == list(range(len(given))) else given
         write_bytes_atomically(directory / HINT_RECORD, json.dumps(record, indent=1).encode())
-    return used + 1, hints(name)[used]
+    return index + 1, hints(name)[index], part if index in firsts else None
+
+
+def note_failing_part(name: str, directory: Path, part: str | None) -> None:
+    """Note in the workspace the part build `name`'s check failed first (None: it passed),
+    so that `hint` gives that part's hints first. A workspace that cannot be written to
+    keeps no note: the check's verdict stands all the same."""
+    with contextlib.suppress(OSError), workspace_lock(directory):
+        record = read_hint_record(directory)
+        failing = record.get(FAILING)
+        failing = dict(failing) if isinstance(failing, dict) else {}
+        if part is None:
+            failing.pop(name, None)
+        else:
+            failing[name] = part
+        if failing:
+            record[FAILING] = failing
+        else:
+            record.pop(FAILING, None)
+        write_bytes_atomically(directory / HINT_RECORD, json.dumps(record, indent=1).encode())
 
 
 @contextlib.contextmanager
@@ -535,7 +595,7 @@ def grade(chosen: Lesson | Build, directory: Path) -> CheckResult:
             return result
         passed = sum(part.passed for part in parts)
         return CheckResult(
-            chosen.name, passed == len(parts), None, f"{passed}/{len(parts)} parts pass"
+            chosen.name, 0 < passed == len(parts), None, f"{passed}/{len(parts)} parts pass"
         )
     try:
         fn = load_learner(chosen, directory)

@@ -36,6 +36,10 @@ So `rose-course check` (`grade_in_child`) starts each check's processes fresh:
 - The time: a check still running after the limit is stopped; the output: the check's
   prints reach the terminal, up to a limit; past it the check is stopped (a learner's
   debugging print fits easily, a flood does not).
+- The grading code: every check's code is loaded in the grader, and the files of rose and
+  the course fingerprinted, before any learner code runs (`Grader`); a check after which
+  they changed on disk fails, and no later one runs. A check that compares no run, or
+  whose reaper died while the learner's code ran, fails.
 
 Inside the check's process, a learner's code that raises what stops a program
 (SystemExit from `sys.exit`, KeyboardInterrupt) or leaves one of torch's process-wide
@@ -45,7 +49,8 @@ form.
 What this does not stop: a build's check runs in the learner's process (above); and the
 learner's code runs as the same user as the grader, so it can signal the grader or the
 reaper (a killed reaper leaves the processes that left its group to init; the check
-fails all the same), or write to the terminal's device directly. The grader makes
+fails all the same, and the grader kills what is left in the reaper's first process
+group), or write to the terminal's device directly. The grader makes
 itself undumpable (`protect_grader`), so that such code cannot ptrace it or read its
 memory through /proc. A learner who wants "passed" without writing the answer can
 always import the reference solution: the grader's promise is that its verdict is the
@@ -60,6 +65,8 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
+import importlib
 import io
 import numbers
 import os
@@ -86,6 +93,7 @@ from rosecourse.course import (
     key,
     learner_file,
     load_learner,
+    note_failing_part,
 )
 from rosecourse.exercises import CheckResult
 from rosecourse.exercises.common import Exercise, Raised, check
@@ -257,16 +265,71 @@ def protect_grader() -> None:
             ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
 
 
+# Where the code that grades lives: the course's checks and the rose they run. The
+# learner's code runs as the same user and could rewrite any of it.
+GRADING_PACKAGES = ("rosecourse", "rosetrainer", "roseinfer")
+
+
+def grading_fingerprint() -> str:
+    """A digest of every Python file of GRADING_PACKAGES: it changes when one does."""
+    digest = hashlib.sha256()
+    for package in GRADING_PACKAGES:
+        root = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class Grader:
+    """Grades the learner's files for some checks, one after the other.
+
+    Every check's code is loaded here, and the grading code's files fingerprinted, before
+    any learner code runs: what one check's learner code does to the files on disk (a
+    chapter 00 answer that rewrites chapter 05's check, say) cannot change how a later
+    check is judged here, and is found when the fingerprint changes: that check fails,
+    and no later one runs."""
+
+    def __init__(self, names: list[str], directory: Path, timeout: float) -> None:
+        protect_grader()
+        self.directory, self.timeout = directory, timeout
+        self.checks = {name: find(name) for name in names}
+        for chosen in self.checks.values():
+            exercise_of(chosen)  # imports the chapter's check module now
+        self.fingerprint = grading_fingerprint()
+        self.tampered = False
+
+    def grade(self, name: str) -> bool:
+        chosen = self.checks[name]
+        if self.tampered:
+            print(CheckResult(chosen.name, False, None, f"not run: {TAMPERED}"))
+            return False
+        return grade_in_child(chosen, self.directory, self.timeout, self.require_intact)
+
+    def require_intact(self) -> None:
+        """Stopped when the grading code's files changed since they were loaded."""
+        if grading_fingerprint() != self.fingerprint:
+            self.tampered = True
+            raise Stopped(f"your code changed rose's or the course's files: {TAMPERED}")
+
+
+TAMPERED = (
+    "the grading code on disk is not what this check loaded (reinstall rose, or `git "
+    "checkout rosecourse rosetrainer roseinfer`, then check again)"
+)
+
+
 def grade_in_child(
     chosen: Lesson | Build,
     directory: Path,
     timeout: float,
+    intact: Callable[[], None] = lambda: None,
     output_limit: int = OUTPUT_LIMIT,
 ) -> bool:
     """Grade the learner's file for `chosen` in fresh processes: print what they print (at
     most `output_limit` bytes) and the verdict, or one FAILED line for how the check ended
-    if it did not finish within `timeout` seconds or ended without a verdict; whether it
-    passed."""
+    if it did not finish within `timeout` seconds or ended without a verdict, or if
+    `intact()` raises Stopped before the verdict; whether it passed."""
     try:
         learner_file(chosen, directory)  # no file, no process: its line at once
     except CourseError as error:
@@ -276,14 +339,28 @@ def grade_in_child(
     child = CheckProcess(chosen, directory, timeout, output_limit)
     try:
         if exercise is not None:
-            return judge(chosen.name, exercise, child)
-        return trusted_verdict(chosen, child)
+            return judge(chosen.name, exercise, child, intact)
+        passed = trusted_verdict(chosen, child)
+        intact()
+        return passed
     except Stopped as stopped:
         child.end_line()
         print(CheckResult(chosen.name, False, None, str(stopped)))
         return False
     finally:
         child.stop()
+        if exercise is None:  # a build: `hint` gives its first failing part's hints first
+            note_failing_part(chosen.name, directory, first_failing(chosen, child.transcript))
+
+
+def first_failing(build: Build, transcript: str) -> str | None:
+    """The first of `build`'s parts whose line in `transcript` is not "passed"."""
+    for line in transcript.splitlines():
+        for part in build.parts:
+            said = line.removeprefix(f"{build.name}/{part.name}: ")
+            if said != line and not said.startswith("passed"):
+                return part.name
+    return None
 
 
 def exercise_of(chosen: Lesson | Build) -> Exercise | None:
@@ -301,14 +378,16 @@ def learners_function(*args: object, **kwargs: object) -> NoReturn:
     raise AssertionError("the learner's function runs in the check's process only")
 
 
-def judge(name: str, exercise: Exercise, child: CheckProcess) -> bool:
+def judge(
+    name: str, exercise: Exercise, child: CheckProcess, intact: Callable[[], None] = lambda: None
+) -> bool:
     """The exercise's own check, run here, with its probe of the learner's function and its
     runs answered by the check's process; print its verdict; whether it passed."""
 
     def probe(fn: Callable) -> object:
-        if fn is not learners_function:  # the reference's or a known wrong answer's
+        if getattr(fn, "fn", fn) is not learners_function:  # the reference's, a known wrong's
             return exercise.probe(fn)
-        return child.ask(("probe",))
+        return child.ask(("probe",))  # (watched there: contract.Watcher)
 
     def run(index: int, on_token: Callable[[int, int], None]) -> object:
         made, rows, raised = child.ask(("run", index))
@@ -333,12 +412,15 @@ def judge(name: str, exercise: Exercise, child: CheckProcess) -> bool:
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)  # the reference's numbers as the check's process gets them
     try:
-        result = check(replay, learners_function)
+        result = check(replay, learners_function, show=False)
     except Exception as error:  # what the check tripped over in the learner's answers
         result = broke_the_check(name, error)
-        print(result)
     finally:
         torch.set_num_threads(threads)
+    # Said only now: a reaper killed, or grading code changed on disk, is the verdict instead.
+    child.require_guard()
+    intact()
+    print(result)
     return result.passed
 
 
@@ -362,7 +444,7 @@ def trusted_verdict(chosen: Lesson | Build, child: CheckProcess) -> bool:
     status = child.status()
     if message is None or status != 0:
         raise Stopped(ended_without_verdict(status))
-    if message != ("verdict", True):
+    if message != ("verdict", True) or not chosen.parts:
         return False  # its lines say how
     wanted = (
         [f"{chosen.name}/{part.name}: passed" for part in chosen.parts]
@@ -446,6 +528,7 @@ class CheckProcess:
         """Send `request`; the check's process's answer, decoded. A "stopped" or "failed"
         answer, a process that ended instead, or one that ran out of time or printed too
         much: Stopped."""
+        self.require_guard()
         with contextlib.suppress(OSError):  # a process that ended: found below
             send(self.channel, request)
         data = None
@@ -459,6 +542,16 @@ class CheckProcess:
         self.drain()  # what it printed before it answered, before anything the grader prints
         self.end_line()
         return read_answer(data)
+
+    def require_guard(self) -> None:
+        """Stopped when the reaper has ended while the check's process still runs: killed
+        (by the learner's code: it runs as the same user), it can no longer end every
+        process the check started, and a check whose guard died does not pass."""
+        if self.reaper.poll() is not None and self.reaper.returncode < 0:
+            raise Stopped(
+                "the check's reaper was killed while your code ran: does your code signal "
+                "its parent processes? (what it started may still run)"
+            )
 
     def wait_end(self) -> None:
         """Forward the output until it closes: the reaper has ended everything and exited."""
@@ -494,6 +587,10 @@ class CheckProcess:
         try:
             self.reaper.wait(timeout=REAP_TIMEOUT)
         except subprocess.TimeoutExpired:
+            pass
+        if self.reaper.returncode is None or self.reaper.returncode < 0:
+            # Stuck or killed: what is left of the check in the reaper's session's first
+            # group (the check's process, unless it left it) ends here.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.reaper.pid, signal.SIGKILL)
             self.reaper.wait()
@@ -655,7 +752,7 @@ def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
     what it raised)."""
     if request[0] == "probe":
         try:
-            return ("probe", encode(dict(exercise.probe(fn))))  # every outcome, made here
+            return ("probe", encode(exercise.observe(fn)))  # every outcome, made here
         except Exception as error:  # it broke the probe itself
             return ("broke", type(error).__name__, one_line(error, with_type=False))
     _, _, run = exercise.runs[request[1]]

@@ -19,7 +19,7 @@ LOGIT_RTOL is 2**-16 (about 1.5e-5, 128 float32 epsilons). The gaps measured bet
 uncached run and every cached, batched, paged, exported and split path of the test models
 (logits up to about 15) stay under 5% of it on an AVX-512 and on an AVX2 kernel path
 (ATEN_CPU_CAPABILITY=avx2); two separate implementations of GPT-2 (rose and transformers)
-use a third of it. Every known bug of the course moves the logits by 0.1 or more, three to
+use a third of it. Every known bug the chapters show moves the logits by 0.1 or more, three to
 four orders of magnitude past it. Tokens are compared exactly, always: the tolerance only
 ever applies to logits, and a greedy step whose top-1 beats the second by less than twice
 the tolerance is a near-tie that no test may build on (rounding could swap the two).

@@ -909,6 +909,7 @@ class _BlindGrow(_Blind):
                 block_id, _ = self.evictable.popitem(last=self.newest_first)
                 block = self.blocks[block_id]
                 del self.cached[block.hash]
+                self.cache_version += 1
                 block.hash, block.token_ids = None, ()
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
@@ -983,6 +984,7 @@ class _BlindAdvance(_Blind):
             if self.free_to_key(block, key):
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+                self.cache_version += 1
 
 
 # WRONG: advance keys only blocks of the prompt; blocks filled by generated tokens never get

@@ -86,16 +86,6 @@ def ctrl_c_reaches_children() -> Iterator[None]:
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def engines_record_their_writes() -> Iterator[None]:
-    """Every engine the tests build (chapters' kernels and servers' processes included)
-    records what each step wrote (EngineConfig.record_writes), so that a test can check
-    its block pool's invariants after every step (block_manager.check_pool)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ROSE_RECORD_WRITES", "1")
-        yield
-
-
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models on a shared 2-core machine: one intra-op thread is several times faster."""

@@ -23,6 +23,7 @@ def run_checked(
     """Feed `arrivals` ((prompt, params) pairs) between steps at random, step to the end,
     the pool checked after every step (and each live sequence by `check_live`); the
     finished outputs by request id, with what each asked for."""
+    assert engine.config.record_writes, "the pool's writes are checked: pass record_writes=True"
     pending, requests, finished = list(arrivals), {}, {}
     while pending or engine.has_unfinished():
         while pending and rng.random() < 0.5:

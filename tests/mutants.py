@@ -106,7 +106,7 @@ def keys_query_the_queries(q, k, v):
 @alternative("00")
 def attention_with_a_float_mask(q, k, v):
     t = q.size(-2)
-    bias = torch.full((t, t), -math.inf).triu(1)
+    bias = torch.full((t, t), -math.inf, dtype=q.dtype, device=q.device).triu(1)
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + bias, dim=-1) @ v
 
 
@@ -453,7 +453,8 @@ def real_tokens_in_the_row(attention_mask):
 @alternative("07")
 def slot_minus_padding(attention_mask):
     padding = (attention_mask == 0).sum(-1, keepdim=True)
-    return (torch.arange(attention_mask.size(1)) - padding).clamp(min=0)
+    slots = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    return (slots - padding).clamp(min=0)
 
 
 @alternative("07")
@@ -2080,6 +2081,13 @@ class DropoutReadFromTheConfig(reference_model.Block):
 _chain_hash = reference_block_manager.chain_hash
 
 
+@build_mutant("block_manager", "BlockManager", name="cache_version_never_changes")
+class CacheVersionNeverChanges(reference_block_manager.BlockManager):
+    # the mistake: keys enter and leave `cached`, and cache_version stays 0 (the scheduler
+    # keeps serving a waiting request its first lookup's blocks)
+    cache_version = property(lambda self: 0, lambda self, value: None)
+
+
 @build_mutant("block_manager", "BlockManager", name="lookup_skips_a_missing_block")
 class LookupSkipsAMissingBlock(reference_block_manager.BlockManager):
     def cached_prefix(self, token_ids):
@@ -2120,6 +2128,7 @@ class _AdvanceOf(reference_block_manager.BlockManager):
             if block.hash is None and key not in self.cached:
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+                self.cache_version += 1
 
 
 @build_mutant("block_manager", "BlockManager", name="generated_blocks_never_cached")
@@ -2858,6 +2867,7 @@ def grows_a_block_too_many(self, seq: EngineSequence, num_tokens: int) -> None:
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]
             del self.cached[block.hash]
+            self.cache_version += 1
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         seq.block_table.append(block_id)
@@ -2916,6 +2926,7 @@ def cached_key_moved_to_the_copy(self, seq: EngineSequence, num_new: int) -> Non
         if block.hash is None:
             block.hash, block.token_ids = key, tokens
             self.cached[key] = block.block_id
+            self.cache_version += 1
 
 
 # -- build verify: RollbackCache, verify_greedy, accept_or_resample, verify_sampled ------
@@ -3162,3 +3173,4 @@ def blind_build(
 
 
 import blind_mutants  # noqa: E402, F401  (registers them: kept apart, see its docstring)
+import contract_mutants  # noqa: E402, F401  (the same: wrong answers by class, issue 54)

@@ -23,6 +23,7 @@ import pytest
 from rosecourse import cli, course
 from rosecourse.course import (
     HINT_RECORD,
+    about,
     check_names,
     file_name,
     hints,
@@ -204,3 +205,38 @@ def test_a_pipe_in_place_of_the_record_is_replaced_not_read(tmp_path: Path, caps
     assert cli.main(["hint", "12", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("hint 1 of")
     assert (tmp_path / HINT_RECORD).is_file()
+
+
+def test_a_builds_hints_follow_its_failing_part(tmp_path: Path, capsys) -> None:
+    """A build's check notes the part it failed first; `hint` then gives that part's
+    hints first (those naming the class the part grades), then the rest in order, and
+    `--seen` shows them all."""
+    workspace = tmp_path / "ws"
+    assert cli.main(["start", str(workspace)]) == 0
+    # The stub and one more line: no longer the untouched stub, so its check runs, and
+    # its first part (weights: GPT.__init__) is the first that fails.
+    (workspace / "build_model.py").write_text(stub_source("build_model.py") + "\nx = 1\n")
+    assert cli.main(["check", "model", "--dir", str(workspace)]) == 1
+    record = json.loads((workspace / HINT_RECORD).read_text())
+    assert record == {"failing": {"model": "weights"}}
+    capsys.readouterr()
+    firsts = about("model", "weights")
+    texts = hints("model")
+    assert firsts and firsts[0] > 0 and all("GPT." in texts[i] for i in firsts)
+    for index in firsts:
+        assert cli.main(["hint", "model", "--dir", str(workspace)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(
+            f"hint {index + 1} of {len(texts)} for model (about model/weights, which failed):"
+        ), out
+    assert cli.main(["hint", "model", "--dir", str(workspace)]) == 0
+    first_other = min(set(range(len(texts))) - set(firsts))
+    assert capsys.readouterr().out.startswith(f"hint {first_other + 1} of {len(texts)} for model:")
+    given = sorted([*firsts, first_other])
+    record = json.loads((workspace / HINT_RECORD).read_text())
+    assert record["model"] == (len(given) if given == list(range(len(given))) else given)
+    assert cli.main(["hint", "model", "--dir", str(workspace), "--seen"]) == 0
+    seen = capsys.readouterr().out
+    assert [line.split(" of ")[0] for line in seen.splitlines() if line.startswith("hint ")] == [
+        f"hint {i + 1}" for i in given
+    ]

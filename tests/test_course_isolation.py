@@ -518,7 +518,7 @@ def test_every_process_a_check_started_ends_with_it(
         assert lines[-1].startswith("decode_read_bytes: passed"), lines
     else:
         assert checked.returncode == 1, checked
-        assert all(": FAILED: not written yet" in line for line in lines), lines
+        assert all(": not written yet" in line for line in lines), lines
 
 
 @linux_only
@@ -571,6 +571,9 @@ class InProcess:
 
         return read_answer(pickle.dumps(answer(self.exercise, self.fn, request)))
 
+    def require_guard(self) -> None:
+        pass  # (no reaper: nothing to have died)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chosen", LESSONS, ids=[lesson.chapter for lesson in LESSONS])
@@ -588,3 +591,67 @@ def test_the_grader_judges_as_the_check_does(
         alone = capsys.readouterr().out
         judge(chosen.name, exercise, InProcess(exercise, fn))
         assert capsys.readouterr().out == alone
+
+
+@linux_only
+@pytest.mark.slow
+def test_a_check_whose_reaper_was_killed_fails(tmp_path: Path) -> None:
+    """The learner's code SIGKILLs the reaper (its process's parent) and leaves a process
+    that no reaper can end: the check fails, however right its answers."""
+    marker = f"rose-sleeper-{uuid.uuid4().hex}"
+    kill = sleeper(marker, holds_output=False) + "\nos.kill(os.getppid(), 9)\n"
+    solution_file(tmp_path, "10", at_import=kill)
+    try:
+        checked = rose_course("check", "10", "--dir", str(tmp_path))
+        assert checked.returncode == 1, checked
+        (line,) = without_hints(checked.stdout)
+        assert "FAILED" in line and "reaper was killed" in line, line
+    finally:
+        for pid in marked(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_an_answer_that_rewrites_a_later_check_fails_it_and_every_later_one(
+    tmp_path: Path,
+) -> None:
+    """A right chapter 00 answer that appends to the installed check of chapter 05 (here a
+    copy of rosecourse, imported first) so that it compares no run: `check all` fails
+    chapter 00 for it, runs no later check, and never passes the wrong chapter 05 answer."""
+    import shutil
+
+    code = tmp_path / "code"
+    shutil.copytree(
+        REPO_ROOT / "rosecourse",
+        code / "rosecourse",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    workspace = tmp_path / "ws"
+    command = [sys.executable, "-m", "rosecourse.cli"]
+    subprocess.run([*command, "start", str(workspace)], cwd=code, check=True, capture_output=True)
+    rewrite = textwrap.dedent("""
+        import rosecourse
+        from pathlib import Path
+        _check = Path(rosecourse.__file__).parent / "exercises" / "ch05_top_p_filter.py"
+        with open(_check, "a") as _file:
+            _file.write("\\nimport dataclasses\\nEXERCISE = dataclasses.replace(EXERCISE, runs=[])\\n")
+        """)
+    solution_file(workspace, "00", at_import=rewrite)
+    top_p = lesson("05")
+    (workspace / top_p.file_name).write_text(
+        "def top_p_filter(logits, top_p):\n    return logits\n"
+    )
+    checked = subprocess.run(
+        [*command, "check", "all", "--dir", str(workspace)],
+        cwd=code,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert checked.returncode == 1, checked
+    lines = checked.stdout.splitlines()
+    (first,) = [line for line in lines if line.startswith("causal_attention:")]
+    assert "FAILED" in first and "changed rose's or the course's files" in first, first
+    (fifth,) = [line for line in lines if line.startswith("top_p_filter:")]
+    assert "FAILED: not run" in fifth, fifth
+    assert not any(": passed" in line for line in lines), lines

@@ -72,7 +72,7 @@ def grouped():
 
 
 def engine_for(model, tokenizer, **config) -> LLMEngine:
-    config = {"kv_block_size": KV_BLOCK, "shuffle_blocks_seed": 0, **config}
+    config = {"kv_block_size": KV_BLOCK, "shuffle_blocks_seed": 0, "record_writes": True, **config}
     return LLMEngine(model, tokenizer, EngineConfig(**config))
 
 
@@ -87,6 +87,7 @@ def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[in
 def run_to_end(
     engine: LLMEngine, check: bool = True, after_step: Callable[[], None] | None = None
 ) -> dict[str, object]:
+    assert not check or engine.config.record_writes, "the pool's writes are checked"
     finished = {}
     while engine.has_unfinished():
         for output in engine.step():
@@ -1142,7 +1143,7 @@ def test_the_same_llm_serves_after_a_request_failed(model, tokenizer) -> None:
 
 
 def test_pool_bookkeeping_is_recorded_only_when_asked_for(model, tokenizer) -> None:
-    """The tests turn the recording on (ROSE_RECORD_WRITES=1); a server's hot path keeps
+    """The tests turn the recording on (record_writes=True); a server's hot path keeps
     no copies of block tables and reads no written slots back from the device."""
     for check in (True, False):
         engine = engine_for(model, tokenizer, num_kv_blocks=40, record_writes=check)

@@ -52,7 +52,9 @@ def oracle(model) -> list[list[int]]:
 def run_engine(model, tokenizer, **config) -> tuple[LLMEngine, list]:
     """Every prompt at once; the pool's invariants checked after every step."""
     engine = LLMEngine(
-        model, tokenizer, EngineConfig(kv_block_size=KV_BLOCK, shuffle_blocks_seed=0, **config)
+        model,
+        tokenizer,
+        EngineConfig(kv_block_size=KV_BLOCK, shuffle_blocks_seed=0, record_writes=True, **config),
     )
     ids = [engine.add_request(prompt, GREEDY) for prompt in PROMPTS]
     finished = {}

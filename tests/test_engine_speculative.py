@@ -59,7 +59,8 @@ def make_drafter(kind: str, model):
 
 
 def engine_for(model, tokenizer, drafter, k: int | None, **config) -> LLMEngine:
-    return LLMEngine(model, tokenizer, EngineConfig(kv_block_size=KV_BLOCK, **config), drafter, k)
+    config = EngineConfig(kv_block_size=KV_BLOCK, record_writes=True, **config)
+    return LLMEngine(model, tokenizer, config, drafter, k)
 
 
 def solo(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from contract_mutants import CLAUSES
 from mutants import ALTERNATIVES, BLIND, BLIND_KNOWN, MUTANTS
 
 from rosecourse.course import LESSONS, Lesson
@@ -113,3 +114,14 @@ ISSUE_45 = {"cached_loop": 6, "block_manager": 5, "verify": 3, "training_step": 
 def test_blind_mutants_at_least_as_many_as_the_issue_listed() -> None:
     for name, listed in ISSUE_45.items():
         assert len(BLIND.get(name, [])) >= listed, f"{name}: {BLIND.get(name)}"
+
+
+BY_CLASS = [(chapter, fn) for chapter, fn in CASES if fn.__name__ in CLAUSES]
+
+
+@pytest.mark.parametrize(("chapter", "fn"), BY_CLASS, ids=[f.__name__ for _, f in BY_CLASS])
+def test_a_wrong_answer_of_each_class_fails_naming_its_clause(chapter, fn) -> None:
+    """Device, dtype, numerics, side effects, a rare path: the FAILED line names the
+    clause the answer breaks, not a raw torch error."""
+    result = BY_CHAPTER[chapter].check(fn)
+    assert not result.passed and CLAUSES[fn.__name__] in str(result), str(result)

@@ -429,7 +429,7 @@ def test_random_schedules_equal_solo_runs(
     rng = random.Random(seed)
     config = EngineConfig(
         kv_block_size=KV_BLOCK, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs, shuffle_blocks_seed=seed,
+        max_num_seqs=max_num_seqs, shuffle_blocks_seed=seed, record_writes=True,
     )  # fmt: skip
     engine = LLMEngine(model, tokenizer, config, make_drafter(kind, model, draft_model), k)
     first = run_checked(engine, mixed_requests(tokenizer, rng, 8), rng, matcher_check)
@@ -456,7 +456,11 @@ def test_a_preempted_constrained_request_with_drafts_equals_its_solo_run(
     that holds fewer: some are preempted mid-output (their matchers keep their output,
     only the cache is recomputed), all equal their solo runs."""
     config = EngineConfig(
-        kv_block_size=KV_BLOCK, num_kv_blocks=24, max_num_batched_tokens=64, shuffle_blocks_seed=0
+        kv_block_size=KV_BLOCK,
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        shuffle_blocks_seed=0,
+        record_writes=True,
     )
     engine = LLMEngine(model, tokenizer, config, ModelDrafter(first_layers(model, 1)), 3)
     requests = [
@@ -483,7 +487,7 @@ def test_a_failed_look_ahead_fails_its_request_alone(model, tokenizer, oracle) -
         raise RoseError("cannot roll back 1 looked-ahead tokens")
 
     compiled_choice = grammar_for(victim.structured_outputs, tokenizer, VOCAB)
-    config = EngineConfig(kv_block_size=KV_BLOCK, num_kv_blocks=120)
+    config = EngineConfig(kv_block_size=KV_BLOCK, num_kv_blocks=120, record_writes=True)
     engine = LLMEngine(model, tokenizer, config, ModelDrafter(first_layers(model, 1)), 3)
     prompt = tokenizer.encode(PROMPT_TEXT)
     others = [(prompt, constrained("regex")), (prompt, SamplingParams(max_tokens=12))]

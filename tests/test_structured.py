@@ -347,7 +347,11 @@ def test_a_mixed_batch_equals_each_requests_solo_run(request, which, tokenizer, 
         model,
         tokenizer,
         EngineConfig(
-            kv_block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=48, shuffle_blocks_seed=0
+            kv_block_size=8,
+            num_kv_blocks=blocks,
+            max_num_batched_tokens=48,
+            shuffle_blocks_seed=0,
+            record_writes=True,
         ),
     )
     workload = mixed_workload(tokenizer)

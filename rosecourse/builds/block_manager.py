@@ -27,18 +27,15 @@ engine's window hook (`drop_out_of_window`) is not the learner's to write.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from unittest import mock
 
-import roseinfer.engine.llm_engine
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
-from roseinfer.engine.block_manager import BlockManager, check_pool
+from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
 from roseinfer.engine.sequence import EngineSequence
@@ -89,15 +86,28 @@ def tokenizer() -> Tokenizer:
     return Tokenizer("gpt2")
 
 
-def learners(module: types.ModuleType):
-    """What LLMEngine calls to build its manager, building the learner's instead."""
+def learners(module: types.ModuleType) -> Callable[..., BlockManagerProtocol]:
+    """What LLMEngine builds its manager with (`block_manager_class`): the learner's
+    BlockManager, with what the engine also calls that the build leaves out (this model
+    has no sliding window; chapters 11-13 draft no tokens)."""
 
-    def make(num_blocks, kv_block_size, enable_prefix_caching=True, *_window_and_seed):
-        manager = module.BlockManager(num_blocks, kv_block_size, enable_prefix_caching)
-        manager.drop_out_of_window = lambda seq: None  # no sliding window in this model
-        return manager
+    class Learners(module.BlockManager):
+        def __init__(self, num_blocks, kv_block_size, enable_prefix_caching, *_seed_window):
+            super().__init__(num_blocks, kv_block_size, enable_prefix_caching)
+            if not isinstance(getattr(self, "cache_version", None), int):
+                raise Mismatch(
+                    "your BlockManager's __init__ sets no cache_version (an int): the "
+                    "engine's scheduler reads it to know when the prefix cache changed"
+                )
 
-    return make
+        @property
+        def num_available(self) -> int:
+            return self.num_free + len(self.evictable)
+
+        def drop_out_of_window(self, seq: EngineSequence) -> None:
+            pass
+
+    return Learners
 
 
 def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[str, tuple]:
@@ -112,11 +122,8 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
         enable_prefix_caching=schedule.enable_prefix_caching,
         record_writes=True,  # the pool's invariants are checked after every step
     )
-    swap = contextlib.nullcontext()
-    if module is not None:
-        swap = mock.patch.object(roseinfer.engine.llm_engine, "BlockManager", learners(module))
-    with swap:
-        engine = LLMEngine(oracle_model(), tokenizer(), config)
+    made = BlockManager if module is None else learners(module)
+    engine = LLMEngine(oracle_model(), tokenizer(), config, block_manager_class=made)
     seen: dict[str, tuple] = {}
     step = 0
     while step <= max(r.arrives for r in schedule.requests) or engine.has_unfinished():
@@ -277,6 +284,7 @@ class Script:
         self.caching = caching
         self.live: list[EngineSequence] = []
         self.seen: list[tuple] = []
+        self.cache_as_noted: tuple[frozenset, object] | None = None  # (keys, cache_version)
 
     def call(self, what: str, fn, *args):
         """fn(*args); when the learner's code raises, that is noted as the call's answer
@@ -291,10 +299,20 @@ class Script:
 
     def note(self, what: str, answer: object = None) -> None:
         manager = self.manager
+        problem = pool_problem(manager, self.live, self.caching)
+        noted = (frozenset(manager.cached), getattr(manager, "cache_version", None))
+        if problem is None and self.cache_as_noted is not None:
+            keys, version = self.cache_as_noted
+            if keys != noted[0] and version == noted[1]:
+                problem = (
+                    "a key entered or left `cached` and cache_version did not change: the "
+                    "scheduler would serve a waiting request the blocks of an old lookup"
+                )
+        self.cache_as_noted = noted
         self.seen.append(
             (
                 what,
-                pool_problem(manager, self.live, self.caching),
+                problem,
                 answer,
                 manager.num_free,
                 len(manager.evictable),
@@ -488,8 +506,28 @@ def _shared_prefixes(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(40), module)
 
 
+def evicted_while_waiting() -> Schedule:
+    """A waiting request's cached prefix evicted while it waits: r0 leaves its two full
+    blocks cached; r2, which shares them, finds them but waits for room while r1 grows
+    and evicts one; when r2 starts, only what the cache holds then may be served (the
+    scheduler looks it up again only when `cache_version` says the cache changed)."""
+    head = chunk("ROMEO:\nBut soft, what light through yonder window", 8)
+    return Schedule(
+        (
+            Request(head + chunk(" breaks?", 1), 1),
+            Request(chunk("JULIET:\nO Romeo, Romeo! wherefore art thou", 12), 8, arrives=1),
+            Request(head + chunk(" is the east, and Juliet", 5), 4, arrives=1),
+        ),
+        kv_block_size=4,
+        num_kv_blocks=6,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+
+
 def _short_pool(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(9), module)  # preemptions and evictions
+    compare_schedule(evicted_while_waiting(), module)
 
 
 PIECES = ("ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "Good night, good night")
@@ -604,6 +642,7 @@ def _evicts_the_newest(self, seq: EngineSequence, num_tokens: int) -> None:
             block_id, _ = self.evictable.popitem(last=True)
             block = self.blocks[block_id]
             del self.cached[block.hash]
+            self.cache_version += 1
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         seq.block_table.append(block_id)

@@ -66,12 +66,16 @@ HALVES = torch.tensor([[0.0, 0.0, -torch.inf, -torch.inf, -torch.inf, -torch.inf
 # stable past a few dozen elements (on the CPU too), so a sort that is not asked to be
 # stable keeps other tokens here, where six tokens cannot tell.
 TIED = torch.zeros(1, 128)
+# GPT-2's whole vocabulary: a sum over 50,257 probabilities in float16, or one that must
+# reach p = 1 in float32, goes wrong here and nowhere on six or 128 tokens.
+VOCABULARY = 3 * torch.randn(1, 50257, generator=torch.Generator().manual_seed(5))
 TOP_P_INPUTS = {
     "TOP_P_LOGITS (3, 6)": TOP_P_LOGITS,
     f"{HALVES.tolist()}": HALVES,
     "zeros(1, 128) (128 ties: the first by token order are kept)": TIED,
     "TOP_P_LOGITS as (3, 1, 6)": TOP_P_LOGITS[:, None, :],
     "TOP_P_LOGITS in float16": TOP_P_LOGITS.half(),
+    "3 * randn(1, 50257) (GPT-2's vocabulary)": VOCABULARY,
 }
 
 

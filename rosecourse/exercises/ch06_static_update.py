@@ -90,6 +90,7 @@ EXERCISE = Exercise(
     reference=static_update,
     probe=_static_probe,
     swapped_in=_swap_static_update,
+    writes=frozenset({"k_buffer", "v_buffer"}),  # (in place: the buffers are the cache)
     runs=greedy_runs(lambda: StaticKVCache(oracle_model(), max_len=64))
     + batch_runs(lambda rows: StaticKVCache(oracle_model(), batch_size=rows, max_len=64)),
     known_wrong=[

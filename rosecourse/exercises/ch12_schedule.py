@@ -1,6 +1,7 @@
 """Chapter 12's exercise: the scheduler's decision for one engine step.
 
-The learner's function replaces Scheduler.schedule inside the engine.
+The learner's function is the policy of the scheduler the engine is given (`ScheduleOf`,
+through LLMEngine's scheduler_class: no patch).
 
 The contract is the docstring of rosecourse/solutions/ch12_schedule.py.
 """
@@ -18,6 +19,8 @@ from rosecourse.exercises.common import (
     KnownWrong,
     Probe,
     check,
+    held_function,
+    hold,
     outcome,
 )
 from rosecourse.exercises.engine import (
@@ -43,6 +46,14 @@ def schedule(scheduler: Scheduler) -> ScheduledBatch:
     return _real_schedule(scheduler)
 
 
+class ScheduleOf(Scheduler):
+    """rose's Scheduler whose policy is the function `hold` holds (the learner's, in a
+    check): LLMEngine takes it as its scheduler_class."""
+
+    def schedule(self) -> ScheduledBatch:
+        return held_function(schedule)(self)
+
+
 def plan(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
     """What the scheduler decided in the step just run: who ran with how many tokens, who
     was preempted."""
@@ -54,6 +65,8 @@ def plan(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
 
 
 SCHEDULE_SETTINGS = {"max_num_batched_tokens": 10, "max_num_seqs": 3, "num_kv_blocks": 14}
+# Fewer tokens a step than sequences may run: the decoding rows themselves are cut.
+TIGHT_BUDGET = {"max_num_batched_tokens": 2, "max_num_seqs": 4, "num_kv_blocks": 40}
 
 
 def _schedule_workload() -> list[tuple[list[int], SamplingParams]]:
@@ -184,12 +197,22 @@ EXERCISE = Exercise(
     name="schedule",
     reference=schedule,
     probe=_schedule_probe,
-    swapped_in=lambda fn: mock.patch.object(Scheduler, "schedule", fn),
+    swapped_in=hold,
     runs=engine_runs(
         _schedule_workload,
         plan,
         "the plan of every step, against the reference scheduler's",
+        parts={"scheduler_class": ScheduleOf},
         **SCHEDULE_SETTINGS,
+    )
+    + engine_runs(
+        _schedule_workload,
+        plan,
+        "the plan of every step with a budget below the sequence cap, against the "
+        "reference scheduler's",
+        tokens_too=False,
+        parts={"scheduler_class": ScheduleOf},
+        **TIGHT_BUDGET,
     ),
     known_wrong=[
         KnownWrong(

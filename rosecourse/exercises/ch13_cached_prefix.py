@@ -1,6 +1,7 @@
 """Chapter 13's exercise: the prefix cache's lookup by chained block hashes.
 
-The learner's function replaces BlockManager.cached_prefix inside the engine.
+The learner's function is the lookup of the block manager the engine is given
+(`LookupOf`, through LLMEngine's block_manager_class: no patch).
 
 The contract is the docstring of rosecourse/solutions/ch13_cached_prefix.py.
 """
@@ -8,7 +9,6 @@ The contract is the docstring of rosecourse/solutions/ch13_cached_prefix.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from unittest import mock
 
 from rosecourse.exercises.common import (
     CheckResult,
@@ -17,6 +17,8 @@ from rosecourse.exercises.common import (
     Probe,
     check,
     encoded,
+    held_function,
+    hold,
     outcome,
 )
 from rosecourse.exercises.engine import (
@@ -37,6 +39,14 @@ _real_cached_prefix = BlockManager.cached_prefix
 def cached_prefix(manager: BlockManager, token_ids: list[int]) -> list[int]:
     """The reference: BlockManager.cached_prefix."""
     return _real_cached_prefix(manager, token_ids)
+
+
+class LookupOf(BlockManager):
+    """rose's BlockManager whose prefix-cache lookup is the function `hold` holds (the
+    learner's, in a check): LLMEngine takes it as its block_manager_class."""
+
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        return held_function(cached_prefix)(self, token_ids)
 
 
 def _prefix_workload() -> list[tuple[list[int], SamplingParams]]:
@@ -157,7 +167,7 @@ EXERCISE = Exercise(
     name="cached_prefix",
     reference=cached_prefix,
     probe=_prefix_probe,
-    swapped_in=lambda fn: mock.patch.object(BlockManager, "cached_prefix", fn),
+    swapped_in=hold,
     runs=[
         run
         for size, blocks in ((4, 40), (3, 52))
@@ -169,6 +179,7 @@ EXERCISE = Exercise(
             kv_block_size=size,
             num_kv_blocks=blocks,
             max_num_seqs=1,  # one at a time: each request finds its predecessors' blocks
+            parts={"block_manager_class": LookupOf},
         )
     ],
     known_wrong=[

@@ -61,6 +61,17 @@ def _export_probe(fn: Callable) -> Probe:
         cache = ExportCache(list(past_kv), attention_mask, position_ids)
         call = f"export_prepare(batch {batch}, past {past}, {new} new, left padding {pads})"
         probe[call] = outcome(lambda c=cache, b=batch, n=new: prepared(c, b, n))
+    # The device the model asks for (rose passes the input's): the runs are on the CPU,
+    # where a mask made without `device` passes; inputs and device on meta tell.
+    _, attention_mask, position_ids, past_kv = example_inputs(config, 2, 3, 4, [0, 2])
+    meta = torch.device("meta")
+    moved = ExportCache(
+        [tuple(t.to(meta) for t in layer) for layer in past_kv],
+        attention_mask.to(meta),
+        position_ids.to(meta),
+    )
+    call = "export_prepare(batch 2, past 3, 4 new, on meta, torch.device('meta')): its devices"
+    probe[call] = outcome(lambda: [t.device.type for t in fn(moved, 2, 4, meta)])
     return probe
 
 
@@ -181,6 +192,12 @@ def _positions_from_past(cache, batch, q_len, device):
     return torch.arange(past, kv_len, device=device)[None, :].expand(batch, q_len), mask
 
 
+def _device_ignored(cache, batch, q_len, device):
+    kv_len = cache.attention_mask.size(1)
+    mask = rosetrainer.model.causal_mask(q_len, kv_len)  # the mistake: no device
+    return cache.position_ids, rosetrainer.model.padding_mask(mask, cache.attention_mask)
+
+
 def _top_left(cache, batch, q_len, device):
     kv_len = cache.attention_mask.size(1)
     mask = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()[:q_len]
@@ -194,6 +211,13 @@ EXERCISE = Exercise(
     swapped_in=_swap_export_prepare,
     runs=_export_runs(),
     known_wrong=[
+        KnownWrong(
+            "device_ignored",
+            _device_ignored,
+            "your mask is made without `device`: right on the CPU, but the model passes its "
+            "input's device, and a mask on the CPU meets the graph's inputs on a GPU "
+            "(pass device to causal_mask)",
+        ),
         KnownWrong(
             "baked_length",
             _baked_length,

@@ -158,6 +158,7 @@ EXERCISE = Exercise(
     reference=rolling_slot,
     probe=_slot_probe,
     swapped_in=patched(roseinfer.cache.rolling, "rolling_slot"),
+    dtypes=frozenset({"torch.int32"}),  # (the contract: int64 or int32)
     runs=_slot_runs(),
     known_wrong=[
         KnownWrong(

@@ -29,6 +29,7 @@ from rosecourse.demo import (
     first_divergence,
     wide_random_init,
 )
+from rosecourse.exercises.contract import PROPERTIES, breach, overflow, watched_outcomes
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
 from rosetrainer.errors import one_line
@@ -305,6 +306,10 @@ class Exercise:
     # What the runs' steps are: generation steps (step_name) unless the exercise says otherwise
     # (engine steps, cases of a measurement, ...).
     step_label: Callable[[int], str] = step_name
+    # The arguments the function writes into by contract, and the dtypes it may return
+    # besides the reference's (rosecourse.exercises.contract).
+    writes: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset()
 
     def wrong_answer(self, name: str) -> Callable:
         """A known wrong answer by its name in the diagnosis table (the chapters show some)."""
@@ -320,8 +325,23 @@ class Exercise:
             _PROBED[key] = self.probe(fn)
         return _PROBED[key]
 
+    def observe(self, fn: Callable) -> dict[str, object]:
+        """The probe of `fn`, every call of it watched (contract.watched_outcomes)."""
+        return watched_outcomes(self.probe, fn, self.writes)
+
+    def observed_reference(self) -> dict[str, object]:
+        if self.name not in _OBSERVED:
+            watched = watched_outcomes(self.probe, self.reference, self.writes, reference=True)
+            _OBSERVED[self.name] = watched
+        return _OBSERVED[self.name]
+
 
 _PROBED: dict[tuple[str, Callable], Probe] = {}
+_OBSERVED: dict[str, dict[str, object]] = {}
+
+
+def outcomes_only(observed: Mapping[str, object]) -> dict[str, object]:
+    return {label: value for label, value in observed.items() if label != PROPERTIES}
 
 
 def first_difference(seen: Probe, wanted: Probe) -> str | None:
@@ -333,16 +353,20 @@ def first_difference(seen: Probe, wanted: Probe) -> str | None:
     return None
 
 
-def check(exercise: Exercise, fn: Callable) -> CheckResult:
-    """Swap `fn` in, run every run against its reference, print and return the verdict.
+def check(exercise: Exercise, fn: Callable, show: bool = True) -> CheckResult:
+    """Swap `fn` in, run every run against its reference, print (`show`) and return the
+    verdict. A check that compares no run passes nothing.
 
     A known wrong answer's diagnosis is given when `fn` gives what that answer gives on
     every small input; otherwise the exercise's fallback, with the first small input on
     which `fn` and the reference differ, if any.
     """
-    seen = exercise.probe(fn)
-    wanted = exercise.probed(exercise.reference)
+    observed = exercise.observe(fn)
+    seen = outcomes_only(observed)
+    wanted = outcomes_only(exercise.observed_reference())
     evidence = first_difference(seen, wanted)
+    breached = breach(observed, exercise.observed_reference(), exercise.dtypes)
+    breached = breached or overflow(seen, wanted)
 
     @functools.cache
     def diagnosis() -> str | None:
@@ -354,15 +378,21 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
         )
 
     result = None
+    compared = False  # whether any run had a step to compare
     for label, expected, run in exercise.runs:
         want = expected()  # the reference runs before anything is swapped in
+        compared = compared or any(len(row) for row in want)
         with exercise.swapped_in(fn):
             divergence = compare_run(label, want, run)
         if divergence is not None:
             if "raised NotImplementedError" in divergence.where:
                 why = "not written yet: replace the stub with your function"
             else:
-                why = diagnosis() or exercise.fallback + (f" (on {evidence})" if evidence else "")
+                why = (
+                    diagnosis()
+                    or breached
+                    or exercise.fallback + (f" (on {evidence})" if evidence else "")
+                )
             result = CheckResult(
                 exercise.name,
                 False,
@@ -371,18 +401,26 @@ def check(exercise: Exercise, fn: Callable) -> CheckResult:
                 exercise.step_label,
             )
             break
-    if result is None and evidence is not None:
+    if result is None and (evidence is not None or breached is not None):
         # The fallback says which clause of the contract the answer breaks.
-        why = diagnosis() or f"{exercise.fallback} (a case these runs never reach)"
-        result = CheckResult(
-            exercise.name, False, None, f"every step matches, but on {evidence}: {why}"
-        )
+        # The known mistake, or the clause broken, or the fallback on the first probe that
+        # differs (the clause and the probe: the fallback says what the contract asks).
+        where = f"on {evidence}: " if evidence is not None else ""
+        why = diagnosis()
+        if why is None and breached is not None:
+            where, why = "", breached
+        why = why or f"{exercise.fallback} (a case these runs never reach)"
+        result = CheckResult(exercise.name, False, None, f"every step matches, but {where}{why}")
+    if result is None and not compared:
+        why = "the check compared no run: is the course's own code changed?"
+        result = CheckResult(exercise.name, False, None, why)
     if result is None:
         labels = "; ".join(label for label, _, _ in exercise.runs)
         result = CheckResult(
             exercise.name, True, None, f"every step equals the reference ({labels})"
         )
-    print(result)
+    if show:
+        print(result)
     return result
 
 
@@ -454,12 +492,20 @@ def patched(module: object, name: str) -> Callable[[Callable], contextlib.Abstra
 _held: list[Callable] = []
 
 
-def hold(fn: Callable) -> contextlib.AbstractContextManager:
-    """For a piece the check calls itself (a whole loop, a formula): nothing to patch, the
-    run calls `held_function()`."""
-    _held[:] = [fn]
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def hold(fn: Callable) -> Iterator[None]:
+    """For a piece the check calls itself (a whole loop, a formula) or passes to rose as
+    an argument (a block manager's method): nothing is patched, the run calls
+    `held_function()`, `fn` while this holds it."""
+    _held.append(fn)
+    try:
+        yield
+    finally:
+        _held.pop()
 
 
-def held_function() -> Callable:
-    return _held[0]
+def held_function(default: Callable | None = None) -> Callable:
+    """The function `hold` holds now; `default` when none is held."""
+    if not _held and default is None:
+        raise LookupError("no function is held (see hold)")
+    return _held[-1] if _held else default

@@ -45,7 +45,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer("gpt2")
 
 
-def make_engine(**config: object) -> LLMEngine:
+def make_engine(parts: dict[str, type] | None = None, **config: object) -> LLMEngine:
+    """rose's engine on the oracle model; `parts`: LLMEngine's block_manager_class and
+    scheduler_class, where a check passes the learner's piece in."""
     # record_writes: drive() checks the pool after every step, the writes included
     settings = {
         "kv_block_size": KV_BLOCK,
@@ -53,7 +55,8 @@ def make_engine(**config: object) -> LLMEngine:
         "record_writes": True,
         **config,
     }
-    return LLMEngine(oracle_model(), tokenizer(), EngineConfig(**settings))
+    config = EngineConfig(**settings)
+    return LLMEngine(oracle_model(), tokenizer(), config, **(parts or {}))
 
 
 @dataclasses.dataclass
@@ -121,6 +124,7 @@ def engine_runs(
     observe: Callable[[LLMEngine, list[RequestOutput]], object] | None,
     what: str,
     tokens_too: bool = True,
+    parts: dict[str, type] | None = None,
     **config: object,
 ) -> list[tuple[str, Callable, Callable]]:
     """Two runs of one workload on an engine built from `config`: first (when `observe` is
@@ -133,7 +137,8 @@ def engine_runs(
                 on_step(0, 0)  # a step is a "token" of the run of plans
             return observe(engine, outputs) if observe else None
 
-        return drive(make_engine(**config), workload(), seen, on_token)
+        engine = make_engine(parts, **config)
+        return drive(engine, workload(), seen, on_token)
 
     def tokens(on_token: Callable[[int, int], None]) -> list[list[int]]:
         run = run_engine(None, on_token)

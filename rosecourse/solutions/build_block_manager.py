@@ -66,8 +66,10 @@ class BlockManager:
         under it; `evictable`, an OrderedDict whose keys are the cached blocks nobody
         holds (values None), least recently given back first; and the prefix cache's
         counters `prefix_cache_queries` and `prefix_cache_hits` (full blocks looked up
-        by `start` and found, both 0 at first). Without `enable_prefix_caching` nothing
-        is ever keyed or found."""
+        by `start` and found, both 0 at first); `cache_version`, a number that changes
+        whenever a key enters or leaves `cached` (the scheduler looks the head of its
+        queue up again only then). Without `enable_prefix_caching` nothing is ever keyed
+        or found."""
         self.kv_block_size = kv_block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
@@ -76,6 +78,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.cache_version = 0
 
     @property
     def num_blocks(self) -> int:
@@ -163,6 +166,7 @@ class BlockManager:
                 block = self.blocks[block_id]
                 del self.cached[block.hash]
                 block.hash, block.token_ids = None, ()
+                self.cache_version += 1
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
 
@@ -203,6 +207,7 @@ class BlockManager:
             if block.hash is None and key not in self.cached:
                 block.hash, block.token_ids = key, tokens
                 self.cached[key] = block.block_id
+                self.cache_version += 1
 
 
 # `rose-course hint block_manager` gives these one at a time, the idea first and the

@@ -31,6 +31,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from roseinfer.engine.sequence import EngineSequence
 
@@ -61,6 +62,34 @@ def blocks_short(seq: EngineSequence, kv_block_size: int) -> int:
     return max(0, blocks_for(seq.num_tokens, kv_block_size) - len(seq.block_table))
 
 
+class BlockManagerProtocol(Protocol):
+    """What the scheduler and the engine read and call on a block manager: BlockManager
+    below, or any other (a learner's, say) passed to LLMEngine as `block_manager_class`."""
+
+    kv_block_size: int
+    # Bumped whenever a key enters or leaves the prefix cache: a lookup made since the
+    # last bump would find the same blocks (the scheduler keeps its waiting head's).
+    cache_version: int
+    prefix_cache_queries: int  # full blocks looked up
+    prefix_cache_hits: int  # full blocks found
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    @property
+    def num_available(self) -> int: ...
+    def cached_prefix(self, token_ids: list[int]) -> list[int]: ...
+    def can_start(self, cached_ids: list[int], num_tokens: int) -> bool: ...
+    def start(self, seq: EngineSequence, cached_ids: list[int], num_tokens: int) -> None: ...
+    def can_grow(self, seq: EngineSequence, num_tokens: int) -> bool: ...
+    def grow(self, seq: EngineSequence, num_tokens: int) -> None: ...
+    def drop_out_of_window(self, seq: EngineSequence) -> None: ...
+    def release(self, seq: EngineSequence) -> None: ...
+    def advance(self, seq: EngineSequence, num_new: int) -> None: ...
+    def trim(self, seq: EngineSequence) -> None: ...
+
+
 class BlockManager:
     def __init__(
         self,
@@ -81,9 +110,7 @@ class BlockManager:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0, 1, ...
         self.cached: dict[bytes, int] = {}  # prefix-cache key -> block id
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unheld; oldest first
-        # Bumped whenever a key enters or leaves the prefix cache: a lookup made since the
-        # last bump would find the same blocks (the scheduler keeps its waiting head's).
-        self.cache_version = 0
+        self.cache_version = 0  # (see BlockManagerProtocol)
         self.prefix_cache_queries = 0  # full blocks looked up
         self.prefix_cache_hits = 0  # full blocks found
 

@@ -6,9 +6,8 @@ memory is cut into blocks, how large the pool is, and how much work one step may
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -68,11 +67,8 @@ class EngineConfig:
     # Record each step's written slots and the writers' block tables (runner.written_slots
     # / writer_tables), so that tests and chapters can check the pool's invariants after
     # every step (block_manager.check_pool); the engine itself checks nothing. Work a
-    # server does not need, so it is off unless asked for here or by the environment
-    # (ROSE_RECORD_WRITES=1: the tests set it).
-    record_writes: bool = field(
-        default_factory=lambda: os.environ.get("ROSE_RECORD_WRITES", "") == "1"
-    )
+    # server does not need, so it is off unless asked for.
+    record_writes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_num_seqs", "max_num_batched_tokens"):

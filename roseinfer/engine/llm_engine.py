@@ -42,7 +42,12 @@ import torch
 
 from roseinfer.cache.paged import KVPool, make_pool
 from roseinfer.cache.quantized import kv_bytes_per_token
-from roseinfer.engine.block_manager import BlockManager, blocks_for, blocks_short
+from roseinfer.engine.block_manager import (
+    BlockManager,
+    BlockManagerProtocol,
+    blocks_for,
+    blocks_short,
+)
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.drafting import PoolDrafter
 from roseinfer.engine.model_runner import ModelRunner
@@ -83,8 +88,14 @@ class LLMEngine:
         config: EngineConfig | None = None,
         drafter: Drafter | None = None,
         num_speculative_tokens: int | None = None,
+        block_manager_class: Callable[..., BlockManagerProtocol] = BlockManager,
+        scheduler_class: Callable[..., Scheduler] = Scheduler,
     ) -> None:
-        """drafter, num_speculative_tokens: speculative decoding (both, or neither)."""
+        """drafter, num_speculative_tokens: speculative decoding (both, or neither).
+        block_manager_class: what makes the pool's bookkeeping, called as BlockManager is
+        (another implementation of BlockManagerProtocol: a learner's, say);
+        scheduler_class: what makes the scheduler, called as Scheduler is (a subclass with
+        another policy)."""
         config = EngineConfig() if config is None else config  # (frozen: safe to share)
         if (drafter is None) != (num_speculative_tokens is None):
             raise RoseError("speculative decoding takes a drafter and num_speculative_tokens")
@@ -121,7 +132,7 @@ class LLMEngine:
         graphs = graphs and model.config.sliding_window is None
         pool_blocks = num_blocks + 1 if graphs else num_blocks
         self.pool = make_pool(model.config, pool_blocks, config, weight.dtype, weight.device)
-        self.block_manager = BlockManager(
+        self.block_manager = block_manager_class(
             num_blocks,
             config.kv_block_size,
             config.enable_prefix_caching,
@@ -129,7 +140,7 @@ class LLMEngine:
             model.config.sliding_window,
             model.config.attention_sinks,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = scheduler_class(config, self.block_manager)
         self.runner = ModelRunner(
             model,
             self.pool,

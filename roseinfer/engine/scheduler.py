@@ -37,7 +37,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from roseinfer.engine.block_manager import BlockManager, blocks_short
+from roseinfer.engine.block_manager import BlockManagerProtocol, blocks_short
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.sequence import EngineSequence
 
@@ -54,7 +54,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManagerProtocol) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[EngineSequence] = deque()
@@ -121,12 +121,8 @@ class Scheduler:
 
     def _cached_prefix(self, seq: EngineSequence) -> list[int]:
         """The blocks the prefix cache holds of seq's tokens (a waiting sequence's tokens
-        do not change): the last lookup's, when it was seq's and the cache is as it was.
-        A block manager that does not count its cache's changes (the course's build of
-        one need not) is asked every time."""
-        version = getattr(self.block_manager, "cache_version", None)
-        if version is None:
-            return self.block_manager.cached_prefix(seq.all_ids)
+        do not change): the last lookup's, when it was seq's and the cache is as it was."""
+        version = self.block_manager.cache_version
         if self._head_lookup is not None:
             last, last_version, cached = self._head_lookup
             if last is seq and last_version == version:
