@@ -112,6 +112,28 @@ def test_prompts_are_tokenized_off_the_event_loop(checkpoint: tuple[Path, GPT]) 
     assert all(name.startswith("rose-tokenize") for name in tokenizer.threads), tokenizer.threads
 
 
+def test_a_batch_of_prompts_stops_tokenizing_at_the_first_too_long(
+    checkpoint: tuple[Path, GPT],
+) -> None:
+    """60 prompts each under the byte bound but past the context: the first tokenized
+    is refused, the other 59 never tokenized; a batch with one prompt past the byte bound
+    is refused before any of its prompts is tokenized."""
+    tokenizer = WatchedTokenizer("gpt2")
+    tokenizer.threads = []
+    engine = LLMEngine(checkpoint[1], tokenizer, EngineConfig(num_kv_blocks=64))
+    long = " a" * 1100  # 1,100 tokens, 2,200 bytes: past the context of 1024
+    with BackgroundServer(build_app(engine, tokenizer, ServerSettings("tiny"))) as server:
+        body = {"prompt": [long] * 60, "max_tokens": 1}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        error = is_openai_error(response, 400)
+        assert error["message"].startswith("the prompt has 1100 tokens but the model's context")
+        assert len(tokenizer.threads) == 1
+        body = {"prompt": ["Hi", "ab " * 300_000], "max_tokens": 1}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert "bytes, so more than 1024 tokens" in is_openai_error(response, 400)["message"]
+        assert len(tokenizer.threads) == 1
+
+
 # -- F3: one client's share of the waiting queue --
 
 
