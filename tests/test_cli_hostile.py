@@ -144,3 +144,30 @@ def test_generate_flags_that_would_be_ignored_are_refused(
     """A flag the chosen path would not use is told, not silently dropped."""
     argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", *flags]
     one_line_exit_2(capsys, cli_generate.main, argv, says)
+
+
+# Each tool's argv before the engine flags (rose-generate's engine path: two prompts).
+ENGINE_TOOLS = {
+    "generate": (cli_generate.main, ["--prompt", "a", "--prompt", "b"]),
+    "serve": (cli_serve.main, []),
+}
+
+
+@pytest.mark.parametrize("tool", ENGINE_TOOLS)
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kv-block-size", "0"], "--kv-block-size must be an integer >= 1, got 0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks must be an integer >= 1, got 0"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a byte count"),
+    ],
+    ids=["kv-block-size", "max-num-seqs", "num-kv-blocks", "kv-cache-memory"],
+)
+def test_an_engine_flags_mistake_names_the_flag(
+    capsys: pytest.CaptureFixture, checkpoint: Path, tool: str, flags: list[str], says: str
+) -> None:
+    """EngineConfig names its fields (the Python API's words); the tools name the flag
+    the user typed."""
+    main, argv = ENGINE_TOOLS[tool]
+    one_line_exit_2(capsys, main, ["--checkpoint-path", checkpoint, *argv, *flags], says)
