@@ -7,6 +7,7 @@ user's command goes through), except where a case could kill the process it runs
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,18 @@ ENGINE_TOOLS = {
     "generate": (cli_generate.main, ["--prompt", "a", "--prompt", "b"]),
     "serve": (cli_serve.main, []),
 }
+
+
+@pytest.mark.parametrize("tool", ENGINE_TOOLS)
+def test_a_kv_pool_past_the_memory_is_one_line(
+    capsys: pytest.CaptureFixture, checkpoint: Path, tool: str
+) -> None:
+    """A pool larger than the memory there is was the allocator's traceback: refused,
+    naming the flag and the memory available."""
+    main, argv = ENGINE_TOOLS[tool]
+    argv = ["--checkpoint-path", checkpoint, *argv, "--kv-cache-memory", "1TiB"]
+    err = one_line_exit_2(capsys, main, argv, "--kv-cache-memory '1TiB' is a KV pool of")
+    assert re.search(r"more than the [0-9.]+ GiB of memory available on cpu", err), err
 
 
 @pytest.mark.parametrize("tool", ENGINE_TOOLS)

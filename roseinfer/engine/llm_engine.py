@@ -112,8 +112,16 @@ class LLMEngine:
         if draft is not None:
             check_engine_draft(draft, model)
         draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
-        num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
-        self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
+        num_blocks = config.pool_blocks(
+            model.config, weight.element_size(), draft_bytes, weight.device
+        )
+        try:
+            self.pool = make_pool(model.config, num_blocks, config, weight.dtype, weight.device)
+        except RuntimeError as err:  # (out of memory) what the free memory did not tell
+            raise RoseError(
+                f"the KV pool of {num_blocks} blocks does not fit on {weight.device} "
+                f"({str(err).splitlines()[0]}): give a smaller kv_cache_memory"
+            ) from None
         self.block_manager = BlockManager(
             num_blocks,
             config.kv_block_size,
