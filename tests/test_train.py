@@ -298,6 +298,31 @@ def test_ctrl_c_or_sigterm_saves_the_current_step_and_exits_128_plus_the_signal(
     assert f"interrupted at step {ckpt['step']}" in out
 
 
+@pytest.mark.slow
+def test_sigterm_while_the_run_sets_up_removes_its_lock_and_saves_nothing(
+    text_file: Path, tmp_path: Path
+) -> None:
+    """SIGTERM once the run's lock is taken, before the first step (data and model being
+    set up): the run unwinds as from Ctrl-C, its lock file removed (Python's default
+    handler ended the process at once and left train.lock behind)."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rosetrainer.train", *tiny_run(text_file, run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not (run_dir / "train.lock").exists():
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the run took no lock in time"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "[rosetrainer.train] SIGTERM: interrupted; nothing saved"
+    assert "Traceback" not in err
+    assert not (run_dir / "train.lock").exists() and not (run_dir / "last.pt").exists()
+
+
 # ---------------------------------------------------------------------------
 # The Llama-shaped preset: trains, resumes exactly, generates
 # ---------------------------------------------------------------------------
