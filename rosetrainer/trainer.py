@@ -111,7 +111,7 @@ def start_run(model_cfg: GPTConfig, cfg: TrainConfig, rt: Runtime, files: RunFil
             f"tokenizer {cfg.tokenizer_name!r} has {tokenizer.n_vocab} tokens, more than the "
             f"model's vocab_size {model_cfg.vocab_size}"
         )
-    splits, data_sha256 = load_splits(cfg, rt)
+    splits, data_sha256 = load_splits(cfg, rt, model_cfg.block_size)
     ckpt = load_checkpoint(files.last) if cfg.resume else None
     if ckpt is not None and GPTConfig.from_dict(ckpt["model_config"]) != model_cfg:
         raise RoseError(f"the checkpoint's model is not {model_cfg}; see resolve_configs")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -222,6 +223,24 @@ def test_bad_input_is_one_clear_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("[rosetrainer.train] error: ") and message in err
     assert err.count("\n") == 1
+
+
+def test_a_text_too_short_to_train_on_says_so_with_its_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A 2-byte text has a token or two: its training split was an empty token file,
+    reported as "not a token file ... prepare the data again", which no preparing fixes."""
+    text = tmp_path / "short.txt"
+    text.write_text("hi")
+    assert main([*tiny_run(text, tmp_path / "run"), "--block-size", "16"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (after the tokenizing bar)
+    assert re.fullmatch(
+        rf"\[rosetrainer.train\] error: {re.escape(str(text))} is too short to train on: its "
+        r"1 tokens split into 0 for training and 1 for validation \(--val-fraction 0.1\), "
+        r"and a batch needs windows of block_size \+ 1 = 17 tokens from each; use a longer "
+        r"text or a smaller --block-size",
+        err,
+    ), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
