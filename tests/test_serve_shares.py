@@ -26,6 +26,7 @@ from serving import (
 
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.request.grammar_process import Abandoned, Workers
 from roseinfer.request.sampling_params import StructuredOutputs
 from roseinfer.request.structured import grammar_for
 from roseinfer.serving import compiles as compiles_module
@@ -264,9 +265,17 @@ class HeldCompile:
 
     def __init__(self) -> None:
         self.release, self.started = threading.Event(), []
+        self.abandoned: dict[str, threading.Event] = {}  # by regex
 
-    def __call__(self, spec: StructuredOutputs, tokenizer: Tokenizer, vocab_size: int) -> str:
+    def __call__(
+        self,
+        spec: StructuredOutputs,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        abandoned: threading.Event,
+    ) -> str:
         self.started.append(spec.regex)
+        self.abandoned[spec.regex] = abandoned
         assert self.release.wait(60)
         return f"compiled {spec.regex}"
 
@@ -345,6 +354,7 @@ def test_a_clients_budget_counts_queued_compiles_and_leaves_with_the_client(
         again = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[q]{3}"), "z"))
         running[0].cancel()  # r0's client left, its compile running
         await asyncio.gather(running[0], return_exceptions=True)
+        assert held.abandoned["[r]{0}"].is_set()  # (waiting for a worker: dropped)
         after = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[r]{9}"), "r0"))
         await asyncio.sleep(0.1)
         assert not again.done() and not after.done()  # waiting, not refused
@@ -355,6 +365,28 @@ def test_a_clients_budget_counts_queued_compiles_and_leaves_with_the_client(
         compiles.close()
 
     asyncio.run(run())
+
+
+def test_a_compile_abandoned_while_waiting_for_a_worker_gives_up() -> None:
+    """A compile whose requests all left, still waiting for a worker, gives up instead
+    of taking a worker for nobody (sixteen abandoned slow regexes from sixteen addresses
+    held a newcomer's compile 40 s, two workers x 10 s x 8 threads)."""
+    workers = Workers(size=0)  # (every worker busy, for as long as this runs)
+    abandoned, outcome = threading.Event(), []
+
+    def check() -> None:
+        try:
+            workers.check("gpt2", "[x]{2}", "regex", 10.0, abandoned)
+        except Abandoned:
+            outcome.append("abandoned")
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for a worker
+    abandoned.set()
+    thread.join(2.0)
+    assert outcome == ["abandoned"]
 
 
 def test_a_client_that_leaves_during_its_compile_gives_back_its_budget(server: Server) -> None:

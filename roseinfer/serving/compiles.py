@@ -18,8 +18,10 @@ constraint by its text, and a client that changes one digit of a slow regex send
 text; nothing short of compiling it says a text will compile slowly. A budget bounds
 what any stream of new texts can cost: one worker per client, whatever it sends. It is
 the requester's while it waits: a request abandoned (its client left, its handler was
-cancelled) gives it back at once, and its compile is dropped if no thread has taken it
-yet (one that has runs to its end, for the cache, as nothing can stop it midway). What a
+cancelled) gives it back at once, and a compile nobody waits for any more is dropped if
+it has no worker yet, queued for a thread or waiting for a worker (sixteen abandoned
+slow regexes from sixteen addresses held a newcomer's compile for 40 s); one that has a
+worker runs to its end, for the cache, as nothing can stop it midway. What a
 well-behaved client sends costs it nothing: a constraint already compiled comes from the
 cache, and one already compiling (another request's) is waited for, compiled once.
 """
@@ -27,6 +29,7 @@ cache, and one already compiling (another request's) is waited for, compiled onc
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +55,7 @@ class Compile:
 
     job: Future[Grammar]  # on the pool (cancelled while no thread has taken it)
     result: asyncio.Future[Grammar]  # the same, awaited on the event loop
+    abandoned: threading.Event  # set when nobody waits for it any more
     waiting: int = 0  # requests waiting for it
 
 
@@ -85,8 +89,10 @@ class Compiles:
             compile.waiting -= 1
             if mine:
                 self.give_back(client)
-            if not compile.waiting and compile.job.cancel():  # still queued: dropped
-                self.forget(text, compile)
+            if not compile.waiting:  # dropped, unless it has a worker already
+                compile.job.cancel()
+                compile.abandoned.set()
+                self.forget(text, compile)  # (a later request compiles it anew)
 
     def close(self) -> None:
         """Let the threads go (the server has stopped: no handler waits any more)."""
@@ -112,13 +118,14 @@ class Compiles:
             del self.held[client]
 
     def start(self, spec: StructuredOutputs, text: str) -> Compile:
-        job = self.executor.submit(grammar_for, spec, self.tokenizer, self.vocab_size)
-        compile = self.compiling[text] = Compile(job, asyncio.wrap_future(job))
+        abandoned = threading.Event()
+        job = self.executor.submit(grammar_for, spec, self.tokenizer, self.vocab_size, abandoned)
+        compile = self.compiling[text] = Compile(job, asyncio.wrap_future(job), abandoned)
         compile.result.add_done_callback(lambda _: self.finished(text, compile))
         return compile
 
     def finished(self, text: str, compile: Compile) -> None:
-        # A refusal nobody waits for any more (its requests left) is not an error to log.
+        # A refusal or an Abandoned nobody waits for (its requests left): nothing to log.
         if not compile.result.cancelled():
             compile.result.exception()
         self.forget(text, compile)
