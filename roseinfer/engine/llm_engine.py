@@ -120,7 +120,7 @@ class LLMEngine:
         except RuntimeError as err:  # (out of memory) what the free memory did not tell
             raise RoseError(
                 f"the KV pool of {num_blocks} blocks does not fit on {weight.device} "
-                f"({str(err).splitlines()[0]}): give a smaller kv_cache_memory"
+                f"({one_line(err)}): give a smaller kv_cache_memory"
             ) from None
         self.block_manager = BlockManager(
             num_blocks,
