@@ -134,15 +134,22 @@ class EngineConfig:
         """How many blocks the pool holds, from the user's size or the default (a
         quantized pool's exact blocks are paid for out of the size first). draft_bytes: what
         a block's keys take in a draft model's pool of its own, which has as many blocks
-        (the size is for both). device: where the pool will be, refused when it has not
-        that much memory free (a RoseError rather than the allocator's traceback)."""
+        (the size is for both). device: where the pool will be; a size the user gave is
+        refused when it has not that much memory free (a RoseError rather than the
+        allocator's traceback)."""
         per_block = self.bytes_per_block(model, element_size) + draft_bytes
         exact_bytes = self.exact_blocks() * self.kv_block_size
         exact_bytes *= kv_bytes_per_token(model, "auto", itemsize=element_size)
+        if self.num_kv_blocks is None and self.kv_cache_memory is None:
+            # The default is no one's request: not checked against the free memory (the
+            # pool's pages are taken as they are written; the allocation's error stands).
+            full_context = -(-model.block_size // self.kv_block_size)
+            cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
+            return max(1, min(self.max_num_seqs * full_context, cap))
         if self.num_kv_blocks is not None:
             blocks, field_name = self.num_kv_blocks, "num_kv_blocks"
             setting = f"num_kv_blocks {self.num_kv_blocks}"
-        elif self.kv_cache_memory is not None:
+        else:
             budget = parse_bytes(self.kv_cache_memory) - exact_bytes
             if budget < per_block:
                 raise RoseError(
@@ -152,11 +159,6 @@ class EngineConfig:
                 )
             blocks, field_name = budget // per_block, "kv_cache_memory"
             setting = f"kv_cache_memory {self.kv_cache_memory!r}"
-        else:
-            full_context = -(-model.block_size // self.kv_block_size)
-            cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
-            blocks = max(1, min(self.max_num_seqs * full_context, cap))
-            setting, field_name = "the default pool size", "kv_cache_memory"
         if device is not None:
             check_room(blocks * per_block + exact_bytes, device, setting, field_name)
         return blocks
