@@ -358,8 +358,17 @@ def test_a_clients_budget_counts_queued_compiles_and_leaves_with_the_client(
         after = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[r]{9}"), "r0"))
         await asyncio.sleep(0.1)
         assert not again.done() and not after.done()  # waiting, not refused
+        # y sends one new text twice and leaves once: the other still waits, on y's budget
+        twice = StructuredOutputs(regex="[y]{2}")
+        first, second = (asyncio.create_task(compiles.grammar(twice, "y")) for _ in range(2))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        with pytest.raises(TooManyCompiles):
+            await compiles.grammar(StructuredOutputs(regex="[y]{3}"), "y")
         held.release.set()
         assert await again == "compiled [q]{3}" and await after == "compiled [r]{9}"
+        assert await second == "compiled [y]{2}"
         await asyncio.gather(*running[1:])
         assert "[q]{1}" not in held.started  # dropped while queued
         compiles.close()

@@ -17,8 +17,9 @@ once. A budget, not a sharper memory of refusals: the workers remember a refused
 constraint by its text, and a client that changes one digit of a slow regex sends a new
 text; nothing short of compiling it says a text will compile slowly. A budget bounds
 what any stream of new texts can cost: one worker per client, whatever it sends. It is
-the requester's while it waits: a request abandoned (its client left, its handler was
-cancelled) gives it back at once, and a compile nobody waits for any more is dropped if
+the requester's while it, or another request of its client for the same text, waits: a
+request abandoned (its client left, its handler was cancelled) gives it back at once,
+and a compile nobody waits for any more is dropped if
 it has no worker yet, queued for a thread or waiting for a worker (sixteen abandoned
 slow regexes from sixteen addresses held a newcomer's compile for 40 s); one that has a
 worker runs to its end, for the cache, as nothing can stop it midway. What a
@@ -32,7 +33,7 @@ import asyncio
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from roseinfer.request.grammar_process import WORKERS
 from roseinfer.request.sampling_params import StructuredOutputs
@@ -56,7 +57,8 @@ class Compile:
     job: Future[Grammar]  # on the pool (cancelled while no thread has taken it)
     result: asyncio.Future[Grammar]  # the same, awaited on the event loop
     abandoned: threading.Event  # set when nobody waits for it any more
-    waiting: int = 0  # requests waiting for it
+    payer: str | None  # the client whose budget it takes, while its requests wait
+    waiting: Counter[str | None] = field(default_factory=Counter)  # requests, by client
 
 
 class Compiles:
@@ -78,18 +80,20 @@ class Compiles:
         if grammar is not None:
             return grammar
         compile = self.compiling.get(text)
-        mine = compile is None  # a new constraint: this request's budget pays for it
-        if mine:
+        if compile is None:  # a new constraint: this client's budget pays for it
             self.take(client)
-            compile = self.start(spec, text)
-        compile.waiting += 1
+            compile = self.start(spec, text, client)
+        compile.waiting[client] += 1
         try:
             return await asyncio.shield(compile.result)
         finally:
-            compile.waiting -= 1
-            if mine:
+            compile.waiting[client] -= 1
+            if client == compile.payer and not compile.waiting[client]:
+                # (while one of its requests waits, sending a text twice and leaving
+                # once would compile it on no budget)
                 self.give_back(client)
-            if not compile.waiting:  # dropped, unless it has a worker already
+                compile.payer = None
+            if not compile.waiting.total():  # dropped, unless it has a worker already
                 compile.job.cancel()
                 compile.abandoned.set()
                 self.forget(text, compile)  # (a later request compiles it anew)
@@ -117,10 +121,11 @@ class Compiles:
         if not self.held[client]:
             del self.held[client]
 
-    def start(self, spec: StructuredOutputs, text: str) -> Compile:
+    def start(self, spec: StructuredOutputs, text: str, client: str | None) -> Compile:
         abandoned = threading.Event()
         job = self.executor.submit(grammar_for, spec, self.tokenizer, self.vocab_size, abandoned)
-        compile = self.compiling[text] = Compile(job, asyncio.wrap_future(job), abandoned)
+        compile = Compile(job, asyncio.wrap_future(job), abandoned, client)
+        self.compiling[text] = compile
         compile.result.add_done_callback(lambda _: self.finished(text, compile))
         return compile
 
