@@ -16,14 +16,13 @@ new constraints compiling or waiting for a thread at once; one more is answered 
 once. A budget, not a sharper memory of refusals: the workers remember a refused
 constraint by its text, and a client that changes one digit of a slow regex sends a new
 text; nothing short of compiling it says a text will compile slowly. A budget bounds
-what any stream of new texts can cost: one worker per client, whatever it sends. It is
-the requester's while it, or another request of its client for the same text, waits: a
-request abandoned (its client left, its handler was cancelled) gives it back at once,
-and a compile nobody waits for any more is dropped if
-it has no worker yet, queued for a thread or waiting for a worker (sixteen abandoned
-slow regexes from sixteen addresses held a newcomer's compile for 40 s); one that has a
-worker runs to its end, for the cache, as nothing can stop it midway. What a
-well-behaved client sends costs it nothing: a constraint already compiled comes from the
+what any stream of new texts can cost: one worker per client, whatever it sends. The
+budget is taken while the client's requests for the text wait: the last of them that
+goes (its client left, its handler was cancelled) gives it back at once, and a compile
+nobody waits for any more is dropped if it has no worker yet, queued for a thread or
+waiting for a worker (sixteen abandoned slow regexes from sixteen addresses held a
+newcomer's compile for 40 s); one that has a worker runs to its end, for the cache, as
+nothing can stop it midway. What a well-behaved client sends costs it nothing: a constraint already compiled comes from the
 cache, and one already compiling (another request's) is waited for, compiled once.
 """
 
