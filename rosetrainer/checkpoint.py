@@ -41,15 +41,17 @@ class RunFiles:
 
     A path ending in ".pt" is that checkpoint file: training writes it, and beside it
     the same stem's best checkpoint, metrics and loss curve (run/a.pt, run/a.best.pt,
-    run/a.metrics.jsonl, run/a.loss.png, run/a.lock). Any other path is a run
-    directory: run/last.pt, run/best.pt, run/metrics.jsonl, run/loss.png, run/train.lock.
+    run/a.metrics.jsonl, run/a.loss.png). Any other path is a run directory: run/last.pt,
+    run/best.pt, run/metrics.jsonl, run/loss.png. The lock is the folder's, run/train.lock,
+    either way: two paths can name the same files (run and run/last.pt both write
+    run/last.pt; run and run/best.pt, run/best.pt), so one trainer writes in a folder.
     """
 
     last: Path  # written at every eval and on Ctrl-C; what --resume continues from
     best: Path  # the lowest validation loss so far
     metrics: Path
     plot: Path
-    lock: Path  # held by the one process training this run
+    lock: Path  # held by the one process training in the run's folder
 
     @classmethod
     def of(cls, checkpoint_path: str | Path) -> RunFiles:
@@ -61,7 +63,7 @@ class RunFiles:
                 best=Path(f"{beside}.best.pt"),
                 metrics=Path(f"{beside}.metrics.jsonl"),
                 plot=Path(f"{beside}.loss.png"),
-                lock=Path(f"{beside}.lock"),
+                lock=path.parent / "train.lock",
             )
         return cls(
             last=path / "last.pt",

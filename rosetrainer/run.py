@@ -77,8 +77,9 @@ def run_lock(path: Path) -> Iterator[TextIO]:
             holder = lock_file.read().strip() or "unknown"
             lock_file.close()
             raise RoseError(
-                f"another process (pid {holder}) is training this run ({path} is locked); "
-                f"wait for it to end, or pass another --checkpoint-path"
+                f"another process (pid {holder}) is training in {path.parent} ({path} is "
+                "locked: one trainer writes in a folder); wait for it to end, or pass "
+                "another --checkpoint-path"
             ) from None
         if _still_at(lock_file, path):
             break

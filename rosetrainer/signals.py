@@ -2,18 +2,45 @@
 
 Schedulers, timeouts and `docker stop` end a job with SIGTERM; a user with Ctrl-C. The
 first of either asks the loop to finish its step and save; a second one acts at once
-(Python's default: KeyboardInterrupt for SIGINT, the end of the process for SIGTERM).
+(KeyboardInterrupt for SIGINT, Terminated for SIGTERM: the run unwinds without saving).
 Stopping between steps keeps the saved state consistent.
+
+Before the loop (the run's lock taken, the data and model being set up) there is no step
+to finish: Ctrl-C raises KeyboardInterrupt, and SIGTERM (`setup_interrupts`) raises
+Terminated, one of them, so that the run unwinds alike, its lock file removed, nothing
+saved. (Python's default for SIGTERM ends the process at once and left the lock file.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where no step is running: the run unwinds as from Ctrl-C."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def setup_interrupts() -> Iterator[None]:
+    """SIGTERM raises Terminated while the block runs (outside StopSignals' loop)."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StopSignals:

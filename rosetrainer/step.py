@@ -23,13 +23,15 @@ from torch.nn.parallel import DistributedDataParallel
 from rosetrainer.checkpoint import model_from_checkpoint
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.data import get_batch, load_tokens, prepare_data
+from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
 from rosetrainer.runtime import Runtime, mean_over_ranks
 
 
-def load_splits(cfg: TrainConfig, rt: Runtime) -> tuple[dict[str, np.memmap], str]:
+def load_splits(cfg: TrainConfig, rt: Runtime, block_size: int) -> tuple[dict[str, np.memmap], str]:
     """Token arrays for "train" and "val" (tokenized once, cached in data_dir), and the
-    sha256 of the text they came from."""
+    sha256 of the text they came from; refused when a split is shorter than one window
+    of `block_size` tokens and its next."""
 
     def prepare():
         return prepare_data(
@@ -48,8 +50,22 @@ def load_splits(cfg: TrainConfig, rt: Runtime) -> tuple[dict[str, np.memmap], st
     if not rt.is_main:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             prepared = prepare()
+    check_long_enough(prepared.meta, block_size)
     splits = {"train": load_tokens(prepared.train_path), "val": load_tokens(prepared.val_path)}
     return splits, prepared.meta["text_sha256"]
+
+
+def check_long_enough(meta: dict[str, Any], block_size: int) -> None:
+    """A text too short to train on is said so, with its numbers (an empty split's token
+    file would be "not a token file" otherwise)."""
+    n_train, n_val = meta["n_train_tokens"], meta["n_val_tokens"]
+    if min(n_train, n_val) <= block_size:
+        raise RoseError(
+            f"{meta['source']} is too short to train on: its {n_train + n_val} tokens split "
+            f"into {n_train} for training and {n_val} for validation (--val-fraction "
+            f"{meta['val_fraction']}), and a batch needs windows of block_size + 1 = "
+            f"{block_size + 1} tokens from each; use a longer text or a smaller --block-size"
+        )
 
 
 def rank_batch(

@@ -21,6 +21,7 @@ from rosetrainer.checkpoint import RunFiles, load_checkpoint
 from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import exit_torchrun_worker, is_torchrun_worker
+from rosetrainer.signals import Terminated
 from rosetrainer.threads import Threads
 from rosetrainer.trainer import train
 
@@ -202,6 +203,9 @@ def _main(argv: list[str] | None) -> int:
     threads = Threads(flags.get("num_threads"), follow_load=not train_cfg.compile)
     try:
         summary = train(model_cfg, train_cfg, threads)
+    except Terminated as stop:  # SIGTERM before training started (or a second one)
+        print(f"[{PROG}] SIGTERM: interrupted; nothing saved", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
         print(f"[{PROG}] interrupted; nothing saved", file=sys.stderr)
         return 130

@@ -35,7 +35,7 @@ from rosetrainer.run import describe_run, open_run
 from rosetrainer.runtime import Runtime, keep_freed_memory, mean_over_ranks, setup_device, shutdown
 from rosetrainer.sample import sample_text
 from rosetrainer.schedule import learning_rate_at
-from rosetrainer.signals import StopSignals
+from rosetrainer.signals import StopSignals, setup_interrupts
 from rosetrainer.state import TrainingState
 from rosetrainer.step import build_model, evaluate, load_splits, rank_batch, train_step
 from rosetrainer.threads import Threads
@@ -91,7 +91,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, threads: Threads | None = None
     if rt.device.type == "cpu":
         keep_freed_memory()
     try:
-        with open_run(cfg, rt.is_main) as files:
+        # (SIGTERM from before the lock is taken: the lock file is removed however it ends)
+        with setup_interrupts(), open_run(cfg, rt.is_main) as files:
             run = start_run(model_cfg, cfg, rt, files)
             summary = train_loop(run, threads)
             if rt.is_main:
@@ -110,7 +111,7 @@ def start_run(model_cfg: GPTConfig, cfg: TrainConfig, rt: Runtime, files: RunFil
             f"tokenizer {cfg.tokenizer_name!r} has {tokenizer.n_vocab} tokens, more than the "
             f"model's vocab_size {model_cfg.vocab_size}"
         )
-    splits, data_sha256 = load_splits(cfg, rt)
+    splits, data_sha256 = load_splits(cfg, rt, model_cfg.block_size)
     ckpt = load_checkpoint(files.last) if cfg.resume else None
     if ckpt is not None and GPTConfig.from_dict(ckpt["model_config"]) != model_cfg:
         raise RoseError(f"the checkpoint's model is not {model_cfg}; see resolve_configs")

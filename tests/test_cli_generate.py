@@ -205,7 +205,7 @@ BAD_INPUTS = {
     "zero max_new_tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     "zero-token KV blocks with one prompt": (
         ["--kv-block-size", "0"],
-        "kv_block_size must be an integer >= 1, got 0",
+        "--kv-block-size must be an integer >= 1, got 0",
     ),
     "zero batch size": (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     "batch size on the engine path": (
@@ -214,7 +214,7 @@ BAD_INPUTS = {
     ),
     "zero running sequences": (
         ["--prompt", "a", "--prompt", "b", "--max-num-seqs", "0"],
-        "max_num_seqs must be an integer >= 1, got 0",
+        "--max-num-seqs must be an integer >= 1, got 0",
     ),
     "an attention the engine does not have": (
         ["--prompt", "a", "--prompt", "b", "--attention", "fast"],

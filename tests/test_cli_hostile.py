@@ -7,6 +7,7 @@ user's command goes through), except where a case could kill the process it runs
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,42 @@ def test_generate_flags_that_would_be_ignored_are_refused(
     """A flag the chosen path would not use is told, not silently dropped."""
     argv = ["--checkpoint-path", checkpoint, "--prompt", "Hi", *flags]
     one_line_exit_2(capsys, cli_generate.main, argv, says)
+
+
+# Each tool's argv before the engine flags (rose-generate's engine path: two prompts).
+ENGINE_TOOLS = {
+    "generate": (cli_generate.main, ["--prompt", "a", "--prompt", "b"]),
+    "serve": (cli_serve.main, []),
+}
+
+
+@pytest.mark.parametrize("tool", ENGINE_TOOLS)
+def test_a_kv_pool_past_the_memory_is_one_line(
+    capsys: pytest.CaptureFixture, checkpoint: Path, tool: str
+) -> None:
+    """A pool larger than the memory there is was the allocator's traceback: refused,
+    naming the flag and the memory available."""
+    main, argv = ENGINE_TOOLS[tool]
+    argv = ["--checkpoint-path", checkpoint, *argv, "--kv-cache-memory", "1TiB"]
+    err = one_line_exit_2(capsys, main, argv, "--kv-cache-memory '1TiB' is a KV pool of")
+    assert re.search(r"more than the [0-9.]+ GiB of memory available on cpu", err), err
+
+
+@pytest.mark.parametrize("tool", ENGINE_TOOLS)
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kv-block-size", "0"], "--kv-block-size must be an integer >= 1, got 0"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
+        (["--num-kv-blocks", "0"], "--num-kv-blocks must be an integer >= 1, got 0"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a byte count"),
+    ],
+    ids=["kv-block-size", "max-num-seqs", "num-kv-blocks", "kv-cache-memory"],
+)
+def test_an_engine_flags_mistake_names_the_flag(
+    capsys: pytest.CaptureFixture, checkpoint: Path, tool: str, flags: list[str], says: str
+) -> None:
+    """EngineConfig names its fields (the Python API's words); the tools name the flag
+    the user typed."""
+    main, argv = ENGINE_TOOLS[tool]
+    one_line_exit_2(capsys, main, ["--checkpoint-path", checkpoint, *argv, *flags], says)

@@ -33,6 +33,7 @@ import roseinfer
 from roseinfer.cache import flex, kernels
 from roseinfer.cache import paged as paged_cache
 from roseinfer.engine import EngineConfig, LLMEngine, llm_engine, model_runner
+from roseinfer.engine import config as engine_config
 from roseinfer.engine import packed as packed_module
 from roseinfer.engine.block_manager import check_pool
 from roseinfer.engine.config import ATTENTIONS, parse_bytes
@@ -1017,6 +1018,30 @@ def test_pool_size_from_bytes_or_blocks(model) -> None:
             EngineConfig(kv_cache_memory=bad)
     with pytest.raises(RoseError, match="not both"):
         EngineConfig(num_kv_blocks=4, kv_cache_memory="1MiB")
+
+
+def test_a_pool_past_the_free_memory_is_refused_naming_the_setting(
+    model, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The free memory is asked first (here: as if 1 MiB were free); where the system
+    does not say, the allocation's own error is one line, not the allocator's traceback."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(engine_config, "available_memory", lambda device: 2**20)
+    with pytest.raises(RoseError, match=r"^kv_cache_memory '2MiB' is a KV pool of 0\.0 GiB, more "):
+        EngineConfig(kv_cache_memory="2MiB").pool_blocks(model.config, 4, device=cpu)
+    with pytest.raises(RoseError, match=r"^num_kv_blocks 100000 is a KV pool of .* smaller num"):
+        EngineConfig(num_kv_blocks=100_000).pool_blocks(model.config, 4, device=cpu)
+    assert EngineConfig(kv_cache_memory="512KiB").pool_blocks(model.config, 4, device=cpu) > 0
+
+    def no_memory(*args: object) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried...\nmore")
+
+    monkeypatch.setattr(engine_config, "available_memory", lambda device: None)
+    monkeypatch.setattr(llm_engine, "make_pool", no_memory)
+    with pytest.raises(
+        RoseError, match=r"does not fit on cpu \(RuntimeError: DefaultCPU.*\.\.\.\)"
+    ):
+        engine_for(model, tokenizer, num_kv_blocks=10)
 
 
 def test_a_grouped_models_pool_holds_its_key_value_heads_only(model, grouped, tokenizer) -> None:

@@ -130,8 +130,23 @@ def test_a_second_process_on_a_locked_run_is_refused(
         assert lock.read_text() == f"{os.getpid()}\n"  # the live run's lock is left alone
     assert not lock.exists()
     err = one_line_error(capsys)
-    assert f"another process (pid {os.getpid()}) is training this run" in err
+    assert f"another process (pid {os.getpid()}) is training in {run_copy}" in err
     assert unchanged(before)
+
+
+@pytest.mark.parametrize("name", ["last.pt", "best.pt", "a.pt"])
+def test_two_paths_into_one_folder_share_its_lock(
+    tmp_path: Path, text_file: Path, capsys, name: str
+) -> None:
+    """`run` and `run/last.pt` both write run/last.pt (`run/best.pt`: run/best.pt): while
+    a trainer holds `run`, a second one given a checkpoint file in that folder is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with run_lock(RunFiles.of(run).lock) as lock_file:
+        sign(lock_file)
+        assert main(tiny_run(text_file, run / name, "--max-steps", "2")) == 2
+    assert f"another process (pid {os.getpid()}) is training in {run}" in one_line_error(capsys)
+    assert not list(run.iterdir())  # nothing written
 
 
 def offline(monkeypatch: pytest.MonkeyPatch) -> int:

@@ -26,8 +26,13 @@ from serving import (
 
 from roseinfer.engine.config import EngineConfig
 from roseinfer.engine.llm_engine import LLMEngine
+from roseinfer.request.grammar_process import Abandoned, Workers
+from roseinfer.request.sampling_params import StructuredOutputs
+from roseinfer.request.structured import grammar_for
+from roseinfer.serving import compiles as compiles_module
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.background import BackgroundServer
+from roseinfer.serving.compiles import THREADS, Compiles, TooManyCompiles
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
@@ -106,6 +111,28 @@ def test_prompts_are_tokenized_off_the_event_loop(checkpoint: tuple[Path, GPT]) 
         assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}).is_success
     assert len(tokenizer.threads) >= 5
     assert all(name.startswith("rose-tokenize") for name in tokenizer.threads), tokenizer.threads
+
+
+def test_a_batch_of_prompts_stops_tokenizing_at_the_first_too_long(
+    checkpoint: tuple[Path, GPT],
+) -> None:
+    """60 prompts each under the byte bound but past the context: the first tokenized
+    is refused, the other 59 never tokenized; a batch with one prompt past the byte bound
+    is refused before any of its prompts is tokenized."""
+    tokenizer = WatchedTokenizer("gpt2")
+    tokenizer.threads = []
+    engine = LLMEngine(checkpoint[1], tokenizer, EngineConfig(num_kv_blocks=64))
+    long = " a" * 1100  # 1,100 tokens, 2,200 bytes: past the context of 1024
+    with BackgroundServer(build_app(engine, tokenizer, ServerSettings("tiny"))) as server:
+        body = {"prompt": [long] * 60, "max_tokens": 1}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        error = is_openai_error(response, 400)
+        assert error["message"].startswith("the prompt has 1100 tokens but the model's context")
+        assert len(tokenizer.threads) == 1
+        body = {"prompt": ["Hi", "ab " * 300_000], "max_tokens": 1}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert "bytes, so more than 1024 tokens" in is_openai_error(response, 400)["message"]
+        assert len(tokenizer.threads) == 1
 
 
 # -- F3: one client's share of the waiting queue --
@@ -230,3 +257,160 @@ def test_one_new_constraint_sent_many_times_at_once_costs_one_compile(server: Se
     for response in responses:  # (max_tokens 2: a prefix of the pattern)
         text = response.json()["choices"][0]["message"]["content"]
         assert re.fullmatch(r"[a-z]{0,3}(-[0-9]{0,7})?", text), text
+
+
+class HeldCompile:
+    """Stands in for `grammar_for`: each compile holds its pool thread until released,
+    and says which constraints a thread took (by their regex)."""
+
+    def __init__(self) -> None:
+        self.release, self.started = threading.Event(), []
+        self.abandoned: dict[str, threading.Event] = {}  # by regex
+
+    def __call__(
+        self,
+        spec: StructuredOutputs,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        abandoned: threading.Event,
+    ) -> str:
+        self.started.append(spec.regex)
+        self.abandoned[spec.regex] = abandoned
+        assert self.release.wait(60)
+        return f"compiled {spec.regex}"
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldCompile:
+    # One real constraint in the cache first (compiled by the worker process).
+    grammar_for(CACHED, GPT2, GPT2.n_vocab)
+    fake = HeldCompile()
+    monkeypatch.setattr(compiles_module, "grammar_for", fake)
+    yield fake
+    fake.release.set()
+
+
+GPT2 = Tokenizer("gpt2")
+CACHED = StructuredOutputs(choice=["yes", "no"])
+
+
+async def started(held: HeldCompile, regex: str) -> None:
+    """Until a pool thread has taken `regex`'s compile (2 s at most)."""
+    async with asyncio.timeout(2.0):
+        while regex not in held.started:
+            await asyncio.sleep(0.01)
+
+
+def test_a_constraint_sent_many_times_waits_for_its_compile_without_threads(
+    held: HeldCompile,
+) -> None:
+    """One client sends one slow new regex twelve times at once, more than the pool has
+    threads: it compiles once, and the duplicates wait for it on the event loop, so
+    another client's cached constraint is answered at once and its new one starts
+    compiling while the first still runs."""
+
+    async def run() -> None:
+        compiles = Compiles(GPT2, GPT2.n_vocab, per_client=1)
+        slow = StructuredOutputs(regex="a{7000000}")
+        same = [asyncio.create_task(compiles.grammar(slow, "a")) for _ in range(3 * THREADS // 2)]
+        await started(held, "a{7000000}")
+        async with asyncio.timeout(2.0):
+            assert (await compiles.grammar(CACHED, "b")) is not None
+        other = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[k]{2}"), "c"))
+        await started(held, "[k]{2}")
+        held.release.set()
+        assert await asyncio.gather(*same) == ["compiled a{7000000}"] * len(same)
+        assert await other == "compiled [k]{2}"
+        assert held.started.count("a{7000000}") == 1
+        compiles.close()
+
+    asyncio.run(run())
+
+
+def test_a_clients_budget_counts_queued_compiles_and_leaves_with_the_client(
+    held: HeldCompile,
+) -> None:
+    """With every pool thread compiling, a client's new constraint waits in the queue and
+    counts against its budget (its next is refused at once); a request that gives up
+    gives its budget back at once: a queued compile is dropped, never run, and one that
+    is running finishes without holding the client's budget."""
+
+    async def run() -> None:
+        compiles = Compiles(GPT2, GPT2.n_vocab, per_client=1)
+        running = [
+            asyncio.create_task(compiles.grammar(StructuredOutputs(regex=f"[r]{{{i}}}"), f"r{i}"))
+            for i in range(THREADS)
+        ]
+        for i in range(THREADS):
+            await started(held, f"[r]{{{i}}}")
+        queued = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[q]{1}"), "z"))
+        await asyncio.sleep(0.1)
+        assert not queued.done()
+        with pytest.raises(TooManyCompiles):
+            async with asyncio.timeout(2.0):
+                await compiles.grammar(StructuredOutputs(regex="[q]{2}"), "z")
+        queued.cancel()  # z's client left
+        await asyncio.gather(queued, return_exceptions=True)
+        again = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[q]{3}"), "z"))
+        running[0].cancel()  # r0's client left, its compile running
+        await asyncio.gather(running[0], return_exceptions=True)
+        assert held.abandoned["[r]{0}"].is_set()  # (waiting for a worker: dropped)
+        after = asyncio.create_task(compiles.grammar(StructuredOutputs(regex="[r]{9}"), "r0"))
+        await asyncio.sleep(0.1)
+        assert not again.done() and not after.done()  # waiting, not refused
+        # y sends one new text twice and leaves once: the other still waits, on y's budget
+        twice = StructuredOutputs(regex="[y]{2}")
+        first, second = (asyncio.create_task(compiles.grammar(twice, "y")) for _ in range(2))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        with pytest.raises(TooManyCompiles):
+            await compiles.grammar(StructuredOutputs(regex="[y]{3}"), "y")
+        held.release.set()
+        assert await again == "compiled [q]{3}" and await after == "compiled [r]{9}"
+        assert await second == "compiled [y]{2}"
+        await asyncio.gather(*running[1:])
+        assert "[q]{1}" not in held.started  # dropped while queued
+        compiles.close()
+
+    asyncio.run(run())
+
+
+def test_a_compile_abandoned_while_waiting_for_a_worker_gives_up() -> None:
+    """A compile whose requests all left, still waiting for a worker, gives up instead
+    of taking a worker for nobody (sixteen abandoned slow regexes from sixteen addresses
+    held a newcomer's compile 40 s, two workers x 10 s x 8 threads)."""
+    workers = Workers(size=0)  # (every worker busy, for as long as this runs)
+    abandoned, outcome = threading.Event(), []
+
+    def check() -> None:
+        try:
+            workers.check("gpt2", "[x]{2}", "regex", 10.0, abandoned)
+        except Abandoned:
+            outcome.append("abandoned")
+
+    thread = threading.Thread(target=check)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for a worker
+    abandoned.set()
+    thread.join(2.0)
+    assert outcome == ["abandoned"]
+
+
+def test_a_client_that_leaves_during_its_compile_gives_back_its_budget(server: Server) -> None:
+    """Client D sends a slow new constraint and hangs up while it compiles: the server
+    notices, and D's next new constraint is compiled, not refused for the one nobody
+    waits for."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            slow = {**CHAT, "structured_outputs": {"regex": SLOW_REGEX % 3_000_001}}
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/chat/completions", json=slow, headers=client("d"), timeout=1.0)
+            await asyncio.sleep(1.0)  # (the server checks for a disconnect every 0.2 s)
+            quick = {**CHAT, "structured_outputs": {"regex": "[d]{2}-[0-9]"}}
+            response = await http.post("/chat/completions", json=quick, headers=client("d"))
+            assert response.status_code == 200, response.text
+
+    asyncio.run(run())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -224,6 +225,24 @@ def test_bad_input_is_one_clear_line_and_exit_2(
     assert err.count("\n") == 1
 
 
+def test_a_text_too_short_to_train_on_says_so_with_its_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A 2-byte text has a token or two: its training split was an empty token file,
+    reported as "not a token file ... prepare the data again", which no preparing fixes."""
+    text = tmp_path / "short.txt"
+    text.write_text("hi")
+    assert main([*tiny_run(text, tmp_path / "run"), "--block-size", "16"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (after the tokenizing bar)
+    assert re.fullmatch(
+        rf"\[rosetrainer.train\] error: {re.escape(str(text))} is too short to train on: its "
+        r"1 tokens split into 0 for training and 1 for validation \(--val-fraction 0.1\), "
+        r"and a batch needs windows of block_size \+ 1 = 17 tokens from each; use a longer "
+        r"text or a smaller --block-size",
+        err,
+    ), err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_asking_for_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
     assert main(["--device", "cuda"]) == 2
@@ -296,6 +315,31 @@ def test_ctrl_c_or_sigterm_saves_the_current_step_and_exits_128_plus_the_signal(
     logged_steps = [step for step, _ in train_losses(run_dir)]
     assert ckpt["step"] == logged_steps[-1] >= 1  # the save is of the last finished step
     assert f"interrupted at step {ckpt['step']}" in out
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_run_sets_up_removes_its_lock_and_saves_nothing(
+    text_file: Path, tmp_path: Path
+) -> None:
+    """SIGTERM once the run's lock is taken, before the first step (data and model being
+    set up): the run unwinds as from Ctrl-C, its lock file removed (Python's default
+    handler ended the process at once and left train.lock behind)."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rosetrainer.train", *tiny_run(text_file, run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not (run_dir / "train.lock").exists():
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the run took no lock in time"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "[rosetrainer.train] SIGTERM: interrupted; nothing saved"
+    assert "Traceback" not in err
+    assert not (run_dir / "train.lock").exists() and not (run_dir / "last.pt").exists()
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,9 @@ model); `engine_from_flags` builds the engine with its drafter.
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from roseinfer.cache.quantized import KV_CACHE_DTYPES
 from roseinfer.engine.config import ATTENTIONS, EngineConfig
@@ -24,6 +27,12 @@ from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
 
 DEFAULTS = EngineConfig()
+# EngineConfig's fields that a flag sets: its errors name the field (the Python API's
+# word), a command's errors the flag the user typed.
+FLAG_FIELDS = re.compile(
+    r"\b(kv_block_size|num_kv_blocks|kv_cache_memory|max_num_seqs|max_num_batched_tokens"
+    r"|kv_cache_dtype|kv_cache_window|kv_cache_group_size)\b"
+)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -171,7 +180,18 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 def engine_from_flags(model: GPT, tokenizer: Tokenizer, args: argparse.Namespace) -> LLMEngine:
     """The engine the flags describe, with its drafter when they ask for one (a draft
     model is loaded and checked against `model` here)."""
-    return speculative_engine(model, tokenizer, engine_config(args), speculative_config(args))
+    with named_by_flag():
+        return speculative_engine(model, tokenizer, engine_config(args), speculative_config(args))
+
+
+@contextmanager
+def named_by_flag() -> Iterator[None]:
+    """An engine setting's error, naming the flag instead of EngineConfig's field."""
+    try:
+        yield
+    except RoseError as err:
+        flag = FLAG_FIELDS.sub(lambda m: "--" + m.group(1).replace("_", "-"), str(err))
+        raise RoseError(flag) from None
 
 
 def kv_cache_window(args: argparse.Namespace) -> int:
@@ -206,17 +226,18 @@ def check_quantization_flags(args: argparse.Namespace) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The flags as an EngineConfig (which checks them: a bad value is one clear line)."""
-    return EngineConfig(
-        kv_block_size=args.kv_block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        pack_weights=not args.no_pack_weights,
-        attention=args.attention,
-        enforce_eager=args.enforce_eager,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_window=kv_cache_window(args),
-        kv_cache_group_size=kv_cache_group_size(args),
-    )
+    with named_by_flag():
+        return EngineConfig(
+            kv_block_size=args.kv_block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            pack_weights=not args.no_pack_weights,
+            attention=args.attention,
+            enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_window=kv_cache_window(args),
+            kv_cache_group_size=kv_cache_group_size(args),
+        )

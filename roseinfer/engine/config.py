@@ -6,6 +6,7 @@ memory is cut into blocks, how large the pool is, and how much work one step may
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -133,17 +134,32 @@ class EngineConfig:
         step_blocks = -(-self.max_num_batched_tokens // self.kv_block_size) + self.max_num_seqs
         return self.max_num_seqs * (window_blocks + 1) + step_blocks
 
-    def pool_blocks(self, model: GPTConfig, element_size: int, draft_bytes: int = 0) -> int:
+    def pool_blocks(
+        self,
+        model: GPTConfig,
+        element_size: int,
+        draft_bytes: int = 0,
+        device: torch.device | None = None,
+    ) -> int:
         """How many blocks the pool holds, from the user's size or the default (a
         quantized pool's exact blocks are paid for out of the size first). draft_bytes: what
         a block's keys take in a draft model's pool of its own, which has as many blocks
-        (the size is for both)."""
-        if self.num_kv_blocks is not None:
-            return self.num_kv_blocks
+        (the size is for both). device: where the pool will be; a size the user gave is
+        refused when it has not that much memory free (a RoseError rather than the
+        allocator's traceback)."""
         per_block = self.bytes_per_block(model, element_size) + draft_bytes
         exact_bytes = self.exact_blocks() * self.kv_block_size
         exact_bytes *= kv_bytes_per_token(model, "auto", itemsize=element_size)
-        if self.kv_cache_memory is not None:
+        if self.num_kv_blocks is None and self.kv_cache_memory is None:
+            # The default is no one's request: not checked against the free memory (the
+            # pool's pages are taken as they are written; the allocation's error stands).
+            full_context = -(-model.block_size // self.kv_block_size)
+            cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
+            return max(1, min(self.max_num_seqs * full_context, cap))
+        if self.num_kv_blocks is not None:
+            blocks, field_name = self.num_kv_blocks, "num_kv_blocks"
+            setting = f"num_kv_blocks {self.num_kv_blocks}"
+        else:
             budget = parse_bytes(self.kv_cache_memory) - exact_bytes
             if budget < per_block:
                 raise RoseError(
@@ -151,10 +167,42 @@ class EngineConfig:
                     f"{self.kv_block_size} tokens takes {per_block} bytes"
                     + (f", after {exact_bytes} bytes of exact blocks" if exact_bytes else "")
                 )
-            return budget // per_block
-        full_context = -(-model.block_size // self.kv_block_size)
-        cap = (DEFAULT_POOL_CAP_BYTES - exact_bytes) // per_block
-        return max(1, min(self.max_num_seqs * full_context, cap))
+            blocks, field_name = budget // per_block, "kv_cache_memory"
+            setting = f"kv_cache_memory {self.kv_cache_memory!r}"
+        if device is not None:
+            check_room(blocks * per_block + exact_bytes, device, setting, field_name)
+        return blocks
+
+
+def check_room(size: int, device: torch.device, setting: str, field_name: str) -> None:
+    """Refuse a pool of `size` bytes that `device` has not the memory for (`setting`
+    sized it; `field_name` is the one to change)."""
+    free = available_memory(device)
+    if free is not None and size > free:
+        raise RoseError(
+            f"{setting} is a KV pool of {size / 1024**3:.1f} GiB, more than the "
+            f"{free / 1024**3:.1f} GiB of memory available on {device}: give a smaller {field_name}"
+        )
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a new tensor on `device`, as far as the system says (None: unknown;
+    the allocation itself then fails, see LLMEngine)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:  # Linux: what can be allocated without swapping (caches dropped)
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # elsewhere: the physical memory, an upper bound
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def parse_bytes(size: int | str, name: str = "kv_cache_memory") -> int:

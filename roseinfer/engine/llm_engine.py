@@ -123,7 +123,9 @@ class LLMEngine:
         if draft is not None:
             check_engine_draft(draft, model)
         draft_bytes = draft_block_bytes(draft, config.kv_block_size) if own_pool else 0
-        num_blocks = config.pool_blocks(model.config, weight.element_size(), draft_bytes)
+        num_blocks = config.pool_blocks(
+            model.config, weight.element_size(), draft_bytes, weight.device
+        )
         attention = config.attention_on(weight.device)
         # Decode steps in CUDA graphs (roseinfer.engine.cuda_graphs): FlexAttention over a
         # plain pool, a bounded context; the pool has one spare block for padding rows.
@@ -131,7 +133,13 @@ class LLMEngine:
         graphs = graphs and config.kv_cache_dtype == "auto" and self.length_limit is not None
         graphs = graphs and model.config.sliding_window is None
         pool_blocks = num_blocks + 1 if graphs else num_blocks
-        self.pool = make_pool(model.config, pool_blocks, config, weight.dtype, weight.device)
+        try:
+            self.pool = make_pool(model.config, pool_blocks, config, weight.dtype, weight.device)
+        except RuntimeError as err:  # (out of memory) what the free memory did not tell
+            raise RoseError(
+                f"the KV pool of {pool_blocks} blocks does not fit on {weight.device} "
+                f"({one_line(err)}): give a smaller kv_cache_memory"
+            ) from None
         self.block_manager = block_manager_class(
             num_blocks,
             config.kv_block_size,

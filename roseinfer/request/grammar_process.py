@@ -63,6 +63,7 @@ SLOW_REMEMBERED_S = 60.0
 PARENT_POLL_S = 1.0  # how often a worker looks whether its parent is still there
 WORKER_MODULE = "roseinfer.request.grammar_worker"  # what a worker runs (python -m)
 STACK_MARGIN = 1 << 20  # bytes of stack the worker's compile has less than the caller's
+ABANDONED_POLL_S = 0.1  # how soon a compile waiting for a worker sees it was abandoned
 STOPPED = "the grammar compiler was stopped (the server or program is exiting)"
 
 
@@ -164,6 +165,10 @@ class CompilerStopped(RoseError):
     """The workers were stopped (`Workers.stop`) while this compile waited for one."""
 
 
+class Abandoned(Exception):
+    """Nobody waits for this compile any more, and it had no worker yet: not run."""
+
+
 class Died(Exception):
     def __init__(self, status: int | None) -> None:
         super().__init__(status)
@@ -186,9 +191,18 @@ class Workers:
         # refused constraints: the reason, and until when it stands (monotonic seconds)
         self.refused: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
-    def check(self, tokenizer: str, text: str, kind: str, timeout_s: float) -> None:
+    def check(
+        self,
+        tokenizer: str,
+        text: str,
+        kind: str,
+        timeout_s: float,
+        abandoned: threading.Event | None = None,
+    ) -> None:
         """Raise InvalidParam if `text` does not compile cleanly in a worker within
-        `timeout_s` (refused by the library, crashed, or too slow)."""
+        `timeout_s` (refused by the library, crashed, or too slow); Abandoned if
+        `abandoned` is set while it waits for a worker (its requests left: a worker
+        busy for nobody would hold up the compiles still awaited)."""
         key = (tokenizer, text)
         with self.free:
             if key in self.refused:
@@ -197,7 +211,7 @@ class Workers:
                     self.refused.move_to_end(key)
                     raise InvalidParam(PARAM, error)
                 del self.refused[key]
-        worker = self._lend()
+        worker = self._lend(abandoned)
         answered = False  # the exchange ended: the worker is idle, or gone
         remember = float("inf")  # how long a refusal is remembered
         try:
@@ -227,18 +241,20 @@ class Workers:
                     self.refused.popitem(last=False)
             raise InvalidParam(PARAM, error)
 
-    def _lend(self) -> Worker:
+    def _lend(self, abandoned: threading.Event | None = None) -> Worker:
         with self.free:
             while True:
                 if self.closed:
                     raise CompilerStopped(STOPPED)
+                if abandoned is not None and abandoned.is_set():
+                    raise Abandoned
                 if self.idle:
                     worker = self.idle.pop()
                     break
                 if len(self.busy) < self.size:
                     worker = Worker()
                     break
-                self.free.wait()
+                self.free.wait(None if abandoned is None else ABANDONED_POLL_S)
             self.busy.add(worker)
             return worker
 

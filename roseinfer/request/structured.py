@@ -221,14 +221,18 @@ _held: weakref.WeakValueDictionary[tuple[str, str], Grammar] = weakref.WeakValue
 
 
 def compile_grammar(
-    spec: StructuredOutputs, tokenizer: Tokenizer, timeout_s: float = COMPILE_TIMEOUT_S
+    spec: StructuredOutputs,
+    tokenizer: Tokenizer,
+    timeout_s: float = COMPILE_TIMEOUT_S,
+    abandoned: threading.Event | None = None,
 ) -> Grammar:
     """`spec` compiled for `tokenizer`'s vocabulary, from the cache when it is there.
 
     Raises InvalidParam naming the library's reason when the constraint is invalid, when
     it accepts no text (`check_compile`), when compiling it crashes the library or takes
     longer than `timeout_s`: it is compiled first in a worker process, which dies alone
-    or is killed (roseinfer/request/grammar_process.py), then here.
+    or is killed (roseinfer/request/grammar_process.py), then here. `abandoned`: see
+    grammar_for.
     """
     from roseinfer.request.grammar_process import pool
 
@@ -246,7 +250,7 @@ def compile_grammar(
         dead = dead_schema(json.loads(spec.json))
         if dead is not None:
             raise InvalidParam(PARAM, f"invalid JSON schema: {dead}")
-    pool.check(tokenizer.name, text, spec.kind, timeout_s)
+    pool.check(tokenizer.name, text, spec.kind, timeout_s, abandoned)
     grammar = _compile(tokenizer.name, text, spec.json is not None or spec.json_object)
     key = (tokenizer.name, text)
     with _lock:
@@ -346,14 +350,18 @@ def one_line(reason: str) -> str:
 
 
 def grammar_for(
-    spec: StructuredOutputs | None, tokenizer: Tokenizer | None, vocab_size: int
+    spec: StructuredOutputs | None,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    abandoned: threading.Event | None = None,
 ) -> Grammar | None:
     """A request's constraint compiled (None: unconstrained), for a model whose logits
-    have `vocab_size` entries."""
+    have `vocab_size` entries. abandoned: set when nobody waits for it any more (a
+    compile still waiting for a worker then gives up: grammar_process.Abandoned)."""
     if spec is None:
         return None
     check_vocabulary(tokenizer, vocab_size)
-    return compile_grammar(spec, tokenizer)
+    return compile_grammar(spec, tokenizer, abandoned=abandoned)
 
 
 def check_vocabulary(tokenizer: Tokenizer | None, vocab_size: int) -> None:

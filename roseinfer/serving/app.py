@@ -39,7 +39,7 @@ from roseinfer.serving.errors import (
     install_error_handlers,
     server_error,
 )
-from roseinfer.serving.handling import answer
+from roseinfer.serving.handling import answer, unless_disconnected
 from roseinfer.serving.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from roseinfer.serving.metrics import ServerMetrics
 from roseinfer.serving.protocol import (
@@ -138,7 +138,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
         builder = ResponseBuilder(
             f"cmpl-{uuid.uuid4().hex}", settings.model_name, tokenizer, chat=False, echo=echo
         )
-        constraint, grammar = await checks.constraint(body, sender)
+        # (a compile takes seconds: a client that leaves meanwhile gives back its budget)
+        constraint, grammar = await unless_disconnected(request, checks.constraint(body, sender))
         jobs = checks.jobs(body, prompts, body.logprobs, constraint, sender)
         prompt_tokens = sum(map(len, prompts))
         return await answer(
@@ -169,7 +170,8 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
             chat=True,
             echo=[""] * body.n,
         )
-        constraint, grammar = await checks.constraint(body, sender)
+        # (a compile takes seconds: a client that leaves meanwhile gives back its budget)
+        constraint, grammar = await unless_disconnected(request, checks.constraint(body, sender))
         jobs = checks.jobs(body, [prompt], logprobs, constraint, sender)
         return await answer(
             request, client, metrics, body, jobs, len(prompt), builder, grammar, sender

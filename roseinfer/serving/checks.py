@@ -90,7 +90,12 @@ class RequestChecks:
         if not prompt:
             raise BadRequest("prompt is an empty list: give a string or token ids", "prompt")
         if isinstance(prompt[0], str):
-            return [await self.encode(text) for text in prompt]
+            # A batch of texts just under the byte bound is seconds of tokenizing: every
+            # text's bytes are checked before any is tokenized, and each one's tokens as
+            # soon as it is, so the first too long ends the work.
+            for text in prompt:
+                self.bytes_fit(text, "prompt")
+            return [self.tokens_fit(await self.encode(text)) for text in prompt]
         if isinstance(prompt[0], int):
             return [list(prompt)]
         return [list(ids) for ids in prompt]
@@ -98,6 +103,12 @@ class RequestChecks:
     async def encode(self, text: str, param: str = "prompt") -> list[int]:
         """`text`'s tokens, counted on a tokenizing thread; refused at once when it is
         certainly longer than the context (see the module's doc)."""
+        self.bytes_fit(text, param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(TOKENIZING, self.tokenizer.encode, text)
+
+    def bytes_fit(self, text: str, param: str) -> None:
+        """Refuse a text with more bytes than the context's tokens can cover."""
         size = len(text.encode("utf-8", errors="surrogatepass"))
         if size > self.block_size * self.max_token_bytes:
             raise BadRequest(
@@ -106,20 +117,22 @@ class RequestChecks:
                 f"context window is {self.block_size}: shorten the prompt",
                 param=param,
             )
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(TOKENIZING, self.tokenizer.encode, text)
 
     def prompt(self, ids: list[int]) -> list[int]:
         """The ids the engine runs: an empty prompt starts from end-of-text (one token, so
         usage counts it), as the engine and training do."""
         self.token_ids(ids, "prompt")
+        return self.tokens_fit(ids) or [self.tokenizer.eot_id]
+
+    def tokens_fit(self, ids: list[int]) -> list[int]:
+        """`ids`, refused when the context cannot hold them."""
         if len(ids) > self.block_size:
             raise BadRequest(
                 f"the prompt has {len(ids)} tokens but the model's context window is "
                 f"{self.block_size}: shorten the prompt",
                 param="prompt",
             )
-        return ids or [self.tokenizer.eot_id]
+        return ids
 
     async def constraint(
         self, body: SamplingFields, client: str | None

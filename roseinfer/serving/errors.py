@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 
@@ -50,7 +50,15 @@ def server_error(message: str) -> JSONResponse:
     return error_response(500, message, type="server_error")
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+
     @app.exception_handler(RequestValidationError)
     async def invalid_fields(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]

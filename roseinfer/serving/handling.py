@@ -24,7 +24,13 @@ from roseinfer.engine.outputs import RequestOutput, TokenLogprob
 from roseinfer.request.structured import Grammar
 from roseinfer.serving.checks import Job
 from roseinfer.serving.engine_thread import EngineClient, QueueFull
-from roseinfer.serving.errors import BadRequest, error_body, error_response, server_error
+from roseinfer.serving.errors import (
+    BadRequest,
+    ClientGone,
+    error_body,
+    error_response,
+    server_error,
+)
 from roseinfer.serving.metrics import ServerMetrics
 from roseinfer.serving.protocol import SamplingFields
 from roseinfer.serving.responses import ResponseBuilder, usage
@@ -36,10 +42,6 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]
 # How often a handler waiting for the engine checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
 
 
 class EngineFailed(Exception):
