@@ -6,9 +6,8 @@ On an idle machine that is the fastest choice. Beside other busy programs it col
 once there are more runnable threads than cores, the kernel takes a core from one team
 thread for a whole time slice, and the others spin at the barrier until it gets the
 core back. The shorter each operation, the larger the share of waiting, so the small
-models a learner trains suffer most: on 2 cores beside two busy programs of equal
-priority, the `tiny` preset decoded at 28 tok/s with two threads and at 222 with one
-(500 when idle; docs/benchmarks.md, "A busy machine").
+models a learner trains suffer most (docs/benchmarks.md, "A busy machine", has the
+figures beside two busy programs of equal priority: `python -m benchmarks.contention`).
 
 So rose's default, "auto", starts with torch's own count (one thread per core) and,
 between steps, looks at how many *other* threads are ready to run on the machine; while
@@ -36,8 +35,8 @@ import torch
 
 from rosetrainer.errors import RoseError
 
-# Between steps: a sample of the other runnable threads at most this often (each costs
-# ~0.1 ms: /proc/stat and a stat file per thread of this process) ...
+# Between steps: a sample of the other runnable threads at most this often (each reads
+# /proc/stat and a stat file per thread of this process) ...
 SAMPLE_EVERY_S = 0.02
 # ... and a new thread count at most this often, from the samples' moving average
 # (weight of the newest sample: SMOOTHING). A busy program shows as runnable in almost

@@ -5,6 +5,7 @@ token and streaming decode, one interface for both."""
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (part of a UTF-8 character, perhaps)."""
         return self.encoding.decode_single_token_bytes(token_id)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (GPT-2's: 128)."""
+        return max(map(len, self.encoding.token_byte_values()))
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self.encoding)
@@ -138,6 +144,14 @@ class HFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.decode([token_id]).encode("utf-8")
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """At least the most bytes of text one token stands for: each vocabulary entry's
+        spelling in UTF-8 (a byte-level or "▁" spelling takes as many bytes as its text or
+        more; special tokens are written as themselves)."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(len(token.encode("utf-8")) for token in vocab)
 
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self.tokenizer)

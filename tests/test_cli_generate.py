@@ -199,7 +199,7 @@ BAD_INPUTS = {
     ),
     "top_p zero": (["--top-p", "0"], r"--top-p must be in \(0, 1\], got 0.0"),
     "top_p over one": (["--top-p", "1.5"], "--top-p must be in"),
-    "negative top_k": (["--top-k", "-1"], "--top-k must be an integer >= 0"),
+    "negative top_k": (["--top-k", "-2"], "--top-k must be an integer >= 0"),
     "negative temperature": (["--temperature", "-0.5"], "--temperature must be a finite number"),
     "negative max_new_tokens": (["--max-new-tokens", "-1"], "^.{19}--max-new-tokens must be an"),
     "zero max_new_tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),

@@ -27,6 +27,7 @@ USER_SETTINGS = {
     "CC": "the C compiler for the kernels",
     "PYTHONPATH": "passed on to the grammar helper process",
     "FORWARDED_ALLOW_IPS": "uvicorn's trusted proxies",
+    "OMP_NUM_THREADS": "a fixed count of CPU threads (rosetrainer/threads.py)",
 }
 
 

@@ -126,7 +126,7 @@ def test_sampling_follows_the_distribution() -> None:
         ("stop", ["ok", ""], "stop strings must be non-empty"),
         ("stop_token_ids", [-3], "stop_token_ids"),
         ("logprobs", -1, r"logprobs must be an integer in \[0, 20\]"),
-        ("top_k", -1, "top_k must be an integer >= 0"),
+        ("top_k", -2, "top_k must be an integer >= 0"),
         ("top_k", 2.5, "top_k"),
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
         ("top_p", 1.5, "top_p"),

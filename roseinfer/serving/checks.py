@@ -59,7 +59,7 @@ class RequestChecks:
         self.block_size, self.vocab_size, self.max_waiting = block_size, vocab_size, max_waiting
         self.max_waiting_per_client, self.compiles = max_waiting_per_client, compiles
         # The most bytes one token stands for (GPT-2's: 128): the byte bound above.
-        self.max_token_bytes = max(map(len, tokenizer.encoding.token_byte_values()))
+        self.max_token_bytes = tokenizer.max_token_bytes
         # The most tokens a request may hold, prompt and completion (the engine's
         # length_limit: None for a model whose positions never run out).
         self.length_limit = length_limit

@@ -5,11 +5,11 @@ grammar_process.py), for up to COMPILE_TIMEOUT_S, and the compile waits for it o
 thread. Those threads are a pool of their own here, bounded, never asyncio's default
 executor: a plain request needs threads too (its chat template renders on one, its
 prompt is tokenized on one), and when compiles waited on the default executor, ten
-slow regexes from one client held every thread of it and a plain chat request took 30 s.
+slow regexes from one client held every thread of it and stalled every plain chat request.
 Only a compile takes a thread of the pool: a constraint in the cache is answered without
 one, and a request whose constraint another request is compiling already waits for that
 compile on the event loop (when the duplicates each held a thread, one client sending
-one slow regex twelve times made every other client's constraint wait 10 s).
+one slow regex twelve times made every other client's constraint wait for it).
 
 Each client (its address, as `connections.client_of` names it) has at most `per_client`
 new constraints compiling or waiting for a thread at once; one more is answered 429 at
@@ -20,8 +20,8 @@ what any stream of new texts can cost: one worker per client, whatever it sends.
 budget is taken while the client's requests for the text wait: the last of them that
 goes (its client left, its handler was cancelled) gives it back at once, and a compile
 nobody waits for any more is dropped if it has no worker yet, queued for a thread or
-waiting for a worker (sixteen abandoned slow regexes from sixteen addresses held a
-newcomer's compile for 40 s); one that has a worker runs to its end, for the cache, as
+waiting for a worker (sixteen abandoned slow regexes from sixteen addresses held up a
+newcomer's compile until they had all run); one that has a worker runs to its end, for the cache, as
 nothing can stop it midway. What a well-behaved client sends costs it nothing: a constraint already compiled comes from the
 cache, and one already compiling (another request's) is waited for, compiled once.
 """
