@@ -29,14 +29,10 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from rosetrainer.errors import one_line
-
-if TYPE_CHECKING:  # (paged.py imports this module)
-    from roseinfer.cache.paged import KVPool, QuantizedKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +115,13 @@ def _unavailable(why: str) -> None:
     return None
 
 
-def runs_on(pool: KVPool | QuantizedKVPool) -> bool:
+def runs_on(pool: object) -> bool:
     """Whether the kernel can read this pool: keys and values in one tensor per layer (not
     a quantized pool's codes), on the CPU, in a dtype it is built for, heads and blocks
     within its limits; and the library builds (the first time asked)."""
-    if pool.quantized:  # (its blocks are codes, not one tensor of keys per layer)
-        return False
     layers = pool.k
+    if not layers or not isinstance(layers[0], torch.Tensor):  # (a quantized pool's codes)
+        return False
     _, _, kv_block_size, head_dim = layers[0].shape
     return (
         layers[0].device.type == "cpu"
