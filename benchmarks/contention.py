@@ -20,8 +20,10 @@ Each runs in a fresh process (as a user's command would), with rose's threads as
 chooses them ("auto", rosetrainer/threads.py), fixed at one thread, and fixed at one per
 core (torch's default, what rose ran with before it chose): first alone, then beside
 `cores` busy programs of equal priority (plain CPU loops, as a browser tab or a build
-would be). It prints tokens/s side by side and the ratios the choice is judged by:
-auto against one thread under load (>= 1 means the default never collapses), auto
+would be). On 2 cores one run of a setting differs from the next by 5-10% alone and more
+when busy, so each setting runs `--rounds` times (3), the settings taking turns, and the
+table shows the medians (every run is printed too). It prints tokens/s side by side and
+the ratios the choice is judged by: auto against one thread under load (>= 1 means the default never collapses), auto
 against one per core alone (its idle speed kept), and rose's engine against vLLM's.
 """
 
@@ -33,6 +35,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,10 +49,10 @@ from rosetrainer.errors import ArgumentParser, run_cli
 
 SHAPES = {"tiny": "tiny", "gpt2": "gpt2"}  # shape: preset
 # Tokens each workload makes or trains on, per shape (quick: the smoke test's).
-GENERATE_TOKENS = {"tiny": 100, "gpt2": 32, "quick": 8}
+GENERATE_TOKENS = {"tiny": 300, "gpt2": 32, "quick": 8}
 TRAIN_BATCH = {"tiny": (8, 128), "gpt2": (1, 256), "quick": (2, 32)}
-TRAIN_STEPS = {"tiny": 5, "gpt2": 2, "quick": 2}
-ENGINE_REQUESTS = {"tiny": 16, "gpt2": 8, "quick": 4}
+TRAIN_STEPS = {"tiny": 8, "gpt2": 2, "quick": 2}
+ENGINE_REQUESTS = {"tiny": 64, "gpt2": 8, "quick": 4}
 ENGINE_NEW_TOKENS = 32
 SETTINGS = ("auto", "1", "cores")  # rose's threads: its choice, one, one per core
 QUICK_SETTINGS = ("auto", "1")
@@ -209,25 +212,38 @@ def hf_folder(preset: str, directory: Path) -> Path:
 
 
 def measure(
-    shape: str, preset: str, folder: Path, loads: dict, settings: tuple, with_vllm: bool
+    shape: str,
+    preset: str,
+    folder: Path,
+    loads: dict,
+    settings: tuple,
+    with_vllm: bool,
+    rounds: int,
 ) -> dict:
-    """tok/s of every workload and setting of one shape, per load: {(what, setting, load)}."""
-    figures = {}
+    """tok/s of every workload and setting of one shape, per load: {(what, setting, load)},
+    the median of `rounds` runs, the settings taking turns within each round (so that a
+    slow minute of the machine falls on all of them, not on one)."""
+    runs: dict[tuple[str, str, str], list[float]] = {}
     for load, cores in loads.items():
         with busy_programs(cores):
-            for setting in settings:
-                say(f"  {shape} {load}: threads {setting}")
-                figures["generate", setting, load] = generate_tok_s(
-                    folder, GENERATE_TOKENS[shape], setting
-                )
-                figures["train", setting, load] = run_child(["train", shape, preset], setting)
-                figures["engine", setting, load] = run_child(
-                    ["engine", shape, str(folder)], setting
-                )
-            if with_vllm:
-                say(f"  {shape} {load}: vLLM")
-                figures["engine", "vLLM", load] = vllm_tok_s(folder, shape)
-    return figures
+            for round_ in range(1, rounds + 1):
+                for setting in settings:
+                    say(f"  {shape} {load}, round {round_}/{rounds}: threads {setting}")
+                    runs.setdefault(("generate", setting, load), []).append(
+                        generate_tok_s(folder, GENERATE_TOKENS[shape], setting)
+                    )
+                    runs.setdefault(("train", setting, load), []).append(
+                        run_child(["train", shape, preset], setting)
+                    )
+                    runs.setdefault(("engine", setting, load), []).append(
+                        run_child(["engine", shape, str(folder)], setting)
+                    )
+                if with_vllm:
+                    say(f"  {shape} {load}, round {round_}/{rounds}: vLLM")
+                    runs.setdefault(("engine", "vLLM", load), []).append(vllm_tok_s(folder, shape))
+    for key, values in runs.items():
+        say(f"    {' '.join(key)}: {', '.join(f'{v:.1f}' for v in values)}")
+    return {key: statistics.median(values) for key, values in runs.items()}
 
 
 def table(shape: str, figures: dict, loads: dict, settings: tuple) -> None:
@@ -260,12 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the tiny shape, short runs")
     p.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     p.add_argument("--shapes", default="tiny,gpt2", help="of: tiny, gpt2 (default: both)")
+    p.add_argument(
+        "--rounds", type=int, default=3,
+        help="runs of each setting, taking turns; the table shows their median (default 3)",
+    )  # fmt: skip
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # a measuring process
     return p
 
 
 def bench(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         what, shape, where = args.child
         tok_s = child_train(shape, where) if what == "train" else child_engine(shape, where)
@@ -281,7 +304,8 @@ def bench(argv: list[str] | None) -> int:
             preset = "tiny" if shape == "quick" else SHAPES[shape]
             folder = hf_folder(preset, Path(tmp, shape))
             settings = QUICK_SETTINGS if args.quick else SETTINGS
-            figures = measure(shape, preset, folder, loads, settings, not args.no_vllm)
+            rounds = 1 if args.quick else args.rounds
+            figures = measure(shape, preset, folder, loads, settings, not args.no_vllm, rounds)
             table(shape, figures, loads, settings)
     return 0
 
