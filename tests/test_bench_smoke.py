@@ -102,6 +102,7 @@ def test_decode_flops_counts_every_matrix_once_per_row_and_attention_per_key() -
     assert decode_flops(model, kv_len=10, batch=3) == 3 * 2 * (matrices + attention)
 
 
+@pytest.mark.slow
 def test_tiny_offload_bench_prints_one_table_with_equal_tokens(
     tmp_path: Path, capsys: pytest.CaptureFixture, one_torch_thread: None
 ) -> None:

@@ -350,6 +350,7 @@ def test_every_path_and_every_prompt_start_fresh(
         assert [r["token_ids"] for r in other] == [r["token_ids"] for r in together]
 
 
+@pytest.mark.slow
 def test_a_cached_prompt_runs_on_packed_weights_with_the_oracles_tokens(
     hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -373,6 +374,7 @@ def test_a_cached_prompt_runs_on_packed_weights_with_the_oracles_tokens(
 RAGGED_PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog, again and again"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoding", ["greedy", "seeded"])
 def test_a_ragged_batch_equals_each_prompt_alone(
     decoding: str, run_dir: Path, hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
@@ -402,6 +404,7 @@ def test_a_ragged_batch_equals_each_prompt_alone(
             assert result["token_ids"] == expected.token_ids
 
 
+@pytest.mark.slow
 def test_the_offloaded_cache_gives_each_row_of_a_ragged_batch_the_oracles_tokens(
     hf_gpt2_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -520,6 +523,7 @@ def windowed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_windowed_model_gives_the_oracle_ids_on_every_path_far_past_its_context(
     windowed_checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -544,6 +548,7 @@ def test_a_windowed_model_gives_the_oracle_ids_on_every_path_far_past_its_contex
     assert len(ids["oracle"][0]) == 160 and len(set(ids["oracle"][0])) > 40
 
 
+@pytest.mark.slow
 def test_a_window_far_larger_than_any_run_generates_on_the_slots_the_run_needs(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -55,6 +55,7 @@ def shakespeare(tinyshakespeare_path, tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 def test_tinyshakespeare_tokens_equal_tiktoken_on_the_whole_text(
     shakespeare, tinyshakespeare_path, gpt2
 ):

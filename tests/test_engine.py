@@ -196,6 +196,7 @@ def run_case(model, tokenizer, case: int, **config) -> dict[str, object]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_random_schedules_equal_solo_runs(model, tokenizer, case: int) -> None:
     run = run_case(model, tokenizer, case)
@@ -257,6 +258,7 @@ def test_random_schedules_on_a_grouped_model(grouped, tokenizer, case: int) -> N
             assert run["finished"][request_id].token_ids == want, request_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_a_windowed_request_runs_far_past_the_context_on_a_few_blocks(
     tokenizer, attention: str
@@ -336,6 +338,7 @@ def test_a_logical_block_number_where_a_physical_one_belongs_diverges(model, tok
     assert got != [solo(model, tokenizer, p, params) for p in prompts]
 
 
+@pytest.mark.slow
 def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
     """Every read ("kernel": the decode rows' blocks read in place by the C kernel, "flex":
     the whole step's by FlexAttention, "gather": the blocks gathered every step; "auto":
@@ -369,6 +372,7 @@ def test_every_attention_gives_the_same_logits(model, tokenizer) -> None:
                 assert abs(a.logprob - b.logprob) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, attention) -> None:
     """A step is one forward: the decoding sequences' tokens and the prompt chunks go
@@ -394,6 +398,7 @@ def test_one_model_call_a_step_over_every_scheduled_token(model, tokenizer, atte
     assert mixed >= 3  # steps with decodes and prompt chunks both
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("window", "sinks"), [(None, 0), (6, 1)])
 def test_flex_reads_fewer_key_heads_than_query_heads_in_place(window, sinks) -> None:
     """FlexAttention over the pool (a decode row and a chunk in one step) with two key and
@@ -454,6 +459,7 @@ def watch_padding(graphs: DecodeGraphs, replays: list[int]) -> Callable[..., tor
     return watched
 
 
+@pytest.mark.slow
 def test_the_static_decode_step_gives_the_eager_steps_tokens(model, tokenizer) -> None:
     """The step a CUDA graph captures (static buffers, rows padded to a bucket), run
     directly here, against the same engine with every step eager (enforce_eager): the

@@ -188,6 +188,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
     return code, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_cli_prompt_file_runs_through_the_engine_in_order(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -235,6 +236,7 @@ def test_bench_engine_on_cuda_where_there_is_none_is_one_line(
     assert err.count("\n") == 1 and "--device cuda, but CUDA is not available here" in err
 
 
+@pytest.mark.slow
 def test_bench_engine_quick_runs_every_path_with_the_same_tokens(
     capsys: pytest.CaptureFixture,
 ) -> None:

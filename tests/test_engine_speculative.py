@@ -107,6 +107,7 @@ def workload(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams
     max_num_seqs=st.integers(1, 6),
     attention=st.sampled_from(ATTENTIONS),
 )
+@pytest.mark.slow
 def test_random_schedules_equal_solo_runs(
     model, tokenizer, seed, kind, k, budget, num_blocks, max_num_seqs, attention
 ) -> None:
@@ -251,6 +252,7 @@ def test_end_of_text_inside_an_accepted_run(model, tokenizer) -> None:
     assert (output.finish_reason, output.stop_reason) == ("stop", eot)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_and_windowed_pools(tokenizer, kind) -> None:
     """int8 pool: equal to the same engine without drafts. A rotary model with a sliding

@@ -64,6 +64,7 @@ def rose_model(tiny_run_dir: Path) -> GPT:
     return model
 
 
+@pytest.mark.slow
 def test_the_folder_is_gpt2s(tiny_hf_export: Path) -> None:
     assert sorted(p.name for p in tiny_hf_export.iterdir()) == FILES
     config = json.loads((tiny_hf_export / "config.json").read_text())
@@ -92,6 +93,7 @@ def test_the_tokenizer_files_hold_openais_vocabulary_and_merges(
     assert (tiny_hf_export / "merges.txt").read_text("utf-8") == original("vocab.bpe")
 
 
+@pytest.mark.slow
 def test_transformers_generates_roses_greedy_tokens(tiny_hf_export: Path, rose_model: GPT) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +122,7 @@ def test_transformers_generates_roses_greedy_tokens(tiny_hf_export: Path, rose_m
         assert torch.allclose(ours, theirs[0], atol=HF_LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_autotokenizer_encodes_and_decodes_as_rose(tiny_hf_export: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -156,6 +159,7 @@ def test_no_checkpoint_writes_nothing(tmp_path: Path, capsys) -> None:
     assert not out.exists() and list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_non_empty_folder_needs_overwrite(tiny_run_dir: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "hf"
     out.mkdir()
@@ -261,6 +265,7 @@ def test_an_out_that_holds_a_linked_checkpoint_is_refused(
     assert (run / "notes.txt").read_text() == "mine\n" and (run / "best.pt").is_symlink()
 
 
+@pytest.mark.slow
 def test_an_out_that_is_a_link_fills_the_folder_it_leads_to(
     tiny_run_dir: Path, tmp_path: Path
 ) -> None:

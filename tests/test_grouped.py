@@ -81,6 +81,7 @@ def test_an_old_config_without_the_new_keys_is_gpt2() -> None:
     assert isinstance(model.transformer.h[0].ln_1, torch.nn.LayerNorm)
 
 
+@pytest.mark.slow
 def test_presets_have_the_published_shapes() -> None:
     smol = GPT(GPTConfig.from_preset("smollm2-135m", n_layer=1))  # one layer: a fast check
     per_layer = sum(p.numel() for p in smol.transformer.h[0].parameters())

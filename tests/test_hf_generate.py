@@ -62,6 +62,7 @@ def hf_greedy(hf_model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor
 @pytest.mark.parametrize(
     "text", ["The quick brown fox jumps over the lazy dog", "To be, or not to be:"]
 )
+@pytest.mark.slow
 def test_rose_greedy_equals_transformers_generate(hf_model, rose_model, text: str) -> None:
     prompt = Tokenizer("gpt2").encode(text)
     expected, hf_logits = hf_greedy(hf_model, prompt)

@@ -160,6 +160,7 @@ def test_variants_rose_does_not_compute_are_refused(tmp_path, edit, said) -> Non
     ],
     ids=["llama-tied", "qwen2-untied"],
 )
+@pytest.mark.slow
 def test_an_exported_llama_shaped_checkpoint_runs_in_transformers(tmp_path, choices) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -80,6 +80,7 @@ def tokens() -> torch.Tensor:
     return torch.randint(50257, (2, BLOCK_SIZE), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["safetensors_dir", "pickled_dir"])
 def test_logits_and_loss_equal_hugging_face(request, layout, hf_model, tokens):
     model = load_hf_gpt2(str(request.getfixturevalue(layout))).eval()
@@ -95,6 +96,7 @@ def test_logits_and_loss_equal_hugging_face(request, layout, hf_model, tokens):
     torch.testing.assert_close(rose_out.loss, hf_out.loss, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_float64_logits_agree_to_rounding(safetensors_dir, hf_model, tokens):
     model = load_hf_gpt2(str(safetensors_dir)).eval().double()
     with torch.no_grad():

@@ -116,6 +116,7 @@ def api(server: Server, key: str | None = API_KEY) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=headers, timeout=60)
 
 
+@pytest.mark.slow
 def test_without_the_key_the_page_shows_the_servers_401_and_works_with_it(
     browser: webdriver.Chrome, server: Server
 ) -> None:
@@ -140,6 +141,7 @@ def test_without_the_key_the_page_shows_the_servers_401_and_works_with_it(
     assert states <= {"free", "cached"}, "an idle server has no used block"
 
 
+@pytest.mark.slow
 def test_a_prompt_typed_and_sent_streams_the_apis_greedy_text(
     browser: webdriver.Chrome, server: Server
 ) -> None:
@@ -163,6 +165,7 @@ def test_a_prompt_typed_and_sent_streams_the_apis_greedy_text(
     assert "TTFT" in card.text and "tokens/s" in card.text
 
 
+@pytest.mark.slow
 def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
     browser: webdriver.Chrome, server: Server
 ) -> None:
@@ -235,6 +238,7 @@ def test_a_long_request_shows_running_with_its_blocks_used_then_frees_them(
     wait_for(browser, replied, "the burst's three replies")
 
 
+@pytest.mark.slow
 def test_the_page_asks_nothing_of_any_other_origin(
     browser: webdriver.Chrome, server: Server
 ) -> None:
@@ -262,6 +266,7 @@ def test_the_page_asks_nothing_of_any_other_origin(
     assert own == urls, sorted(set(urls) - set(own))
 
 
+@pytest.mark.slow
 def test_without_javascript_one_line_says_why(server: Server) -> None:
     browser = start_browser(javascript=False)
     try:
@@ -274,6 +279,7 @@ def test_without_javascript_one_line_says_why(server: Server) -> None:
         browser.quit()
 
 
+@pytest.mark.slow
 def test_bench_live_page_runs_the_load_with_the_page_closed_and_open(
     server: Server, checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -321,6 +321,7 @@ def describe_processes(processes: list[psutil.Process]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_launcher_and_every_stage(
     gpt2_vocab_checkpoint: tuple[GPT, Path], no_stage_left: None
 ) -> None:

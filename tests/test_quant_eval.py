@@ -131,6 +131,7 @@ def test_cached_perplexity_of_the_unquantized_cache_is_the_forward_pass(model: G
     assert abs(int4.value / reference.value - 1) > 1e-4  # the quantized cache is measured
 
 
+@pytest.mark.slow
 def test_greedy_agreement_finds_where_a_coarse_cache_departs(model: GPT) -> None:
     prompts = agreement_prompts(list(range(5, 400)), 3, 6)
     references, _ = greedy_runs(model, prompts, 56, CacheChoice("auto"))

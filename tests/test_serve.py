@@ -255,6 +255,7 @@ def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
     assert completion.usage.completion_tokens == 16
 
 
+@pytest.mark.slow
 def test_top_logprobs_without_logprobs_is_a_400_as_openai_answers_it(
     client: openai.OpenAI,
 ) -> None:
@@ -370,6 +371,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
     assert 1 <= generated < long
 
 
+@pytest.mark.slow
 def test_a_non_streamed_client_that_leaves_is_aborted_behind_the_api_key(server: Server) -> None:
     leave_a_non_streamed_request(server, {"Authorization": f"Bearer {API_KEY}"})
 

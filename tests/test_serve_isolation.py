@@ -78,6 +78,7 @@ def server(checkpoint: tuple[Path, GPT], tmp_path_factory: pytest.TempPathFactor
 # -- class 2: a non-streamed client that leaves is aborted (without --api-key here) --
 
 
+@pytest.mark.slow
 def test_a_non_streamed_client_that_leaves_is_aborted(server: Server) -> None:
     leave_a_non_streamed_request(server, {})
 
@@ -111,6 +112,7 @@ def chat(server: Server, second: str, timeout: float = 30) -> httpx.Response:
     return httpx.post(server.base_url + "/chat/completions", json=body, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_template_that_loops_fails_its_request_in_time_and_stalls_no_one(
     checkpoint: tuple[Path, GPT],
 ) -> None:
@@ -171,6 +173,7 @@ def test_a_template_that_breaks_is_an_error_in_openai_shape(
       "ran longer than"),
      (b"\xff\xfe{{ messages }}", "is not UTF-8 text")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_serve_checks_the_chat_template_at_startup(
     source: str | bytes, message: str, tmp_path: Path, capsys
 ) -> None:
@@ -211,6 +214,7 @@ def test_an_empty_prompt_counts_the_end_of_text_it_starts_from(server: Server, p
 # -- class 4: SIGTERM past --shutdown-timeout --
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_timeout_aborts_and_every_client_gets_a_whole_answer(
     checkpoint: tuple[Path, GPT], tmp_path: Path
 ) -> None:
@@ -335,6 +339,7 @@ async def leave(http: httpx.AsyncClient, stream: bool, rng: random.Random) -> No
     raise AssertionError("turned away 100 times")
 
 
+@pytest.mark.slow
 def test_mixed_soak_good_answers_equal_solo_runs_and_bad_ones_are_4xx(
     checkpoint: tuple[Path, GPT], server: Server
 ) -> None:

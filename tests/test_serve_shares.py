@@ -66,6 +66,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "tempe
 # -- F2: a huge prompt is refused before it is tokenized; tokenizing is off the loop --
 
 
+@pytest.mark.slow
 def test_a_prompt_certainly_past_the_context_is_refused_by_its_bytes(server: Server) -> None:
     """A 1 MiB prompt has more than 1,024 tokens whatever they are (no GPT-2 token holds
     more than 128 bytes): refused by its size, before a second of tokenizing, in the
@@ -138,6 +139,7 @@ def test_a_batch_of_prompts_stops_tokenizing_at_the_first_too_long(
 # -- F3: one client's share of the waiting queue --
 
 
+@pytest.mark.slow
 def test_one_client_cannot_fill_the_waiting_queue(server: Server) -> None:
     """With one sequence running at a time, client A holds the engine with a long request
     and sends more than its share of --max-waiting (a quarter): past the share its
@@ -190,6 +192,7 @@ def test_a_request_over_the_clients_share_is_a_400_naming_the_flag(server: Serve
 # -- F1: compiles wait on their own threads, a budget per client --
 
 
+@pytest.mark.slow
 def test_slow_constraints_from_one_client_never_hold_up_anothers_chat(server: Server) -> None:
     """Client A sends many distinct constraints that each compile past the 10 s bound
     (one changed digit each: a memory of refused texts would not know them); client B's
@@ -237,6 +240,7 @@ def test_slow_constraints_from_one_client_never_hold_up_anothers_chat(server: Se
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_one_new_constraint_sent_many_times_at_once_costs_one_compile(server: Server) -> None:
     """A well-behaved client's batch: one new schema in many requests at once. The first
     compiles it, the others wait for that compile instead of counting against the
@@ -327,6 +331,7 @@ def test_a_constraint_sent_many_times_waits_for_its_compile_without_threads(
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_a_clients_budget_counts_queued_compiles_and_leaves_with_the_client(
     held: HeldCompile,
 ) -> None:
@@ -398,6 +403,7 @@ def test_a_compile_abandoned_while_waiting_for_a_worker_gives_up() -> None:
     assert outcome == ["abandoned"]
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_during_its_compile_gives_back_its_budget(server: Server) -> None:
     """Client D sends a slow new constraint and hangs up while it compiles: the server
     notices, and D's next new constraint is compiled, not refused for the one nobody

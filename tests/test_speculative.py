@@ -89,6 +89,7 @@ def test_greedy_speculative_equals_the_uncached_oracle(target, drafters, oracle,
     static=st.booleans(),
     stop_at=st.integers(0, 60),
 )
+@pytest.mark.slow
 def test_any_prompt_and_stop_equals_the_oracle(
     target, drafters, prompt, max_tokens, k, kind, static, stop_at
 ) -> None:
@@ -333,6 +334,7 @@ Q = torch.tensor([0.1, 0.2, 0.3, 0.4])
     "rule, right",
     [(accept_or_resample, True), (no_residual, False), (accept_when_draft_likelier, False)],
 )
+@pytest.mark.slow
 def test_one_position_of_the_sampled_rule_draws_from_p(rule, right) -> None:
     """A draft x ~ q, then the rule: the token must be distributed as p, for 20,000 draws."""
     generator = torch.Generator().manual_seed(0)
@@ -348,6 +350,7 @@ def test_one_position_of_the_sampled_rule_draws_from_p(rule, right) -> None:
     "rule, right",
     [(accept_or_resample, True), (no_residual, False), (accept_when_draft_likelier, False)],
 )
+@pytest.mark.slow
 def test_sampled_speculative_generation_draws_the_targets_sequences(rule, right) -> None:
     """The whole loop on a 4-token vocabulary: two sampled tokens, the first drafted by
     another model and verified (accepted or resampled), the second the verify step's own

@@ -65,6 +65,7 @@ def run_json(capsys: pytest.CaptureFixture, *args: str | Path) -> list[int]:
     ],
     ids=["ngram", "self", "draft"],
 )
+@pytest.mark.slow
 def test_cli_generate_equals_the_uncached_oracle(checkpoints, capsys, flags) -> None:
     common = ["--checkpoint-path", checkpoints["target"], "--prompt", PROMPT, "--max-new-tokens", "40"]  # fmt: skip
     want = run_json(capsys, *common, "--no-kv-cache")
@@ -135,6 +136,7 @@ def test_bad_speculative_flags_are_one_line_and_exit_2(checkpoints, capsys, case
     assert err.startswith("[roseinfer] error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_llm_generate_with_every_draft_kind(checkpoints) -> None:
     tokenizer = Tokenizer("gpt2")
     target = LLM(str(checkpoints["target"])).engine.model
@@ -175,6 +177,7 @@ def test_a_speculative_dict_with_a_wrong_field_is_refused_before_loading(fields,
         LLM("no/such/checkpoint.pt", speculative={"num_speculative_tokens": 4, **fields})
 
 
+@pytest.mark.slow
 def test_a_hugging_face_draft_for_a_hugging_face_target(hf_gpt2_dir: Path) -> None:
     """An HF GPT-2 directory as the draft (here the target's own weights: every draft
     accepted, each verify step makes k + 1 tokens)."""
@@ -245,6 +248,7 @@ def test_serve_refuses_bad_speculative_flags(checkpoints, capsys) -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_in_quick_mode(capsys) -> None:
     """Every table prints; every speculative single stream made the plain run's tokens."""
     from benchmarks import speculative as bench

@@ -168,6 +168,7 @@ def spec_run(model, tokenizer, drafter, prompt, params, k: int, stats=None):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 @EACH_DRAFTER_AND_K
 def test_the_teaching_loop_equals_the_masked_oracle(
@@ -304,6 +305,7 @@ def test_a_sampled_draft_keeps_its_first_forbidden_token(model, tokenizer) -> No
     assert within_grammar(seq, Draft(good, q[: len(good)])).tokens == good
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_constrained_drafts_keep_the_grammar(
     model, draft_model, tokenizer, kind: str
@@ -382,6 +384,7 @@ def assert_solo(model, tokenizer, oracle: Oracles, outputs: dict, check_margins=
             check_output(name, output.text)
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 @EACH_DRAFTER_AND_K
 def test_llm_generate_mixed_batch_equals_solo_runs(
@@ -420,6 +423,7 @@ def test_llm_generate_mixed_batch_equals_solo_runs(
     num_blocks=st.integers(16, 32),
     max_num_seqs=st.integers(1, 5),
 )
+@pytest.mark.slow
 def test_random_schedules_equal_solo_runs(
     model, draft_model, tokenizer, oracle, seed, kind, k, budget, num_blocks, max_num_seqs
 ) -> None:
@@ -448,6 +452,7 @@ def test_random_schedules_equal_solo_runs(
         assert engine.block_manager.prefix_cache_hits > hits_before
 
 
+@pytest.mark.slow
 @pytest.mark.oracle
 def test_a_preempted_constrained_request_with_drafts_equals_its_solo_run(
     model, tokenizer, oracle

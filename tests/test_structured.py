@@ -189,6 +189,7 @@ def llm(model, tokenizer) -> LLM:
     return LLM.from_model(model, tokenizer, kv_block_size=8, num_kv_blocks=200)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(SCHEMAS))
 def test_every_output_is_valid_for_its_schema(llm, tokenizer, kind: str) -> None:
     """Greedy and seeded sampled runs on a random model: each output parses, validates
@@ -238,6 +239,7 @@ def test_a_grammar_constrains_the_output(llm, tokenizer) -> None:
     ],
     ids=["json_object", "empty schema", "string", "array"],
 )
+@pytest.mark.slow
 def test_json_closes_before_max_tokens(llm, tokenizer, spec: StructuredOutputs) -> None:
     """A random model's strings and numbers never end by themselves; the JSON is closed
     in time anyway, so it always parses (finish_reason "stop"). End-of-text, which ends a
@@ -335,6 +337,7 @@ def run_engine(engine: LLMEngine, workload) -> tuple[list[list[int]], int]:
     return [finished[i].token_ids for i in ids], preempted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
 @pytest.mark.parametrize("which", ["model", "grouped"])
 def test_a_mixed_batch_equals_each_requests_solo_run(request, which, tokenizer, pool: str) -> None:
@@ -438,6 +441,7 @@ def test_what_the_library_refuses_raises_with_its_reason(tokenizer, spec, reason
         compile_grammar(spec, tokenizer)
 
 
+@pytest.mark.slow
 def test_a_compile_past_its_time_bound_is_refused_and_its_process_killed(tokenizer) -> None:
     """A schema of 10,000 optional properties compiles for seconds (11 s on the 2-core EPYC here, a minute under load). It is refused
     when its bound runs out, and the worker process it ran in is killed then: nothing of

@@ -73,6 +73,7 @@ def events(response: httpx.Response) -> list[dict]:
 CHOICE = {"choice": ["ab", "cd"]}  # "a", "ab", "c", "cd": four tokens at the first step
 
 
+@pytest.mark.slow
 def test_logprobs_under_a_grammar_are_json_and_forbidden_tokens_are_minus_9999(
     http: httpx.Client,
 ) -> None:
@@ -293,6 +294,7 @@ def rule_chain(length: int) -> str:
     [{"json": object_ref_chain(1_500)}, {"grammar": rule_chain(4_000)}],
     ids=["ref-chain", "rule-chain"],
 )
+@pytest.mark.slow
 def test_a_constraint_that_crashes_the_library_is_a_400_and_the_server_lives(
     http: httpx.Client, server: Server, constraint: dict
 ) -> None:
@@ -333,6 +335,7 @@ def test_rose_generate_with_a_constraint_that_crashed_the_library_is_one_line(
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_mask_past_its_time_bound_fails_its_request_alone(
     checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -464,6 +467,7 @@ def answer_of(sock: socket.socket) -> str:
     return data.decode("latin-1")
 
 
+@pytest.mark.slow
 def test_connections_are_bounded_per_client_as_well_as_overall(server: Server) -> None:
     """One client (address) holding its --max-connections-per-client connections open
     without a request is refused a next one (503), and every other client still gets

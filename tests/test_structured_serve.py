@@ -272,6 +272,7 @@ def main(capsys: pytest.CaptureFixture, *args: str | Path) -> tuple[int, str, st
     return code, out, err
 
 
+@pytest.mark.slow
 def test_the_cli_holds_each_output_to_its_constraint(
     capsys: pytest.CaptureFixture, checkpoint, tmp_path: Path
 ) -> None:

@@ -115,6 +115,7 @@ def straight_and_resumed(
     return straight, resumed
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_where_the_run_stopped(
     straight_and_resumed: tuple[Path, Path],
 ) -> None:
@@ -347,6 +348,7 @@ def test_sigterm_while_the_run_sets_up_removes_its_lock_and_saves_nothing(
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_tiny_llama_preset_trains_resumes_and_generates(
     text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -39,6 +39,7 @@ def test_the_estimate_counts_the_steps_left_and_their_evaluations() -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_run_prints_its_estimate_once_after_its_first_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
