@@ -9,7 +9,8 @@ of one operation on GPT-2 small's shapes, interleaved round by round in one proc
 prints their median times and the ratio (the other form's time over rose's):
 
 * argmax: greedy over 32 rows of bfloat16 logits, converted to float32 first (rose,
-  roseinfer/request/sampling.py `greedy_ids`) against as they are;
+  roseinfer/request/sampling.py `greedy_ids`) against as they are; and over float32
+  logits, the indices of `max` over the rows (rose) against `argmax` (the same ids);
 * vocab projection: 32 rows by the output matrix, the weight packed once for oneDNN
   (rose, roseinfer/engine/packed.py) against PyTorch's product on the weight as stored;
 * mlp gelu: the MLP's first product with its GELU done by the packed product (rose)
@@ -94,6 +95,11 @@ def pairs(shapes: Shapes, generator: torch.Generator) -> tuple[list[Pair], list[
     found.append(
         ("argmax (bfloat16 logits)", "to float32 first", "as they are",
          lambda: torch.argmax(logits.float(), dim=-1), lambda: torch.argmax(logits, dim=-1))
+    )  # fmt: skip
+    logits32 = logits.float()
+    found.append(
+        ("argmax (float32 logits)", "max's indices", "argmax",
+         lambda: logits32.max(dim=-1).indices, lambda: torch.argmax(logits32, dim=-1))
     )  # fmt: skip
 
     packable = torch.backends.mkldnn.is_available()

@@ -68,8 +68,11 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
     In float32: every bfloat16 or float16 value is one exactly, so the answer is the
     same, and a CPU's argmax over bfloat16 is not vectorized, so converting first is
-    faster (docs/benchmarks.md, "Figures behind the code")."""
-    return torch.argmax(logits.float(), dim=-1)
+    faster. By `max`'s indices, not `argmax`: the same ids (both give a row's first
+    largest, a NaN counting as largest) in a quarter of the time on a CPU for a batch of
+    rows, where this was a fifth of a small model's engine step (docs/benchmarks.md,
+    "Figures behind the code")."""
+    return logits.float().max(dim=-1).indices
 
 
 def sample_next_token(
