@@ -46,6 +46,7 @@ class Tokenizer:
 
     name: str = "gpt2"
     encoding: tiktoken.Encoding = field(init=False, repr=False)
+    chat_template: str | None = field(default=None, init=False)  # GPT-2 has no chat format
 
     def __post_init__(self) -> None:
         self.encoding = get_encoding(self.name)

@@ -138,6 +138,54 @@ def test_llm_called_from_several_threads_runs_each_call_whole(checkpoint: Path) 
     assert not llm.engine.has_unfinished()
 
 
+def test_llm_chat_renders_each_conversation_as_rose_serve_does_then_generates(
+    checkpoint: Path,
+) -> None:
+    """vLLM's LLM.chat: one conversation or a list of them, each rendered by the chat
+    template (here rose-serve's default: GPT-2 has no chat format) into the prompt the
+    server's /v1/chat/completions makes, then decoded as generate decodes that prompt."""
+    from roseinfer.serving.chat_template import ChatTemplate
+
+    llm = roseinfer.LLM(str(checkpoint), kv_block_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    talks = [
+        [{"role": "user", "content": "Who is Romeo?"}],
+        [
+            {"role": "system", "content": "Speak as Juliet."},
+            {"role": "user", "content": "What light through yonder window breaks?"},
+        ],
+    ]
+    prompts = [ChatTemplate().render(talk) for talk in talks]
+    assert prompts[0] == "User: Who is Romeo?\n\nAssistant:"
+    outputs = llm.chat(talks, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.prompt_token_ids == llm.engine.tokenizer.encode(prompt)
+        assert output.outputs[0].token_ids == solo_ids(llm, prompt, params)
+    # One conversation (a list of messages, not of conversations): one output.
+    (alone,) = llm.chat(talks[1], params, use_tqdm=False)
+    assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    # A template of the caller's own.
+    (own,) = llm.chat(
+        talks[0], params, use_tqdm=False, chat_template="{{ messages[-1].content }} ->"
+    )
+    assert own.prompt == "Who is Romeo? ->"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], [[]], [{"role": "user"}], [{"role": "user", "content": 3}], ["Who is Romeo?"]],
+)
+def test_llm_chat_refuses_what_is_not_a_conversation_in_one_line(
+    checkpoint: Path, messages: list
+) -> None:
+    llm = roseinfer.LLM(str(checkpoint), kv_block_size=4)
+    with pytest.raises(RoseError, match="not a non-empty list of messages") as err:
+        llm.chat(messages, use_tqdm=False)
+    assert "\n" not in str(err.value)
+    assert llm.engine.stats().num_running == 0 and not llm.engine.has_unfinished()
+
+
 def test_drain_yields_each_request_once_and_runs_what_a_step_adds(checkpoint: Path) -> None:
     """The engine's one drain loop: every request's last output, once, as it finishes; a
     request added after a step (after_step) is run too."""

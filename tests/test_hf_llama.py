@@ -244,6 +244,23 @@ def llama_folder_with_tokenizer(folder: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
+def test_llm_chat_renders_with_a_llama_folders_own_template_as_transformers(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from roseinfer import LLM, SamplingParams
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    llama_folder_with_tokenizer(folder)
+    messages = [{"role": "user", "content": "Who is Romeo?"}]
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    llm = LLM(str(folder), device="cpu")
+    (output,) = llm.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert output.prompt == text
+    assert output.prompt_token_ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 @pytest.mark.slow
 def test_rose_serve_chats_with_a_llama_folders_own_template_as_transformers(tmp_path) -> None:
     import openai

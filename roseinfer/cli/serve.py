@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, source = load_model_and_tokenizer(
         args.checkpoint_path, args.hf_model, args.tokenizer_name, device, dtype
     )
-    if args.chat_template is None and getattr(tokenizer, "chat_template", None):
+    if args.chat_template is None and tokenizer.chat_template:
         chat_template = ChatTemplate(tokenizer.chat_template)  # the model's own (a Llama's)
     engine = engine_from_flags(model, tokenizer, args)
     proxies = os.environ.get("FORWARDED_ALLOW_IPS", DEFAULT_PROXIES)  # as uvicorn.Config reads them

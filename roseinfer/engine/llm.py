@@ -120,6 +120,45 @@ class LLM:
         with self.lock:
             return self._generate(prompts, params, use_tqdm)
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role": ..., "content": ...}
+        messages) or a list of them, each rendered into one prompt by the chat template,
+        then generated as `generate` does. The template (Jinja2 source): `chat_template`,
+        else the model folder's own (a Llama's or Qwen's tokenizer_config.json), else
+        rose-serve's default (each message on its own paragraph, "Assistant:" last); so the
+        prompt is the one rose-serve's /v1/chat/completions makes of the same messages."""
+        try:  # (rose[serve]'s: the server renders its chats with the same code)
+            from roseinfer.serving.chat_template import (
+                DEFAULT_CHAT_TEMPLATE,
+                ChatTemplate,
+                ChatTemplateFailed,
+            )
+        except ImportError as err:
+            raise RoseError(
+                f"LLM.chat renders with jinja2 ({err}): pip install 'rose[serve]'"
+            ) from None
+        one = all(isinstance(m, dict) for m in messages)  # ([] too: no messages at all)
+        conversations = [messages] if one else messages
+        for i, conversation in enumerate(conversations):
+            if not conversation or not all(is_message(m) for m in conversation):
+                raise RoseError(
+                    f"LLM.chat: conversation {i} is not a non-empty list of messages, each a "
+                    f'dict with string "role" and "content" (got {conversation!r:.80})'
+                )
+        source = chat_template or self.engine.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        template = ChatTemplate(source)
+        try:
+            prompts = [template.render(conversation) for conversation in conversations]
+        except ChatTemplateFailed as err:
+            raise RoseError(str(err)) from None
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _generate(
         self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
@@ -140,6 +179,15 @@ class LLM:
             if isinstance(prompt, str):
                 finished[request_id].prompt = prompt
         return [finished[request_id] for request_id in ids]
+
+
+def is_message(message: object) -> bool:
+    """A chat message as LLM.chat takes it: {"role": str, "content": str, ...}."""
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
 
 
 # A prompt as LLM.generate takes it: text, token ids, or vLLM's TextPrompt / TokensPrompt.
