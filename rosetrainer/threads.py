@@ -54,7 +54,8 @@ def omp_count(value: str) -> int | None:
     """The thread count OMP_NUM_THREADS sets ("4", or a list per nesting level, "4,1"), or
     None where OpenMP ignores it ("abc", "0", "-3")."""
     first = value.split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else None
+    # (ASCII digits only: "²" is a digit to str.isdigit, but not to int nor to OpenMP)
+    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None
 
 
 def usable_cores() -> int:
@@ -123,7 +124,12 @@ class Threads:
         self.fixed_by = (
             "--num-threads" if num_threads is not None else "OMP_NUM_THREADS" if env else None
         )
-        self.most = num_threads or torch.get_num_threads()  # auto: torch's, one per core
+        # The environment's count as given (torch may have started with another: a build
+        # can hold it to the cores whatever OMP_NUM_THREADS says), within the bound
+        # --num-threads has, said in `describe` when it bounds it.
+        self.bounded_env = env if env and omp_count(env) > most else None
+        given = num_threads or (min(omp_count(env), most) if env else None)
+        self.most = given or torch.get_num_threads()  # auto: torch's, one per core
         self.cores = usable_cores()
         self.others = 0.0  # the smoothed count of other runnable threads
         self.sampled = self.decided = -math.inf
@@ -142,6 +148,11 @@ class Threads:
         return self._describe()
 
     def _describe(self) -> str:
+        if self.bounded_env is not None:
+            return (
+                f"{self.count}, fixed by OMP_NUM_THREADS={self.bounded_env!r} at its bound "
+                f"({MAX_THREADS_PER_CORE} per core: more only wait for each other)"
+            )
         if self.fixed_by:
             return f"{self.count}, fixed by {self.fixed_by} (OpenMP spins while it waits)"
         if not self.follow_load:

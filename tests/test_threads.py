@@ -121,6 +121,26 @@ def test_an_omp_num_threads_that_is_no_count_leaves_auto_and_is_told(
     assert Threads().describe().startswith("2, fixed by OMP_NUM_THREADS")
 
 
+def test_an_omp_num_threads_count_is_kept_as_given(auto_env, monkeypatch) -> None:
+    """OMP_NUM_THREADS=3 computes on 3 threads, as --num-threads 3 does (torch had read 2
+    here and rose kept torch's, calling it fixed by OMP_NUM_THREADS); a count past the
+    --num-threads bound is held to it, and said; a Unicode digit ("²", a digit to
+    str.isdigit but not to int) is no count, not a traceback."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    threads = Threads()
+    threads.adapt()
+    assert (threads.count, torch.get_num_threads()) == (3, 3)
+    assert threads.describe().startswith("3, fixed by OMP_NUM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000,1")
+    most = threads_module.MAX_THREADS_PER_CORE * os.cpu_count()
+    threads = Threads()
+    assert threads.count == most
+    assert threads.describe().startswith(f"{most}, fixed by OMP_NUM_THREADS='100000,1' at its")
+    monkeypatch.setenv("OMP_NUM_THREADS", "²")
+    loads(monkeypatch, [0])
+    assert Threads().describe().startswith("OMP_NUM_THREADS='²' is not a count, so auto")
+
+
 def test_each_compute_thread_gets_the_count_from_its_first_adapt(auto_env, monkeypatch) -> None:
     """OpenMP's count is per thread: a Threads handed to another thread (rose-serve's
     engine thread) sets it there, and leaves the thread that made it alone."""
