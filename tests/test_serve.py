@@ -385,6 +385,7 @@ ERROR_CASES = [
     ("a bool for an integer", {"max_tokens": True}, 400, "max_tokens"),
     ("an unknown field", {"best_of_three": 1}, 400, "best_of_three"),
     ("token ids outside the vocabulary", {"prompt": [50257]}, 400, "prompt"),
+    ("a negative token id", {"prompt": [[11, -5]]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-4"}, 404, "model"),
     # issue 21: what could never be admitted is the client's to fix (a 503 would be retried
     # forever), and values the sampler cannot compute or the stop check must not carry
@@ -418,6 +419,18 @@ def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
         headers=headers,
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.slow
+def test_a_body_that_is_not_json_is_a_400_that_says_so(server: Server) -> None:
+    """A cut-off body: FastAPI names the character where JSON broke as the error's "loc",
+    which came out as `param: "37"` and "37: JSON decode error"."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    body = b'{"model": "tiny", "prompt": '
+    response = httpx.post(server.base_url + "/completions", content=body, headers=headers)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None
+    assert error["message"].startswith("the body is not JSON (Expecting value at character 28)")
 
 
 @pytest.mark.slow

@@ -76,9 +76,9 @@ class RequestChecks:
             )
 
     def token_ids(self, ids: list[int], param: str) -> None:
-        if any(t >= self.vocab_size for t in ids):
+        if any(not 0 <= t < self.vocab_size for t in ids):
             raise BadRequest(
-                f"token ids must be below the vocabulary size {self.vocab_size}", param
+                f"token ids must be in [0, {self.vocab_size}), the vocabulary's ids", param
             )
 
     async def prompt_ids(
