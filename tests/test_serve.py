@@ -237,6 +237,31 @@ def test_chat_uses_the_documented_template(
 
 
 @pytest.mark.slow
+def test_a_content_given_as_text_parts_is_their_text(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    """OpenAI's list form of a message's content (its SDKs' typed messages send it) is the
+    parts' texts joined by newlines, as vLLM reads it (it was a 400); an image part is a
+    400 saying so."""
+    import openai
+
+    parts = [{"type": "text", "text": "Who is"}, {"type": "text", "text": "Romeo?"}]
+    prompt = ChatTemplate().render([{"role": "user", "content": "Who is\nRomeo?"}])
+    want = solo_text(model, tokenizer, tokenizer.encode(prompt), greedy(8))[0]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == want
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": [image]}], max_tokens=2
+        )
+    assert refused.value.body["param"] == "messages.0.content"
+    assert "(this model reads text only), got {'type': 'image_url'" in refused.value.message
+
+
+@pytest.mark.slow
 def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
     client: openai.OpenAI,
 ) -> None:
