@@ -45,8 +45,9 @@ DECIDE_EVERY_S = 0.2
 SMOOTHING = 0.2
 
 
-# --num-threads at most this many per core: more threads than cores only wait for each
-# other, and a count in the tens of thousands crashes OpenMP (too many threads to start).
+# --num-threads at most this many per core this process may run on: more threads than
+# cores only wait for each other, and a count in the tens of thousands crashes OpenMP
+# (too many threads to start).
 MAX_THREADS_PER_CORE = 4
 
 
@@ -107,7 +108,7 @@ class Threads:
         environment sets it, else auto. follow_load=False: auto picks a count for the
         load at the start and keeps it (compiled kernels keep the count they were built
         for: torch.compile's CPU code names it in every parallel loop)."""
-        most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+        most = MAX_THREADS_PER_CORE * usable_cores()  # (under taskset: the cores it may use)
         if num_threads is not None and (
             not isinstance(num_threads, int)
             or isinstance(num_threads, bool)

@@ -106,6 +106,15 @@ def test_a_count_out_of_range_is_refused(bad) -> None:
         Threads(bad)
 
 
+def test_the_bound_counts_the_cores_this_process_may_use(monkeypatch) -> None:
+    """Under `taskset -c 0` one core is usable: 8 threads there only wait for each other
+    (the bound counted the machine's cores)."""
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 1)
+    with pytest.raises(RoseError, match=r"--num-threads must be an integer in \[1, 4\]"):
+        Threads(8)
+    assert Threads(4).count == 4
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-3"])
 def test_an_omp_num_threads_that_is_no_count_leaves_auto_and_is_told(
     value, auto_env, monkeypatch
@@ -132,7 +141,7 @@ def test_an_omp_num_threads_count_is_kept_as_given(auto_env, monkeypatch) -> Non
     assert (threads.count, torch.get_num_threads()) == (3, 3)
     assert threads.describe().startswith("3, fixed by OMP_NUM_THREADS")
     monkeypatch.setenv("OMP_NUM_THREADS", "100000,1")
-    most = threads_module.MAX_THREADS_PER_CORE * os.cpu_count()
+    most = threads_module.MAX_THREADS_PER_CORE * 2  # (auto_env: 2 usable cores)
     threads = Threads()
     assert threads.count == most
     assert threads.describe().startswith(f"{most}, fixed by OMP_NUM_THREADS='100000,1' at its")
@@ -196,5 +205,5 @@ def test_rose_generate_tells_what_it_chose_and_refuses_a_bad_count(tiny_run_dir)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "[roseinfer] error: --num-threads must be an integer in [1, "
-        f"{4 * os.cpu_count()}] (4 per core at most: more only wait for each other), got 0"
+        f"{4 * threads_module.usable_cores()}] (4 per core at most: more only wait for each other), got 0"
     ]
