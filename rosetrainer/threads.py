@@ -45,8 +45,9 @@ DECIDE_EVERY_S = 0.2
 SMOOTHING = 0.2
 
 
-# --num-threads at most this many per core: more threads than cores only wait for each
-# other, and a count in the tens of thousands crashes OpenMP (too many threads to start).
+# --num-threads at most this many per core this process may run on: more threads than
+# cores only wait for each other, and a count in the tens of thousands crashes OpenMP
+# (too many threads to start).
 MAX_THREADS_PER_CORE = 4
 
 
@@ -54,7 +55,8 @@ def omp_count(value: str) -> int | None:
     """The thread count OMP_NUM_THREADS sets ("4", or a list per nesting level, "4,1"), or
     None where OpenMP ignores it ("abc", "0", "-3")."""
     first = value.split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else None
+    # (ASCII digits only: "²" is a digit to str.isdigit, but not to int nor to OpenMP)
+    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else None
 
 
 def usable_cores() -> int:
@@ -106,7 +108,7 @@ class Threads:
         environment sets it, else auto. follow_load=False: auto picks a count for the
         load at the start and keeps it (compiled kernels keep the count they were built
         for: torch.compile's CPU code names it in every parallel loop)."""
-        most = MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+        most = MAX_THREADS_PER_CORE * usable_cores()  # (under taskset: the cores it may use)
         if num_threads is not None and (
             not isinstance(num_threads, int)
             or isinstance(num_threads, bool)
@@ -123,7 +125,12 @@ class Threads:
         self.fixed_by = (
             "--num-threads" if num_threads is not None else "OMP_NUM_THREADS" if env else None
         )
-        self.most = num_threads or torch.get_num_threads()  # auto: torch's, one per core
+        # The environment's count as given (torch may have started with another: a build
+        # can hold it to the cores whatever OMP_NUM_THREADS says), within the bound
+        # --num-threads has, said in `describe` when it bounds it.
+        self.bounded_env = env if env and omp_count(env) > most else None
+        given = num_threads or (min(omp_count(env), most) if env else None)
+        self.most = given or torch.get_num_threads()  # auto: torch's, one per core
         self.cores = usable_cores()
         self.others = 0.0  # the smoothed count of other runnable threads
         self.sampled = self.decided = -math.inf
@@ -142,6 +149,11 @@ class Threads:
         return self._describe()
 
     def _describe(self) -> str:
+        if self.bounded_env is not None:
+            return (
+                f"{self.count}, fixed by OMP_NUM_THREADS={self.bounded_env!r} at its bound "
+                f"({MAX_THREADS_PER_CORE} per core: more only wait for each other)"
+            )
         if self.fixed_by:
             return f"{self.count}, fixed by {self.fixed_by} (OpenMP spins while it waits)"
         if not self.follow_load:

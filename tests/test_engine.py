@@ -1022,6 +1022,9 @@ def test_pool_size_from_bytes_or_blocks(model) -> None:
     for bad in ("lots", "0GiB", "-1", 0, "1PiB"):
         with pytest.raises(RoseError, match="kv_cache_memory"):
             EngineConfig(kv_cache_memory=bad)
+    for zero in ("0", "0GiB", "0.0 MiB"):  # (a byte count, only not a positive one)
+        with pytest.raises(RoseError, match=f"kv_cache_memory must be > 0 bytes, got '{zero}'"):
+            EngineConfig(kv_cache_memory=zero)
     with pytest.raises(RoseError, match="not both"):
         EngineConfig(num_kv_blocks=4, kv_cache_memory="1MiB")
 

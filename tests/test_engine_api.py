@@ -228,6 +228,10 @@ def test_llm_rejects_a_mismatched_params_list(checkpoint: Path) -> None:
     llm = roseinfer.LLM(str(checkpoint))
     with pytest.raises(RoseError, match="2 SamplingParams for 3 prompt"):
         llm.generate(["a", "b", "c"], [SamplingParams()] * 2, use_tqdm=False)
+    # (a number or a list of floats was a TypeError from deep inside, not what to give)
+    for wrong in (5, [5.0], [[1, 2.5]], ["a", None]):
+        with pytest.raises(RoseError, match=r"a prompt is text, token ids \(a list of ints\)"):
+            llm.generate(wrong, use_tqdm=False)
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:

@@ -237,6 +237,31 @@ def test_chat_uses_the_documented_template(
 
 
 @pytest.mark.slow
+def test_a_content_given_as_text_parts_is_their_text(
+    client: openai.OpenAI, model: GPT, tokenizer: Tokenizer
+) -> None:
+    """OpenAI's list form of a message's content (its SDKs' typed messages send it) is the
+    parts' texts joined by newlines, as vLLM reads it (it was a 400); an image part is a
+    400 saying so."""
+    import openai
+
+    parts = [{"type": "text", "text": "Who is"}, {"type": "text", "text": "Romeo?"}]
+    prompt = ChatTemplate().render([{"role": "user", "content": "Who is\nRomeo?"}])
+    want = solo_text(model, tokenizer, tokenizer.encode(prompt), greedy(8))[0]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == want
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": [image]}], max_tokens=2
+        )
+    assert refused.value.body["param"] == "messages.0.content"
+    assert "(this model reads text only), got {'type': 'image_url'" in refused.value.message
+
+
+@pytest.mark.slow
 def test_without_max_tokens_chat_runs_to_the_context_and_completions_make_16(
     client: openai.OpenAI,
 ) -> None:
@@ -387,6 +412,7 @@ ERROR_CASES = [
     ("a bool for an integer", {"max_tokens": True}, 400, "max_tokens"),
     ("an unknown field", {"best_of_three": 1}, 400, "best_of_three"),
     ("token ids outside the vocabulary", {"prompt": [50257]}, 400, "prompt"),
+    ("a negative token id", {"prompt": [[11, -5]]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-4"}, 404, "model"),
     # issue 21: what could never be admitted is the client's to fix (a 503 would be retried
     # forever), and values the sampler cannot compute or the stop check must not carry
@@ -420,6 +446,18 @@ def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
         headers=headers,
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.slow
+def test_a_body_that_is_not_json_is_a_400_that_says_so(server: Server) -> None:
+    """A cut-off body: FastAPI names the character where JSON broke as the error's "loc",
+    which came out as `param: "37"` and "37: JSON decode error"."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    body = b'{"model": "tiny", "prompt": '
+    response = httpx.post(server.base_url + "/completions", content=body, headers=headers)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None
+    assert error["message"].startswith("the body is not JSON (Expecting value at character 28)")
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from roseinfer.request.structured import grammar_for
 from roseinfer.serving import compiles as compiles_module
 from roseinfer.serving.app import ServerSettings, build_app
 from roseinfer.serving.background import BackgroundServer
+from roseinfer.serving.chat_template import ChatTemplate
 from roseinfer.serving.compiles import THREADS, Compiles, TooManyCompiles
 from rosetrainer.model import GPT
 from rosetrainer.tokenizer import Tokenizer
@@ -134,6 +135,42 @@ def test_a_batch_of_prompts_stops_tokenizing_at_the_first_too_long(
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert "bytes, so more than 1024 tokens" in is_openai_error(response, 400)["message"]
         assert len(tokenizer.threads) == 1
+
+
+def test_a_conversation_past_the_context_is_refused_before_its_template_runs(
+    checkpoint: tuple[Path, GPT], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat body under 1 MiB may hold 16,000 messages: rendering them took seconds of
+    the GIL on the template's threads, so another client waited up to 7 s and /health 2 s,
+    and some were a 500 (the render's time limit) though the client sent too much.
+    More messages than the context has tokens, or contents with more bytes than it can
+    cover, are a 400 naming `messages` before the template runs."""
+    renders = []
+    render = ChatTemplate.render
+    monkeypatch.setattr(
+        ChatTemplate, "render", lambda self, m: renders.append(m) or render(self, m)
+    )
+    tokenizer = Tokenizer("gpt2")
+    engine = LLMEngine(checkpoint[1], tokenizer, EngineConfig(num_kv_blocks=64))
+    many = [{"role": "user", "content": ""}] * 16_000
+    large = [
+        {"role": "user", "content": "ab " * 25_000},
+        {"role": "user", "content": "ab " * 25_000},
+    ]
+    app = build_app(engine, tokenizer, ServerSettings("tiny"))
+    renders.clear()  # (the template's trial render at start-up)
+    with BackgroundServer(app) as server:
+        url = server.url + "/v1/chat/completions"
+        for messages, message in [
+            (many, "the conversation has 16000 messages, more than the model's context window"),
+            (large, "the messages' contents have 150000 bytes, so more than 1024 tokens"),
+        ]:
+            error = is_openai_error(httpx.post(url, json={"messages": messages}, timeout=60), 400)
+            assert error["param"] == "messages"
+            assert error["message"].startswith(message), error["message"]
+        assert renders == []
+        assert httpx.post(url, json=CHAT, timeout=60).is_success
+    assert len(renders) == 1  # (the spy sees renders: the refusals above ran none)
 
 
 # -- F3: one client's share of the waiting queue --

@@ -106,6 +106,15 @@ def test_a_count_out_of_range_is_refused(bad) -> None:
         Threads(bad)
 
 
+def test_the_bound_counts_the_cores_this_process_may_use(monkeypatch) -> None:
+    """Under `taskset -c 0` one core is usable: 8 threads there only wait for each other
+    (the bound counted the machine's cores)."""
+    monkeypatch.setattr(threads_module, "usable_cores", lambda: 1)
+    with pytest.raises(RoseError, match=r"--num-threads must be an integer in \[1, 4\]"):
+        Threads(8)
+    assert Threads(4).count == 4
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-3"])
 def test_an_omp_num_threads_that_is_no_count_leaves_auto_and_is_told(
     value, auto_env, monkeypatch
@@ -119,6 +128,26 @@ def test_an_omp_num_threads_that_is_no_count_leaves_auto_and_is_told(
     assert threads.describe().startswith(f"OMP_NUM_THREADS={value!r} is not a count, so auto")
     monkeypatch.setenv("OMP_NUM_THREADS", "2,1")  # (a count per nesting level: the first)
     assert Threads().describe().startswith("2, fixed by OMP_NUM_THREADS")
+
+
+def test_an_omp_num_threads_count_is_kept_as_given(auto_env, monkeypatch) -> None:
+    """OMP_NUM_THREADS=3 computes on 3 threads, as --num-threads 3 does (torch had read 2
+    here and rose kept torch's, calling it fixed by OMP_NUM_THREADS); a count past the
+    --num-threads bound is held to it, and said; a Unicode digit ("²", a digit to
+    str.isdigit but not to int) is no count, not a traceback."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    threads = Threads()
+    threads.adapt()
+    assert (threads.count, torch.get_num_threads()) == (3, 3)
+    assert threads.describe().startswith("3, fixed by OMP_NUM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000,1")
+    most = threads_module.MAX_THREADS_PER_CORE * 2  # (auto_env: 2 usable cores)
+    threads = Threads()
+    assert threads.count == most
+    assert threads.describe().startswith(f"{most}, fixed by OMP_NUM_THREADS='100000,1' at its")
+    monkeypatch.setenv("OMP_NUM_THREADS", "²")
+    loads(monkeypatch, [0])
+    assert Threads().describe().startswith("OMP_NUM_THREADS='²' is not a count, so auto")
 
 
 def test_each_compute_thread_gets_the_count_from_its_first_adapt(auto_env, monkeypatch) -> None:
@@ -176,5 +205,5 @@ def test_rose_generate_tells_what_it_chose_and_refuses_a_bad_count(tiny_run_dir)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "[roseinfer] error: --num-threads must be an integer in [1, "
-        f"{4 * os.cpu_count()}] (4 per core at most: more only wait for each other), got 0"
+        f"{4 * threads_module.usable_cores()}] (4 per core at most: more only wait for each other), got 0"
     ]

@@ -213,7 +213,9 @@ def parse_bytes(size: int | str, name: str = "kv_cache_memory") -> int:
         return size
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+    if match is not None and unit in _UNITS and float(match.group(1)) <= 0:
+        raise RoseError(f"{name} must be > 0 bytes, got {size!r}")  # ("0" is a byte count)
+    if match is None or unit not in _UNITS:
         raise RoseError(
             f"{name} must be a byte count or a size like '2GiB' / '512MiB', got {size!r}"
         )

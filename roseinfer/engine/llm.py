@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from numbers import Integral
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -107,7 +108,7 @@ class LLM:
         is full (finish_reason "length"), as vLLM's offline LLM stops at max_model_len;
         rose-serve refuses such a request with a 400, as vLLM's server does. Calls from
         several threads run one after the other (the engine steps one batch at a time)."""
-        one = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
+        one = not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int))
         prompts = [as_prompt(prompt) for prompt in ([prompts] if one else prompts)]
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
@@ -205,7 +206,14 @@ def as_prompt(prompt: Prompt) -> str | list[int]:
             f"a prompt given as a dict is {{'prompt': text}} or {{'prompt_token_ids': ids}} "
             f"(vLLM's TextPrompt and TokensPrompt), got the keys {sorted(prompt)}"
         )
-    return prompt
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, Integral) for t in prompt)  # numpy's too
+    ):
+        return prompt
+    raise RoseError(
+        f"a prompt is text, token ids (a list of ints) or a dict {{'prompt': text}} / "
+        f"{{'prompt_token_ids': ids}}, got {type(prompt).__name__} {str(prompt)[:40]}"
+    )
 
 
 def as_speculative_config(speculative: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

@@ -154,6 +154,7 @@ def build_app(engine: LLMEngine, tokenizer: Tokenizer, settings: ServerSettings)
                 "top_logprobs needs logprobs: true (set both, or neither)", "top_logprobs"
             )
         sender = client_of(request, proxies)
+        checks.conversation_fits(body.messages)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             text = await chat_template.render_off_loop(messages)

@@ -29,7 +29,7 @@ from roseinfer.request.sampling_params import (
 from roseinfer.request.structured import Grammar
 from roseinfer.serving.compiles import Compiles, TooManyCompiles
 from roseinfer.serving.errors import BadRequest
-from roseinfer.serving.protocol import SamplingFields
+from roseinfer.serving.protocol import ChatMessage, SamplingFields
 from roseinfer.speculative.drafters import SAMPLED_NOT_DRAFTED
 from rosetrainer.errors import RoseError
 from rosetrainer.tokenizer import Tokenizer
@@ -76,9 +76,9 @@ class RequestChecks:
             )
 
     def token_ids(self, ids: list[int], param: str) -> None:
-        if any(t >= self.vocab_size for t in ids):
+        if any(not 0 <= t < self.vocab_size for t in ids):
             raise BadRequest(
-                f"token ids must be below the vocabulary size {self.vocab_size}", param
+                f"token ids must be in [0, {self.vocab_size}), the vocabulary's ids", param
             )
 
     async def prompt_ids(
@@ -107,16 +107,32 @@ class RequestChecks:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(TOKENIZING, self.tokenizer.encode, text)
 
-    def bytes_fit(self, text: str, param: str) -> None:
+    def bytes_fit(self, text: str, param: str, what: str = "the prompt has") -> None:
         """Refuse a text with more bytes than the context's tokens can cover."""
         size = len(text.encode("utf-8", errors="surrogatepass"))
         if size > self.block_size * self.max_token_bytes:
             raise BadRequest(
-                f"the prompt has {size} bytes, so more than {self.block_size} tokens (no "
+                f"{what} {size} bytes, so more than {self.block_size} tokens (no "
                 f"token holds more than {self.max_token_bytes} bytes), but the model's "
                 f"context window is {self.block_size}: shorten the prompt",
                 param=param,
             )
+
+    def conversation_fits(self, messages: list[ChatMessage]) -> None:
+        """Refuse, before its template runs, a conversation that cannot fit the context.
+        A render costs time in proportion to the messages, on a thread that shares the
+        GIL with the event loop: 16,000 short messages (under the body limit) held every
+        other client for seconds. Every message a template shows takes at least one
+        token, and its content at least its bytes' share (the bound of `bytes_fit`)."""
+        if len(messages) > self.block_size:
+            raise BadRequest(
+                f"the conversation has {len(messages)} messages, more than the model's "
+                f"context window of {self.block_size} tokens (each message takes at least "
+                f"one): send fewer",
+                param="messages",
+            )
+        contents = "".join(message.content for message in messages)
+        self.bytes_fit(contents, "messages", what="the messages' contents have")
 
     def prompt(self, ids: list[int]) -> list[int]:
         """The ids the engine runs: an empty prompt starts from end-of-text (one token, so

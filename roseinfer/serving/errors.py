@@ -62,6 +62,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_fields(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # (its "loc" is a character's offset, no field)
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            message = f"the body is not JSON ({reason} at character {first['loc'][-1]}): send a JSON object"
+            return error_response(400, message)
         where = [str(part) for part in first["loc"] if part != "body"]
         param = ".".join(where) or None
         message = f"{param}: {first['msg']}" if param else first["msg"]

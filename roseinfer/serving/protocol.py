@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from roseinfer.request.sampling_params import MAX_LOGPROBS, MAX_SEED
 
@@ -83,6 +83,26 @@ class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
     content: str
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def as_text(cls, content: object) -> object:
+        """OpenAI's list form of a content (its SDKs' typed messages send it), text parts
+        only, as one string: the parts' texts joined by newlines, as vLLM joins them."""
+        if not isinstance(content, list):
+            return content
+        for part in content:
+            if not (
+                isinstance(part, dict)
+                and part.keys() == {"type", "text"}
+                and part["type"] == "text"
+                and isinstance(part["text"], str)
+            ):
+                raise ValueError(
+                    "a content part is {'type': 'text', 'text': ...} (this model reads text "
+                    f"only), got {str(part)[:80]}"
+                )
+        return "\n".join(part["text"] for part in content)
 
 
 class ChatCompletionRequest(SamplingFields):
