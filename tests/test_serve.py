@@ -414,6 +414,9 @@ ERROR_CASES = [
     ("token ids outside the vocabulary", {"prompt": [50257]}, 400, "prompt"),
     ("a negative token id", {"prompt": [[11, -5]]}, 400, "prompt"),
     ("unknown model", {"model": "gpt-4"}, 404, "model"),
+    ("a presence penalty", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("a frequency penalty", {"frequency_penalty": -1.0}, 400, "frequency_penalty"),
+    ("a logit bias", {"logit_bias": {"11": 5.0}}, 400, "logit_bias"),
     # issue 21: what could never be admitted is the client's to fix (a 503 would be retried
     # forever), and values the sampler cannot compute or the stop check must not carry
     ("more choices than the queue ever holds", {"prompt": ["a", "b"], "n": 16}, 400, "n"),
@@ -446,6 +449,28 @@ def test_each_bad_request_gets_its_code_and_body_and_the_next_one_succeeds(
         headers=headers,
     )
     assert ok.status_code == 200
+
+
+@pytest.mark.slow
+def test_neutral_penalties_and_no_logit_bias_are_taken_as_client_wrappers_send_them(
+    server: Server,
+) -> None:
+    """Client libraries built on OpenAI's send presence_penalty=0, frequency_penalty=0 and
+    logit_bias={} on every call: rose applies none of them, and takes their neutral values."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY)
+    fields = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    plain = client.completions.create(**fields)
+    neutral = client.completions.create(
+        **fields, presence_penalty=0, frequency_penalty=0.0, logit_bias={}
+    )
+    assert neutral.choices[0].text == plain.choices[0].text
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2, presence_penalty=0, logit_bias=None
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.slow

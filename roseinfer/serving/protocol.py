@@ -66,6 +66,25 @@ class SamplingFields(Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     user: str | None = None  # accepted and ignored, as the API allows
+    # Not applied by rose; accepted at their neutral values, which OpenAI's client
+    # wrappers send on every call (a penalty of 0, no bias), refused otherwise.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def no_penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError(f"rose applies no penalty: only 0 (no penalty) is taken, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("rose applies no logit_bias: only {} or null is taken")
+        return value
 
 
 class CompletionRequest(SamplingFields):
