@@ -9,17 +9,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 from training import tiny_run, train_losses
 
+from rosetrainer import model as model_module
 from rosetrainer import runtime
 from rosetrainer.checkpoint import load_checkpoint
-from rosetrainer.config import GPTConfig, TrainConfig
+from rosetrainer.config import LLAMA, GPTConfig, TrainConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+from rosetrainer.numerics import logit_tolerance
 from rosetrainer.schedule import learning_rate_at
 from rosetrainer.train import main, resolve_configs
 
@@ -90,6 +94,111 @@ def test_activation_checkpointing_gives_the_same_loss_and_every_gradient() -> No
     for name, grad in grads_plain.items():
         assert grad.abs().sum() > 0, f"{name} got no gradient"
         torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------
+# The loss, a slice of rows at a time (model.linear_cross_entropy)
+# ---------------------------------------------------------------------------
+
+LOSS_SHAPES = {
+    "gpt2, tied": dict(),
+    "llama, untied": dict(**LLAMA, n_kv_head=1, tie_embeddings=False),
+}
+
+
+def loss_model(shape: str) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return GPT(GPTConfig(**{**config.to_dict(), **LOSS_SHAPES[shape]})).train()
+
+
+def loss_and_grads(
+    model: GPT, loss_of: Callable[[], torch.Tensor], autocast: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_of()
+    loss.backward()
+    return [("loss", loss.detach()), *((n, p.grad.clone()) for n, p in model.named_parameters())]
+
+
+def plain_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The head as a textbook writes it: every logit, then F.cross_entropy over them."""
+    logits = model(idx).logits
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def batch_with_ignored_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(300, (4, 32), generator=generator).split(2)
+    idx, targets = torch.cat([idx, idx]), torch.cat([targets, targets])
+    targets[:, -5:] = -100  # the last positions of each row count in no loss
+    targets[1, :] = -100  # nor does one whole row
+    return idx, targets
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_the_sliced_loss_and_every_gradient_equal_plain_cross_entropy(
+    shape: str, checkpointing: bool, monkeypatch
+) -> None:
+    # 128 rows in slices of 24: five whole slices and a short one
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model(shape), batch_with_ignored_targets()
+    model.activation_checkpointing = checkpointing
+    want = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    got = loss_and_grads(model, lambda: model(idx, targets).loss)
+    assert [name for name, _ in got] == [name for name, _ in want]
+    for (name, g), (_, w) in zip(got, want, strict=True):
+        assert w.abs().sum() > 0, f"{name} got no gradient"
+        gap = float((g - w).abs().max())
+        assert gap <= logit_tolerance(w), f"{name}: {gap:.2e} from the plain loss's"
+    with torch.no_grad():  # an eval computes it without gradients, the same way
+        assert abs(float(model(idx, targets).loss) - float(want[0][1])) <= logit_tolerance(
+            want[0][1]
+        )
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_under_bfloat16_autocast_the_sliced_loss_is_as_exact_as_the_plain_one(
+    shape: str, monkeypatch
+) -> None:
+    """In bfloat16 the logits and their gradients are rounded to 8 bits of mantissa, so
+    two orders of the same products differ by more than float32's rule: the sliced loss is
+    held to the plain bfloat16 loss's own distance from the float32 computation."""
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model(shape), batch_with_ignored_targets()
+    exact = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    plain = loss_and_grads(model, lambda: plain_loss(model, idx, targets), autocast=True)
+    sliced = loss_and_grads(model, lambda: model(idx, targets).loss, autocast=True)
+    loss_gap = float((sliced[0][1] - plain[0][1]).abs())
+    assert loss_gap <= logit_tolerance(plain[0][1]), "the loss itself is plain's to float32's rule"
+    for (name, e), (_, p), (_, s) in zip(exact, plain, sliced, strict=True):
+        plain_error, sliced_error = (p - e).abs().max(), (s - e).abs().max()
+        assert sliced_error <= 1.5 * plain_error + logit_tolerance(e), (
+            f"{name}: {sliced_error:.2e} from float32, the plain bfloat16 loss {plain_error:.2e}"
+        )
+
+
+def test_the_loss_never_keeps_logits_for_the_backward() -> None:
+    model, (idx, targets) = loss_model("gpt2, tied"), batch_with_ignored_targets()
+    kept = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor.shape)
+        return tensor
+
+    def logits_kept() -> list[torch.Size]:
+        """Tensors of logits (rows, vocab) the forward kept (a weight is (vocab, n_embd))."""
+        return [shape for shape in kept if shape and shape[-1] >= model.config.vocab_size]
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        plain_loss(model, idx, targets)
+    assert logits_kept(), "the plain head keeps its logits (the hook sees them)"
+    kept.clear()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(idx, targets).loss.backward()
+    assert kept and not logits_kept()
 
 
 # ---------------------------------------------------------------------------
