@@ -23,7 +23,10 @@ divides the rate by the card's dense bfloat16 peak; recomputation under checkpoi
 is not counted as useful work. `--nanogpt DIR` runs nanoGPT's own train.py from DIR on
 the same card, the same shapes and random token ids, and prints it beside rose.
 `--fit-memory GIB` finds the largest batch that fits a memory budget with checkpointing
-off and on (the trade a learner makes checkpointing for).
+off and on (the trade a learner makes checkpointing for). `--loss chunked,plain` measures
+the model's loss (`rosetrainer.model.linear_cross_entropy`: the logits a slice of rows at a
+time, never whole) beside the plain one it replaced (every logit, then F.cross_entropy
+over their float32 copy), swapped in for that one process.
 
 glibc is left to hand large freed blocks back to the kernel, so that the resident set
 follows the live tensors. The trainer keeps them instead (`runtime.keep_freed_memory`),
@@ -50,7 +53,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
+from rosetrainer import model as model_module
 from rosetrainer.config import PRESETS, GPTConfig, TrainConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
@@ -143,8 +148,19 @@ def training_setup(spec: dict[str, Any]) -> tuple[Runtime, GPTConfig, TrainConfi
     return rt, config, cfg
 
 
+def plain_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """The loss as a textbook writes it, in place of linear_cross_entropy: every logit at
+    once, their float32 copy, and F.cross_entropy (the padded rows' logits cut off)."""
+    logits = F.linear(x, weight)[:, :vocab_size]
+    return F.cross_entropy(logits.float(), targets, ignore_index=model_module.IGNORE_INDEX)
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Time spec["steps"] training steps of one configuration; run in a fresh process."""
+    if spec.get("loss") == "plain":  # (this process only: each configuration has its own)
+        model_module.linear_cross_entropy = plain_cross_entropy
     rt, config, cfg = training_setup(spec)
     if spec.get("memory_fraction"):
         torch.cuda.set_per_process_memory_fraction(spec["memory_fraction"], rt.device)
@@ -363,7 +379,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     )
     print(f"memory: {memory}; 'step' = peak minus memory once weights, grads, AdamW state exist")
     header = (
-        f"{'trainer':<24} {'preset':<8} {'vocab':>6} {'ckpt':<5} {'batch x ctx':>12} "
+        f"{'trainer':<24} {'preset':<8} {'vocab':>6} {'ckpt':<5} {'loss':<7} {'batch x ctx':>12} "
         f"{'tokens/s':>10} {'ms/step':>9} {'MFU':>6} {'step MiB':>10} {'total MiB':>10}"
     )
     print(header)
@@ -373,12 +389,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
         on = "on" if r["checkpointing"] else "off"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(
-            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_size']:>6} {on:<5} {shape:>12} "
+            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_size']:>6} {on:<5} "
+            f"{r.get('loss', 'chunked'):<7} {shape:>12} "
             f"{r['tokens_per_s']:>10,.0f} {r['ms_per_step']:>9,.1f} {mfu:>6} "
             f"{r['step_peak_mib']:>10,.0f} {r['total_peak_mib']:>10,.0f}"
         )
     print()
-    rose = [r for r in results if r["peer"] == "rose"]
+    rose = [r for r in results if r["peer"] == "rose" and r.get("loss", "chunked") == "chunked"]
     for off in rose:
         on = next((r for r in rose if r["checkpointing"] and same_shape(r, off)), None)
         if off["checkpointing"] or on is None:
@@ -387,10 +404,24 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{off['preset']} {off['batch_size']} x {off['block_size']}: checkpointing saves "
             f"{saved_percent(off, on, 'step_peak_mib'):.0f}% of step memory "
             f"({saved_percent(off, on, 'total_peak_mib'):.0f}% of the total peak) and costs "
-            f"{saved_percent(off, on, 'tokens_per_s'):.0f}% of throughput (the fp32 logits alone "
-            f"are {off['logits_mib']:,.0f} MiB per copy; with checkpointing the loss builds them "
-            f"a slice at a time)"
+            f"{saved_percent(off, on, 'tokens_per_s'):.0f}% of throughput"
         )
+    for plain in (r for r in results if r.get("loss") == "plain"):
+        mine = next(
+            (
+                r
+                for r in rose
+                if r["checkpointing"] == plain["checkpointing"] and same_shape(r, plain)
+            ),
+            None,
+        )
+        if mine is not None:
+            print(
+                f"{plain['preset']} {plain['batch_size']} x {plain['block_size']}: the sliced loss "
+                f"{mine['tokens_per_s'] / plain['tokens_per_s']:.2f}x the plain one's tokens/s, "
+                f"step memory {mine['step_peak_mib']:,.0f} against {plain['step_peak_mib']:,.0f} "
+                f"MiB (the whole float32 logits are {plain['logits_mib']:,.0f} MiB a copy)"
+            )
     for peer in (r for r in results if r["peer"] != "rose"):
         mine = next((r for r in rose if not r["checkpointing"] and same_shape(r, peer)), None)
         if mine is not None:
@@ -448,6 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpointing", default="off,on", help="activation checkpointing: off, on or off,on"
     )
+    parser.add_argument(
+        "--loss",
+        default="chunked",
+        help="chunked (the model's: a slice of rows at a time), plain (every logit, then "
+        "F.cross_entropy) or chunked,plain (default chunked)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument(
         "--warmup-steps", type=int, default=1, help="untimed steps first (default 1)"
@@ -494,6 +531,9 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     settings = [word.strip() for word in args.checkpointing.split(",")]
     if not settings or any(word not in ("off", "on") for word in settings):
         raise RoseError(f"--checkpointing takes off, on or off,on, got {args.checkpointing!r}")
+    losses = [word.strip() for word in args.loss.split(",")]
+    if not losses or any(word not in ("chunked", "plain") for word in losses):
+        raise RoseError(f"--loss takes chunked, plain or chunked,plain, got {args.loss!r}")
     if args.nanogpt is not None and not (args.nanogpt / "train.py").is_file():
         raise RoseError(f"--nanogpt {args.nanogpt}: no train.py there (a copy of nanoGPT's repo)")
     rt = setup_device(args.device, args.dtype)  # fail here, not in a child
@@ -503,11 +543,12 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in presets:
         block_size = args.block_size or PRESETS[name]["block_size"]
         GPTConfig.from_preset(name, block_size=block_size)
-        for word in settings:
+        for word, loss in itertools.product(settings, losses):
             specs.append(
                 {
                     "preset": name,
                     "checkpointing": word == "on",
+                    "loss": loss,
                     "batch_size": args.batch_size or DEFAULT_BATCH.get(name, 1),
                     "block_size": block_size,
                     "vocab_size": args.vocab_size,
@@ -545,13 +586,17 @@ def bench(argv: list[str] | None = None) -> int:
     results = []
     for index, spec in enumerate(specs):
         on = "on" if spec["checkpointing"] else "off"
-        print(f"measuring {spec['preset']}, checkpointing {on} ...", file=sys.stderr, flush=True)
+        print(
+            f"measuring {spec['preset']}, checkpointing {on}, {spec['loss']} loss ...",
+            file=sys.stderr,
+            flush=True,
+        )
         # the profile: of the first configuration only, checkpointing off
         profile = args.profile if index == 0 and not spec["checkpointing"] else None
         results.append(run_in_fresh_process({**spec, "profile": profile}))
     if args.nanogpt is not None:
         for spec in specs:
-            if spec["checkpointing"]:  # nanoGPT has no activation checkpointing
+            if spec["checkpointing"] or spec["loss"] == "plain":  # (nanoGPT's runs once a shape)
                 continue
             for matched in (True, False):
                 print("measuring nanoGPT's train.py ...", file=sys.stderr, flush=True)
