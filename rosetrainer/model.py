@@ -392,6 +392,13 @@ def rope_for(config: GPTConfig, pos: torch.Tensor) -> Rope | None:
     return rotary_cos_sin(pos, config.head_dim, config.rotary_base)
 
 
+def vocabulary_logits(lm_head: nn.Linear, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The output matrix's logits of the vocabulary's ids only. A matrix padded past the
+    vocabulary (GPTConfig.vocab_multiple) has rows that are no token: cut here, in the one
+    place every logit comes from, no sampler, mask or engine can ever pick one."""
+    return lm_head(x)[..., :vocab_size]
+
+
 # ---------------------------------------------------------------------------
 # The training loss, without the whole logits
 # ---------------------------------------------------------------------------
@@ -486,7 +493,8 @@ class GPT(nn.Module):
         # Recompute each block's activations in the backward pass instead of storing
         # them: less memory for one more forward. Only ever while training.
         self.activation_checkpointing = False
-        parts = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        rows = config.padded_vocab_size  # (vocab_size, or up to a multiple: GPTConfig)
+        parts = dict(wte=nn.Embedding(rows, config.n_embd))
         if config.position_embedding == "learned":  # (rotary positions have no parameters)
             parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
@@ -497,7 +505,7 @@ class GPT(nn.Module):
                 ln_f=norm_layer(config),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         if config.tie_embeddings:  # reading a token in and scoring it out use one matrix
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -585,7 +593,7 @@ class GPT(nn.Module):
             x = x[:, logits_at, :]
         elif last_only:
             x = x[:, -1:, :]
-        return self.lm_head(x)
+        return vocabulary_logits(self.lm_head, x, self.config.vocab_size)
 
     # -- validation: clear errors instead of an index error deep inside an Embedding --
 

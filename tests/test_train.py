@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,9 +18,10 @@ import torch
 from torch.nn import functional as F
 from training import tiny_run, train_losses
 
+from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer import model as model_module
 from rosetrainer import runtime
-from rosetrainer.checkpoint import load_checkpoint
+from rosetrainer.checkpoint import load_checkpoint, load_model
 from rosetrainer.config import LLAMA, GPTConfig, TrainConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
@@ -102,6 +104,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_every_gradient() -> No
 
 LOSS_SHAPES = {
     "gpt2, tied": dict(),
+    "gpt2, 300 ids in 320 rows": dict(vocab_multiple=64),
     "llama, untied": dict(**LLAMA, n_kv_head=1, tie_embeddings=False),
 }
 
@@ -153,6 +156,8 @@ def test_the_sliced_loss_and_every_gradient_equal_plain_cross_entropy(
         assert w.abs().sum() > 0, f"{name} got no gradient"
         gap = float((g - w).abs().max())
         assert gap <= logit_tolerance(w), f"{name}: {gap:.2e} from the plain loss's"
+        if name in ("transformer.wte.weight", "lm_head.weight"):  # padding rows: no token
+            assert not g[300:].any() and g.size(0) == model.config.padded_vocab_size
     with torch.no_grad():  # an eval computes it without gradients, the same way
         assert abs(float(model(idx, targets).loss) - float(want[0][1])) <= logit_tolerance(
             want[0][1]
@@ -202,6 +207,60 @@ def test_the_loss_never_keeps_logits_for_the_backward() -> None:
 
 
 # ---------------------------------------------------------------------------
+# The vocabulary padded for training (GPTConfig.vocab_multiple)
+# ---------------------------------------------------------------------------
+
+
+def test_padding_rows_are_never_a_logit_nor_a_sampled_id() -> None:
+    """Padding rows made to win every argmax and draw, were they ever scored."""
+    from roseinfer.pipeline.stage import PipelineStage
+    from rosetrainer.sample import generate
+
+    config = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(dataclasses.replace(config, vocab_multiple=64)).eval()
+    assert model.lm_head.weight.shape == (320, 32)  # 300 rounded up to 5 x 64
+    with torch.no_grad():
+        model.lm_head.weight[300:] = 1000.0 * model.lm_head.weight[:20]
+        ids = torch.tensor([[1, 2, 3]])
+        assert model(ids).logits.shape == (1, 3, 300)
+        sampled = generate(model, ids, 20, generator=torch.Generator().manual_seed(0))
+        assert int(sampled.max()) < 300
+        whole = model(ids).logits[:, -1]
+        stage_logits = PipelineStage(model, 0, 1)(ids, ConcatKVCache())  # (a split model's)
+        assert stage_logits.shape == whole.shape == (1, 300)
+        assert float((stage_logits - whole).abs().max()) <= logit_tolerance(whole)
+    with pytest.raises(RoseError, match="outside the vocabulary"):
+        model(torch.tensor([[300]]))  # a padding row is no input either
+
+
+def test_a_new_run_pads_its_vocabulary_and_vocab_multiple_1_does_not() -> None:
+    padded, _ = resolve_configs({"preset": "tiny"})
+    assert (padded.vocab_size, padded.vocab_multiple, padded.padded_vocab_size) == (
+        50257, 64, 50304
+    )  # fmt: skip
+    plain, _ = resolve_configs({"preset": "tiny", "vocab_multiple": 1})
+    assert plain.padded_vocab_size == 50257
+
+
+def test_a_checkpoint_from_before_the_padding_loads_and_resumes_unpadded(
+    text_file: Path, tmp_path: Path
+) -> None:
+    """A run saved before vocab_multiple existed: its model_config has no such key, and its
+    matrices have the vocabulary's 50,257 rows."""
+    run = tmp_path / "old"
+    assert main(tiny_run(text_file, run, "--max-steps", "2", "--vocab-multiple", "1")) == 0
+    ckpt = load_checkpoint(run / "last.pt")
+    del ckpt["model_config"]["vocab_multiple"]
+    torch.save(ckpt, run / "last.pt")
+    model, _ = load_model(run / "last.pt")
+    assert model.transformer.wte.weight.shape[0] == model.config.vocab_size == 50257
+    assert main(tiny_run(text_file, run, "--max-steps", "4", "--resume")) == 0
+    resumed = load_checkpoint(run / "last.pt")
+    assert resumed["step"] == 4 and resumed["model_config"]["vocab_multiple"] == 1
+    assert resumed["model"]["lm_head.weight"].shape[0] == 50257
+
+
+# ---------------------------------------------------------------------------
 # Exact resume, through the command line (in this process)
 # ---------------------------------------------------------------------------
 
@@ -235,6 +294,7 @@ def test_resume_continues_exactly_where_the_run_stopped(
     final_straight = load_checkpoint(straight / "last.pt")
     final_resumed = load_checkpoint(resumed / "last.pt")
     assert final_resumed["step"] == final_straight["step"] == 6
+    assert final_resumed["model"]["lm_head.weight"].shape[0] == 50304  # (padded, by default)
     for name, tensor in final_straight["model"].items():
         assert torch.equal(final_resumed["model"][name], tensor), name
     assert torch.equal(final_resumed["data_state"], final_straight["data_state"])
@@ -247,7 +307,9 @@ def test_a_checkpoint_holds_the_whole_training_state(
     ckpt = load_checkpoint(straight / "last.pt")  # weights_only=True: plain data only
     assert (
         ckpt["model_config"]
-        == GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1).to_dict()
+        == GPTConfig(
+            n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1, vocab_multiple=64
+        ).to_dict()
     )
     assert ckpt["train_config"]["grad_accum_steps"] == 2
     assert ckpt["optimizer"]["state"], "AdamW moments must be saved"
