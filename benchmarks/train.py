@@ -56,7 +56,7 @@ import torch
 from torch.nn import functional as F
 
 from rosetrainer import model as model_module
-from rosetrainer.config import PRESETS, GPTConfig, TrainConfig
+from rosetrainer.config import PRESETS, TRAINING_VOCAB_MULTIPLE, GPTConfig, TrainConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import Runtime, setup_device
@@ -134,7 +134,8 @@ def random_token_stream(vocab_size: int, seed: int = 0) -> np.ndarray:
 
 def training_setup(spec: dict[str, Any]) -> tuple[Runtime, GPTConfig, TrainConfig]:
     rt = setup_device(spec["device"], spec["dtype"])
-    overrides = {"block_size": spec["block_size"]}
+    # rose-train's model: the vocabulary padded (GPTConfig.vocab_multiple), unless told
+    overrides = {"block_size": spec["block_size"], "vocab_multiple": spec["vocab_multiple"]}
     if spec.get("vocab_size"):
         overrides["vocab_size"] = spec["vocab_size"]
     config = GPTConfig.from_preset(spec["preset"], **overrides)
@@ -205,13 +206,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "peer": "rose",
         "device": str(rt.device),
         "device_name": device_name(rt.device),
-        "vocab_size": config.vocab_size,
+        "vocab_rows": config.padded_vocab_size,
         "tokens_per_s": tokens_per_s,
         "ms_per_step": 1000 * seconds / spec["steps"],
         "mfu": tokens_per_s * model_flops / peak if peak else None,
         "step_peak_mib": (peak_bytes - state_bytes) / MIB,
         "total_peak_mib": peak_bytes / MIB,
-        "logits_mib": tokens_per_step * config.vocab_size * 4 / MIB,
+        "logits_mib": tokens_per_step * config.padded_vocab_size * 4 / MIB,
         "profile": profile,
     }
 
@@ -347,7 +348,7 @@ def run_nanogpt(nanogpt_dir: Path, spec: dict[str, Any], matched: bool) -> dict[
     return {
         **spec,
         "peer": "nanoGPT" + (" (rose's model)" if matched else " (as shipped)"),
-        "vocab_size": vocab,
+        "vocab_rows": vocab,
         "device_name": device_name(device),
         "tokens_per_s": tokens_per_s,
         "ms_per_step": 1000 * seconds,
@@ -378,6 +379,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         f"{first['dtype']}, compile {'on' if first['compile'] else 'off'}"
     )
     print(f"memory: {memory}; 'step' = peak minus memory once weights, grads, AdamW state exist")
+    print("vocab: rows of the embedding and output matrix (the vocabulary and its padding)")
     header = (
         f"{'trainer':<24} {'preset':<8} {'vocab':>6} {'ckpt':<5} {'loss':<7} {'batch x ctx':>12} "
         f"{'tokens/s':>10} {'ms/step':>9} {'MFU':>6} {'step MiB':>10} {'total MiB':>10}"
@@ -389,7 +391,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         on = "on" if r["checkpointing"] else "off"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(
-            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_size']:>6} {on:<5} "
+            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_rows']:>6} {on:<5} "
             f"{r.get('loss', 'chunked'):<7} {shape:>12} "
             f"{r['tokens_per_s']:>10,.0f} {r['ms_per_step']:>9,.1f} {mfu:>6} "
             f"{r['step_peak_mib']:>10,.0f} {r['total_peak_mib']:>10,.0f}"
@@ -477,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size", type=int, help="the model's vocabulary (e.g. 50304, padded as nanoGPT does)"
     )
     parser.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=TRAINING_VOCAB_MULTIPLE,
+        help=f"pad the vocabulary's rows to a multiple of N (default {TRAINING_VOCAB_MULTIPLE}, "
+        "as rose-train does; 1: unpadded)",
+    )
+    parser.add_argument(
         "--checkpointing", default="off,on", help="activation checkpointing: off, on or off,on"
     )
     parser.add_argument(
@@ -522,7 +531,7 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in presets:
         if name not in PRESETS:
             raise RoseError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}")
-    for flag in ("batch_size", "block_size", "steps", "vocab_size"):
+    for flag in ("batch_size", "block_size", "steps", "vocab_size", "vocab_multiple"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -552,6 +561,7 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "batch_size": args.batch_size or DEFAULT_BATCH.get(name, 1),
                     "block_size": block_size,
                     "vocab_size": args.vocab_size,
+                    "vocab_multiple": args.vocab_multiple,
                     "steps": args.steps,
                     "warmup_steps": args.warmup_steps,
                     "device": args.device,

@@ -57,7 +57,7 @@ def test_nanogpt_runs_with_the_same_shapes_and_its_own_times_are_read(tmp_path) 
     # iteration 0 is the warm-up; 1 and 2 average 200 ms for 48 tokens
     assert result["ms_per_step"] == pytest.approx(200.0)
     assert result["tokens_per_s"] == pytest.approx(3 * 16 / 0.2)
-    assert result["vocab_size"] == 50257 and result["peer"] == "nanoGPT (rose's model)"
+    assert result["vocab_rows"] == 50257 and result["peer"] == "nanoGPT (rose's model)"
 
 
 @pytest.mark.slow
