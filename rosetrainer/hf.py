@@ -241,7 +241,8 @@ def save_hf_gpt2(model: GPT, encoding: tiktoken.Encoding, directory: str | Path)
     file names. The caller makes the folder appear whole (rosetrainer.files.new_directory).
 
     The model's vocabulary must be its tokenizer's (roseinfer.loading.fit_vocabulary
-    drops padding rows): config.json's vocab_size, the embedding's rows and the
+    cuts a vocab_size declared past it), and the rows padded past vocab_size are left out
+    (vocabulary_state): config.json's vocab_size, the embedding's rows and the
     tokenizer's ids then agree, as transformers and vLLM expect.
     """
     config = model.config
