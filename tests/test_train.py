@@ -206,6 +206,20 @@ def test_the_loss_never_keeps_logits_for_the_backward() -> None:
     assert kept and not logits_kept()
 
 
+@pytest.mark.slow
+def test_the_sliced_loss_compiles_into_one_graph_with_the_same_loss_and_gradients(
+    monkeypatch,
+) -> None:
+    """torch.compile (the GPU's training step) traces the loss whole, no graph break."""
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model("gpt2, 300 ids in 320 rows"), batch_with_ignored_targets()
+    want = loss_and_grads(model, lambda: model(idx, targets).loss)
+    compiled = torch.compile(model, fullgraph=True)
+    got = loss_and_grads(model, lambda: compiled(idx, targets, validate=False).loss)
+    for (name, g), (_, w) in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= logit_tolerance(w), name
+
+
 # ---------------------------------------------------------------------------
 # The vocabulary padded for training (GPTConfig.vocab_multiple)
 # ---------------------------------------------------------------------------
