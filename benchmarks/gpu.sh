@@ -74,9 +74,12 @@ else
 fi
 
 [ "${GPU_SH_MORE:-0}" = 1 ] || { echo "== done: $RESULTS"; exit 0; }
-# The earlier measurements (docs/benchmarks.md has their figures), when there is time.
-step train-padded 90 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
-    --batch-size 12 --compile --steps 20 --warmup-steps 5 --checkpointing off --vocab-size 50304
+# The loss a slice of rows at a time beside the plain one, and the vocabulary unpadded
+# (issue 53's item 5), then the earlier measurements (docs/benchmarks.md), when there is time.
+step train-loss 120 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
+    --batch-size 12 --compile --steps 10 --warmup-steps 3 --checkpointing off --loss chunked,plain
+step train-unpadded 90 python -m benchmarks.train --device cuda --dtype bfloat16 --presets gpt2 \
+    --batch-size 12 --compile --steps 20 --warmup-steps 5 --checkpointing off --vocab-multiple 1
 step offload 90 python -m benchmarks.offload --device cuda --json "$OUT/offload.json"
 step engine-check 60 python -m benchmarks.gpu_engine_check
 step cuda-tests 60 python -m pytest -q -p no:cacheprovider tests/test_offloaded_cache.py -k cuda

@@ -23,7 +23,10 @@ divides the rate by the card's dense bfloat16 peak; recomputation under checkpoi
 is not counted as useful work. `--nanogpt DIR` runs nanoGPT's own train.py from DIR on
 the same card, the same shapes and random token ids, and prints it beside rose.
 `--fit-memory GIB` finds the largest batch that fits a memory budget with checkpointing
-off and on (the trade a learner makes checkpointing for).
+off and on (the trade a learner makes checkpointing for). `--loss chunked,plain` measures
+the model's loss (`rosetrainer.model.linear_cross_entropy`: the logits a slice of rows at a
+time, never whole) beside the plain one it replaced (every logit, then F.cross_entropy
+over their float32 copy), swapped in for that one process.
 
 glibc is left to hand large freed blocks back to the kernel, so that the resident set
 follows the live tensors. The trainer keeps them instead (`runtime.keep_freed_memory`),
@@ -50,8 +53,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
-from rosetrainer.config import PRESETS, GPTConfig, TrainConfig
+from rosetrainer import model as model_module
+from rosetrainer.config import PRESETS, TRAINING_VOCAB_MULTIPLE, GPTConfig, TrainConfig
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.model import GPT
 from rosetrainer.runtime import Runtime, setup_device
@@ -129,7 +134,8 @@ def random_token_stream(vocab_size: int, seed: int = 0) -> np.ndarray:
 
 def training_setup(spec: dict[str, Any]) -> tuple[Runtime, GPTConfig, TrainConfig]:
     rt = setup_device(spec["device"], spec["dtype"])
-    overrides = {"block_size": spec["block_size"]}
+    # rose-train's model: the vocabulary padded (GPTConfig.vocab_multiple), unless told
+    overrides = {"block_size": spec["block_size"], "vocab_multiple": spec["vocab_multiple"]}
     if spec.get("vocab_size"):
         overrides["vocab_size"] = spec["vocab_size"]
     config = GPTConfig.from_preset(spec["preset"], **overrides)
@@ -143,8 +149,19 @@ def training_setup(spec: dict[str, Any]) -> tuple[Runtime, GPTConfig, TrainConfi
     return rt, config, cfg
 
 
+def plain_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """The loss as a textbook writes it, in place of linear_cross_entropy: every logit at
+    once, their float32 copy, and F.cross_entropy (the padded rows' logits cut off)."""
+    logits = F.linear(x, weight)[:, :vocab_size]
+    return F.cross_entropy(logits.float(), targets, ignore_index=model_module.IGNORE_INDEX)
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Time spec["steps"] training steps of one configuration; run in a fresh process."""
+    if spec.get("loss") == "plain":  # (this process only: each configuration has its own)
+        model_module.linear_cross_entropy = plain_cross_entropy
     rt, config, cfg = training_setup(spec)
     if spec.get("memory_fraction"):
         torch.cuda.set_per_process_memory_fraction(spec["memory_fraction"], rt.device)
@@ -189,13 +206,13 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "peer": "rose",
         "device": str(rt.device),
         "device_name": device_name(rt.device),
-        "vocab_size": config.vocab_size,
+        "vocab_rows": config.padded_vocab_size,
         "tokens_per_s": tokens_per_s,
         "ms_per_step": 1000 * seconds / spec["steps"],
         "mfu": tokens_per_s * model_flops / peak if peak else None,
         "step_peak_mib": (peak_bytes - state_bytes) / MIB,
         "total_peak_mib": peak_bytes / MIB,
-        "logits_mib": tokens_per_step * config.vocab_size * 4 / MIB,
+        "logits_mib": tokens_per_step * config.padded_vocab_size * 4 / MIB,
         "profile": profile,
     }
 
@@ -331,7 +348,7 @@ def run_nanogpt(nanogpt_dir: Path, spec: dict[str, Any], matched: bool) -> dict[
     return {
         **spec,
         "peer": "nanoGPT" + (" (rose's model)" if matched else " (as shipped)"),
-        "vocab_size": vocab,
+        "vocab_rows": vocab,
         "device_name": device_name(device),
         "tokens_per_s": tokens_per_s,
         "ms_per_step": 1000 * seconds,
@@ -362,8 +379,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
         f"{first['dtype']}, compile {'on' if first['compile'] else 'off'}"
     )
     print(f"memory: {memory}; 'step' = peak minus memory once weights, grads, AdamW state exist")
+    print("vocab: rows of the embedding and output matrix (the vocabulary and its padding)")
     header = (
-        f"{'trainer':<24} {'preset':<8} {'vocab':>6} {'ckpt':<5} {'batch x ctx':>12} "
+        f"{'trainer':<24} {'preset':<8} {'vocab':>6} {'ckpt':<5} {'loss':<7} {'batch x ctx':>12} "
         f"{'tokens/s':>10} {'ms/step':>9} {'MFU':>6} {'step MiB':>10} {'total MiB':>10}"
     )
     print(header)
@@ -373,12 +391,13 @@ def print_table(results: list[dict[str, Any]]) -> None:
         on = "on" if r["checkpointing"] else "off"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(
-            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_size']:>6} {on:<5} {shape:>12} "
+            f"{r['peer']:<24} {r['preset']:<8} {r['vocab_rows']:>6} {on:<5} "
+            f"{r.get('loss', 'chunked'):<7} {shape:>12} "
             f"{r['tokens_per_s']:>10,.0f} {r['ms_per_step']:>9,.1f} {mfu:>6} "
             f"{r['step_peak_mib']:>10,.0f} {r['total_peak_mib']:>10,.0f}"
         )
     print()
-    rose = [r for r in results if r["peer"] == "rose"]
+    rose = [r for r in results if r["peer"] == "rose" and r.get("loss", "chunked") == "chunked"]
     for off in rose:
         on = next((r for r in rose if r["checkpointing"] and same_shape(r, off)), None)
         if off["checkpointing"] or on is None:
@@ -387,10 +406,24 @@ def print_table(results: list[dict[str, Any]]) -> None:
             f"{off['preset']} {off['batch_size']} x {off['block_size']}: checkpointing saves "
             f"{saved_percent(off, on, 'step_peak_mib'):.0f}% of step memory "
             f"({saved_percent(off, on, 'total_peak_mib'):.0f}% of the total peak) and costs "
-            f"{saved_percent(off, on, 'tokens_per_s'):.0f}% of throughput (the fp32 logits alone "
-            f"are {off['logits_mib']:,.0f} MiB per copy; with checkpointing the loss builds them "
-            f"a slice at a time)"
+            f"{saved_percent(off, on, 'tokens_per_s'):.0f}% of throughput"
         )
+    for plain in (r for r in results if r.get("loss") == "plain"):
+        mine = next(
+            (
+                r
+                for r in rose
+                if r["checkpointing"] == plain["checkpointing"] and same_shape(r, plain)
+            ),
+            None,
+        )
+        if mine is not None:
+            print(
+                f"{plain['preset']} {plain['batch_size']} x {plain['block_size']}: the sliced loss "
+                f"{mine['tokens_per_s'] / plain['tokens_per_s']:.2f}x the plain one's tokens/s, "
+                f"step memory {mine['step_peak_mib']:,.0f} against {plain['step_peak_mib']:,.0f} "
+                f"MiB (the whole float32 logits are {plain['logits_mib']:,.0f} MiB a copy)"
+            )
     for peer in (r for r in results if r["peer"] != "rose"):
         mine = next((r for r in rose if not r["checkpointing"] and same_shape(r, peer)), None)
         if mine is not None:
@@ -446,7 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--vocab-size", type=int, help="the model's vocabulary (e.g. 50304, padded as nanoGPT does)"
     )
     parser.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=TRAINING_VOCAB_MULTIPLE,
+        help=f"pad the vocabulary's rows to a multiple of N (default {TRAINING_VOCAB_MULTIPLE}, "
+        "as rose-train does; 1: unpadded)",
+    )
+    parser.add_argument(
         "--checkpointing", default="off,on", help="activation checkpointing: off, on or off,on"
+    )
+    parser.add_argument(
+        "--loss",
+        default="chunked",
+        help="chunked (the model's: a slice of rows at a time), plain (every logit, then "
+        "F.cross_entropy) or chunked,plain (default chunked)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument(
@@ -485,7 +531,7 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in presets:
         if name not in PRESETS:
             raise RoseError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}")
-    for flag in ("batch_size", "block_size", "steps", "vocab_size"):
+    for flag in ("batch_size", "block_size", "steps", "vocab_size", "vocab_multiple"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise RoseError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -494,6 +540,9 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     settings = [word.strip() for word in args.checkpointing.split(",")]
     if not settings or any(word not in ("off", "on") for word in settings):
         raise RoseError(f"--checkpointing takes off, on or off,on, got {args.checkpointing!r}")
+    losses = [word.strip() for word in args.loss.split(",")]
+    if not losses or any(word not in ("chunked", "plain") for word in losses):
+        raise RoseError(f"--loss takes chunked, plain or chunked,plain, got {args.loss!r}")
     if args.nanogpt is not None and not (args.nanogpt / "train.py").is_file():
         raise RoseError(f"--nanogpt {args.nanogpt}: no train.py there (a copy of nanoGPT's repo)")
     rt = setup_device(args.device, args.dtype)  # fail here, not in a child
@@ -503,14 +552,16 @@ def specs_from_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name in presets:
         block_size = args.block_size or PRESETS[name]["block_size"]
         GPTConfig.from_preset(name, block_size=block_size)
-        for word in settings:
+        for word, loss in itertools.product(settings, losses):
             specs.append(
                 {
                     "preset": name,
                     "checkpointing": word == "on",
+                    "loss": loss,
                     "batch_size": args.batch_size or DEFAULT_BATCH.get(name, 1),
                     "block_size": block_size,
                     "vocab_size": args.vocab_size,
+                    "vocab_multiple": args.vocab_multiple,
                     "steps": args.steps,
                     "warmup_steps": args.warmup_steps,
                     "device": args.device,
@@ -545,13 +596,17 @@ def bench(argv: list[str] | None = None) -> int:
     results = []
     for index, spec in enumerate(specs):
         on = "on" if spec["checkpointing"] else "off"
-        print(f"measuring {spec['preset']}, checkpointing {on} ...", file=sys.stderr, flush=True)
+        print(
+            f"measuring {spec['preset']}, checkpointing {on}, {spec['loss']} loss ...",
+            file=sys.stderr,
+            flush=True,
+        )
         # the profile: of the first configuration only, checkpointing off
         profile = args.profile if index == 0 and not spec["checkpointing"] else None
         results.append(run_in_fresh_process({**spec, "profile": profile}))
     if args.nanogpt is not None:
         for spec in specs:
-            if spec["checkpointing"]:  # nanoGPT has no activation checkpointing
+            if spec["checkpointing"] or spec["loss"] == "plain":  # (nanoGPT's runs once a shape)
                 continue
             for matched in (True, False):
                 print("measuring nanoGPT's train.py ...", file=sys.stderr, flush=True)

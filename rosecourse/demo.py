@@ -66,7 +66,7 @@ def wide_random_init(model: GPT, seed: int) -> GPT:
     """
     config = model.config
     generator = torch.Generator().manual_seed(seed)
-    model.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.n_embd))
+    model.lm_head.weight = nn.Parameter(torch.empty(config.padded_vocab_size, config.n_embd))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.startswith(("transformer.wte.", "transformer.wpe.")):

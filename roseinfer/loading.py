@@ -82,15 +82,18 @@ def hf_tokenizer(folder: str) -> HFTokenizer | None:
 
 @torch.no_grad()
 def fit_vocabulary(model: GPT, n_vocab: int) -> GPT:
-    """The model without the output rows its tokenizer has no token for.
+    """The model without the rows of its embedding and output matrix past its tokenizer's
+    n_vocab tokens.
 
-    A vocabulary padded past the tokenizer's (50,304 for GPT-2's 50,257, as nanoGPT pads
-    it for faster matmuls) has ids that could be sampled but never decoded. Cutting the
-    tied embedding / output matrix to n_vocab rows leaves every other id's logit exactly
-    as it was, and a softmax over them is the one with the padding masked out, so no
-    generation path, cached, uncached, batched, engine or exported, can draw one.
+    rose-train pads the matrices to a multiple of 64 rows (GPTConfig.vocab_multiple),
+    and a model trained elsewhere may declare a vocabulary padded past its tokenizer's
+    (50,304 for GPT-2's 50,257, as nanoGPT pads it): ids that could be sampled but never
+    decoded. The model's forward returns the logits of its vocab_size ids only; cutting
+    the rows to n_vocab also leaves every other id's logit exactly as it was and saves
+    the products of rows no token reads, and an export (Hugging Face, ONNX) then holds
+    the tokenizer's vocabulary and nothing else.
     """
-    if model.config.vocab_size == n_vocab:
+    if model.config.padded_vocab_size == n_vocab:
         return model
     wte, head = model.transformer.wte, model.lm_head
     tied = head.weight is wte.weight
@@ -100,7 +103,7 @@ def fit_vocabulary(model: GPT, n_vocab: int) -> GPT:
         model.transformer.wte.weight if tied else nn.Parameter(head.weight[:n_vocab].clone())
     )
     model.lm_head = new_head
-    model.config = dataclasses.replace(model.config, vocab_size=n_vocab)
+    model.config = dataclasses.replace(model.config, vocab_size=n_vocab, vocab_multiple=1)
     return model
 
 

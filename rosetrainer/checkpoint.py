@@ -228,7 +228,7 @@ def check_declared_shape(
     hostile config from allocating it (check_weights_fit then checks every tensor).
     """
     problems = []
-    declared_shapes = {"transformer.wte.weight": (config.vocab_size, config.n_embd)}
+    declared_shapes = {"transformer.wte.weight": (config.padded_vocab_size, config.n_embd)}
     if config.position_embedding == "learned":
         declared_shapes["transformer.wpe.weight"] = (config.block_size, config.n_embd)
     for name, declared in declared_shapes.items():

@@ -83,8 +83,9 @@ CONV1D_WEIGHTS = (
 )
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 # GPTConfig fields a GPT-2 config.json can state (CONFIG_KEYS, and dropout as the three
-# *_pdrop keys); any other field must keep its default, which is what GPT-2 computes.
-EXPORTED_FIELDS = {*CONFIG_KEYS.values(), "dropout"}
+# *_pdrop keys), and vocab_multiple, whose padding rows an export drops (vocabulary_state);
+# any other field must keep its default, which is what GPT-2 computes.
+EXPORTED_FIELDS = {*CONFIG_KEYS.values(), "dropout", "vocab_multiple"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 
 
@@ -230,7 +231,7 @@ def to_hf_gpt2(model: GPT) -> GPT2LMHeadModel:
         tie_word_embeddings=is_tied(model),
     )
     hf_model = GPT2LMHeadModel(hf_config)
-    hf_model.load_state_dict(hf_names(model.state_dict()))
+    hf_model.load_state_dict(hf_names(vocabulary_state(model)))
     weight = model.lm_head.weight
     return hf_model.to(device=weight.device, dtype=weight.dtype)
 
@@ -240,7 +241,8 @@ def save_hf_gpt2(model: GPT, encoding: tiktoken.Encoding, directory: str | Path)
     file names. The caller makes the folder appear whole (rosetrainer.files.new_directory).
 
     The model's vocabulary must be its tokenizer's (roseinfer.loading.fit_vocabulary
-    drops padding rows): config.json's vocab_size, the embedding's rows and the
+    cuts a vocab_size declared past it), and the rows padded past vocab_size are left out
+    (vocabulary_state): config.json's vocab_size, the embedding's rows and the
     tokenizer's ids then agree, as transformers and vLLM expect.
     """
     config = model.config
@@ -260,7 +262,7 @@ def save_hf_gpt2(model: GPT, encoding: tiktoken.Encoding, directory: str | Path)
     hf_config = hf_gpt2_config(config, eot_id, model.lm_head.weight.dtype)
     # The tied output matrix is not stored: transformers ties it to transformer.wte.weight
     # when it loads (tie_word_embeddings), as save_pretrained leaves it out too.
-    state = hf_names(model.state_dict())
+    state = hf_names(vocabulary_state(model))
     del state["lm_head.weight"]
     return write_folder(directory, hf_config, state, encoding, config.block_size)
 
@@ -336,6 +338,16 @@ def check_gpt2_config(config: GPTConfig) -> None:
                 f"this model has {field.name}={value!r}; Hugging Face's GPT-2 has only "
                 f"{field.name}={default!r}, so the model cannot be exported as GPT-2"
             )
+
+
+def vocabulary_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's state_dict with its vocabulary's rows only: the rows a padded embedding
+    and output matrix hold past vocab_size (GPTConfig.vocab_multiple) are no token, and
+    config.json's vocab_size counts the rows a Hugging Face model reads."""
+    state, vocab_size = model.state_dict(), model.config.vocab_size
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        state[name] = state[name][:vocab_size]
+    return state
 
 
 def is_tied(model: GPT) -> bool:
@@ -519,7 +531,7 @@ def rose_names_llama(
 def hf_names_llama(model: GPT) -> dict[str, torch.Tensor]:
     """The model's state_dict under Llama's names, c_attn and c_fc split; a tied output
     matrix left out (transformers ties it on load, as save_pretrained leaves it out)."""
-    config, state = model.config, model.state_dict()
+    config, state = model.config, vocabulary_state(model)
     hf_state = {hf: state[rose] for rose, hf in LLAMA_OUTER_NAMES.items()}
     if config.tie_embeddings:
         del hf_state["lm_head.weight"]

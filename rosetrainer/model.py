@@ -219,14 +219,9 @@ class AttendingKVCache(Protocol):
 # ---------------------------------------------------------------------------
 
 
-# With activation checkpointing, the training loss is computed over this many slices of
-# the sequence, so the full (B, T, vocab) logits never exist at once.
-LOSS_CHUNKS = 8
-
-
 class GPTOutput(NamedTuple):
-    # (B, T, vocab), or (B, 1, vocab) with last_only=True; None when activation
-    # checkpointing computed the training loss slice by slice
+    # (B, T, vocab), or (B, 1, vocab) with last_only=True; None with targets (the loss is
+    # computed without them: linear_cross_entropy)
     logits: torch.Tensor | None
     loss: torch.Tensor | None  # mean cross-entropy over targets != -100, when targets given
 
@@ -397,6 +392,100 @@ def rope_for(config: GPTConfig, pos: torch.Tensor) -> Rope | None:
     return rotary_cos_sin(pos, config.head_dim, config.rotary_base)
 
 
+def vocabulary_logits(lm_head: nn.Linear, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The output matrix's logits of the vocabulary's ids only. A matrix padded past the
+    vocabulary (GPTConfig.vocab_multiple) has rows that are no token: cut here, in the one
+    place every logit comes from, no sampler, mask or engine can ever pick one."""
+    return lm_head(x)[..., :vocab_size]
+
+
+# ---------------------------------------------------------------------------
+# The training loss, without the whole logits
+# ---------------------------------------------------------------------------
+
+# Rows of logits the loss holds at once: at GPT-2's vocabulary a 1,024-row slice is
+# 206 MB in float32, where the whole (12 x 1024, 50,304) logits of a GPU batch, with their
+# float32 log-softmax and its gradient, would take about 8 GB.
+LOSS_CHUNK_ROWS = 1024
+IGNORE_INDEX = -100  # a target that counts in no loss (F.cross_entropy's default)
+
+
+def summed_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    with_grads: bool,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Summed cross-entropy of the logits x @ weight.T (N rows) against `targets` (N),
+    chunk_rows rows at a time; with_grads: also its gradients for x and weight.
+
+    Each slice's logits are made (in autocast's dtype, as nn.Linear makes them), read in
+    float32, scored, and turned at once into their gradient, softmax - one-hot, which two
+    products take back to x and the weight; then the slice is dropped. The same products
+    as the plain head's forward and backward, and none twice (a recomputing checkpoint
+    would run the head's forward again).
+
+    weight may have more rows than vocab_size (a vocabulary padded to a multiple of 64,
+    for faster products): their logits are set to -inf, so they take no probability and
+    get no gradient.
+    """
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+    for start in range(0, x.size(0), chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        x_part, t_part = x[rows], targets[rows]
+        logits = F.linear(x_part, weight).float()
+        logits[:, vocab_size:] = float("-inf")
+        log_total = torch.logsumexp(logits, dim=-1)
+        counted = t_part != IGNORE_INDEX
+        picked = torch.where(counted, t_part, 0)[:, None]  # (an ignored row reads id 0)
+        loss += ((log_total - logits.gather(1, picked)[:, 0]) * counted).sum()
+        if with_grads:
+            grad = logits.sub_(log_total[:, None]).exp_()  # the softmax, in place
+            grad.scatter_add_(1, picked, -counted[:, None].float()).mul_(counted[:, None])
+            grad_x[rows] = grad @ weight  # (autocast: grad in its dtype, as nn.Linear's is)
+            grad_weight += grad.t() @ x_part
+    return loss, grad_x, grad_weight
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The mean loss of summed_cross_entropy; its gradients are made in the forward pass
+    (while each slice's logits exist), kept, and scaled by the incoming gradient in the
+    backward. (PyTorch's F.linear_cross_entropy does the same with its chunking options,
+    but knows no padded rows, and torch.compile stops at it.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab_size, chunk_rows):
+        loss, grad_x, grad_weight = summed_cross_entropy(
+            x, weight, targets, vocab_size, with_grads=True, chunk_rows=chunk_rows
+        )
+        counted = (targets != IGNORE_INDEX).sum()
+        ctx.save_for_backward(grad_x / counted, (grad_weight / counted).to(weight.dtype))
+        return loss / counted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_weight = ctx.saved_tensors
+        return grad_x * grad_loss, grad_weight * grad_loss, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Mean cross-entropy of the logits x @ weight.T (x (N, C), weight (rows, C)) against
+    targets (N; IGNORE_INDEX counts in no loss): F.cross_entropy(F.linear(x, weight).float()
+    [:, :vocab_size], targets), LOSS_CHUNK_ROWS rows of logits at a time."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(x, weight, targets, vocab_size, LOSS_CHUNK_ROWS)
+    loss, _, _ = summed_cross_entropy(
+        x, weight, targets, vocab_size, with_grads=False, chunk_rows=LOSS_CHUNK_ROWS
+    )
+    return loss / (targets != IGNORE_INDEX).sum()
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -404,7 +493,8 @@ class GPT(nn.Module):
         # Recompute each block's activations in the backward pass instead of storing
         # them: less memory for one more forward. Only ever while training.
         self.activation_checkpointing = False
-        parts = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        rows = config.padded_vocab_size  # (vocab_size, or up to a multiple: GPTConfig)
+        parts = dict(wte=nn.Embedding(rows, config.n_embd))
         if config.position_embedding == "learned":  # (rotary positions have no parameters)
             parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
@@ -415,7 +505,7 @@ class GPT(nn.Module):
                 ln_f=norm_layer(config),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         if config.tie_embeddings:  # reading a token in and scoring it out use one matrix
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -475,11 +565,18 @@ class GPT(nn.Module):
             else:
                 x = block(x, attn_mask, cache, layer, rope)
         x = self.transformer.ln_f(x)
-        if recompute and targets is not None:
-            # At GPT-2's vocabulary the logits outweigh every block's activations: rebuild
-            # them too, a slice of the sequence at a time (and never return them whole).
-            return GPTOutput(None, self._recomputed_loss(x, targets))
-        return self._head(x, targets, last_only, logits_at)
+        if targets is not None:
+            if last_only or logits_at is not None:
+                raise RoseError(
+                    "targets need logits at every position; drop last_only and logits_at"
+                )
+            # At GPT-2's vocabulary the logits outweigh every block's activations: the loss
+            # is computed a slice of rows at a time, and the logits never exist whole.
+            loss = linear_cross_entropy(
+                x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
+            )
+            return GPTOutput(None, loss)
+        return GPTOutput(self._logits(x, last_only, logits_at), None)
 
     def full_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a forward without a cache: None (plain causal) or the banded one."""
@@ -488,46 +585,15 @@ class GPT(nn.Module):
             return None
         return banded_mask(T, T, cfg.sliding_window, cfg.attention_sinks, device)
 
-    def _head(
-        self,
-        x: torch.Tensor,
-        targets: torch.Tensor | None,
-        last_only: bool,
-        logits_at: torch.Tensor | None,
-    ) -> GPTOutput:
-        """Final hidden states -> logits at the positions asked for (and the loss, given targets)."""
-        if targets is not None and (last_only or logits_at is not None):
-            raise RoseError("targets need logits at every position; drop last_only and logits_at")
+    def _logits(
+        self, x: torch.Tensor, last_only: bool, logits_at: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Final hidden states -> logits at the positions asked for."""
         if logits_at is not None:
             x = x[:, logits_at, :]
         elif last_only:
             x = x[:, -1:, :]
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
-            )
-        return GPTOutput(logits, loss)
-
-    def _recomputed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over targets != -100, its logits built LOSS_CHUNKS slices at a
-        time and rebuilt in the backward pass (activation checkpointing of the head)."""
-        total = x.new_zeros((), dtype=torch.float32)
-        for x_part, t_part in zip(
-            x.chunk(LOSS_CHUNKS, dim=1), targets.chunk(LOSS_CHUNKS, dim=1), strict=True
-        ):
-            total = total + checkpoint(self._summed_loss, x_part, t_part, use_reentrant=False)
-        return total / (targets != -100).sum()
-
-    def _summed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x).float()
-        return F.cross_entropy(
-            logits.view(-1, logits.size(-1)),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
+        return vocabulary_logits(self.lm_head, x, self.config.vocab_size)
 
     # -- validation: clear errors instead of an index error deep inside an Embedding --
 

@@ -18,7 +18,13 @@ import sys
 from typing import Any
 
 from rosetrainer.checkpoint import RunFiles, load_checkpoint
-from rosetrainer.config import PRESETS, GPTConfig, TrainConfig, load_config_file
+from rosetrainer.config import (
+    PRESETS,
+    TRAINING_VOCAB_MULTIPLE,
+    GPTConfig,
+    TrainConfig,
+    load_config_file,
+)
 from rosetrainer.errors import ArgumentParser, RoseError, run_cli
 from rosetrainer.runtime import exit_torchrun_worker, is_torchrun_worker
 from rosetrainer.signals import Terminated
@@ -65,14 +71,18 @@ def resolve_configs(flags: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
     train_values.update({k: v for k, v in flags.items() if k in TRAIN_FIELDS})
     train_values.setdefault("checkpoint_path", f"checkpoints/{preset}")
 
+    preset_values = GPTConfig.from_preset(preset).to_dict()
+    del preset_values["vocab_multiple"]  # (a choice of the trainer's, below, not a shape's)
     if train_values.get("resume") is not True:  # (TrainConfig says what else it may be)
-        model_cfg = GPTConfig.from_dict({**GPTConfig.from_preset(preset).to_dict(), **model_values})
+        # A new run pads its vocabulary for faster products (GPTConfig.vocab_multiple).
+        padding = {"vocab_multiple": TRAINING_VOCAB_MULTIPLE}
+        model_cfg = GPTConfig.from_dict({**preset_values, **padding, **model_values})
         return model_cfg, TrainConfig.from_dict(train_values)
     if train_values.get("overwrite"):
         raise RoseError("--resume continues a run, --overwrite replaces it: pass one of them")
     ckpt = load_checkpoint(RunFiles.of(train_values["checkpoint_path"]).last)
     if "preset" in flags or "preset" in config_file:  # a preset named on resume must match too
-        model_values = {**GPTConfig.from_preset(preset).to_dict(), **model_values}
+        model_values = {**preset_values, **model_values}
     return resume_configs(ckpt, model_values, train_values)
 
 
@@ -166,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
         add("--" + name.replace("_", "-"), type=int, help="override the preset")
     add("--dropout", type=float, help="override the preset")
+    add("--vocab-multiple", type=int,
+        help=f"pad the embedding and output matrix to a multiple of N rows (default "
+             f"{TRAINING_VOCAB_MULTIPLE}: faster on a GPU; the padding is no token, and "
+             f"exports drop it); 1: none")  # fmt: skip
     add("--position-embedding", choices=("learned", "rotary"),
         help="learned (GPT-2's table, default) or rotary (RoPE, as in Llama)")  # fmt: skip
     add("--sliding-window", type=int, help="each token attends to the last N tokens only")

@@ -124,13 +124,14 @@ def hf_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory holding a random `tiny` preset model (models.write_random_checkpoint),
-    its vocabulary padded to 50,304 rows as a trainer pads it: what rose-export-hf exports."""
+    its vocabulary padded to 50,304 rows as rose-train pads it (vocab_multiple): what
+    rose-export-hf exports."""
     from models import write_random_checkpoint
 
     from rosetrainer.config import GPTConfig
 
     run = tmp_path_factory.mktemp("run")
-    write_random_checkpoint(run / "last.pt", GPTConfig.from_preset("tiny", vocab_size=50304))
+    write_random_checkpoint(run / "last.pt", GPTConfig.from_preset("tiny", vocab_multiple=64))
     return run
 
 

@@ -17,15 +17,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # `python -m benchmarks.X` r
 
 
 @pytest.mark.slow
-def test_quick_bench_prints_both_checkpointing_settings(capsys: pytest.CaptureFixture) -> None:
-    assert bench(["--quick"]) == 0
+def test_quick_bench_prints_both_checkpointing_settings_and_both_losses(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    assert bench(["--quick", "--loss", "chunked,plain"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("rose ")]
-    assert [row[3] for row in rows] == ["off", "on"]
+    assert [(row[3], row[4]) for row in rows] == [
+        ("off", "chunked"), ("off", "plain"), ("on", "chunked"), ("on", "plain")
+    ]  # fmt: skip
     for row in rows:
-        tokens_per_s, total_mib = float(row[7].replace(",", "")), float(row[-1].replace(",", ""))
+        tokens_per_s, total_mib = float(row[8].replace(",", "")), float(row[-1].replace(",", ""))
         assert tokens_per_s > 0 and total_mib > 0
     assert "tiny 2 x 128: checkpointing saves" in out
+    assert out.count("tiny 2 x 128: the sliced loss") == 2  # checkpointing off, and on
 
 
 FAKE_NANOGPT = """
@@ -52,7 +57,7 @@ def test_nanogpt_runs_with_the_same_shapes_and_its_own_times_are_read(tmp_path) 
     # iteration 0 is the warm-up; 1 and 2 average 200 ms for 48 tokens
     assert result["ms_per_step"] == pytest.approx(200.0)
     assert result["tokens_per_s"] == pytest.approx(3 * 16 / 0.2)
-    assert result["vocab_size"] == 50257 and result["peer"] == "nanoGPT (rose's model)"
+    assert result["vocab_rows"] == 50257 and result["peer"] == "nanoGPT (rose's model)"
 
 
 @pytest.mark.slow

@@ -27,12 +27,13 @@ from roseinfer.cli.export_hf import main
 from roseinfer.loading import load_model_and_tokenizer
 from roseinfer.loops.generate import generate
 from roseinfer.request.sampling import SamplingParams
-from rosetrainer.checkpoint import save_checkpoint
+from rosetrainer.checkpoint import load_model, save_checkpoint
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.files import new_directory
-from rosetrainer.hf import check_gpt2_config, load_hf_gpt2
+from rosetrainer.hf import check_gpt2_config, load_hf, load_hf_gpt2, save_hf
 from rosetrainer.model import GPT
+from rosetrainer.numerics import logit_tolerance
 from rosetrainer.tokenizer import Tokenizer
 
 NEW_TOKENS = 40
@@ -120,6 +121,45 @@ def test_transformers_generates_roses_greedy_tokens(tiny_hf_export: Path, rose_m
     assert out.sequences[0, len(prompt) :].tolist() == oracle.token_ids
     for ours, theirs in zip(oracle.step_logits, out.logits, strict=True):
         assert torch.allclose(ours, theirs[0], atol=HF_LOGIT_ATOL, rtol=0)
+
+
+def test_the_model_as_trained_with_its_padding_scores_as_its_export(
+    tiny_run_dir: Path, tiny_hf_export: Path
+) -> None:
+    """The checkpoint's own model, its 47 padding rows in place, returns the logits of the
+    vocabulary's ids, as the export (the rows dropped) does."""
+    trained, _ = load_model(tiny_run_dir / "last.pt")
+    assert trained.lm_head.weight.shape[0] == 50304 and trained.config.vocab_size == 50257
+    exported = load_hf_gpt2(str(tiny_hf_export)).eval()
+    ids = torch.tensor([Tokenizer().encode(VARIED_TEXT)[:128]])
+    with torch.no_grad():
+        want, got = exported(ids).logits, trained.eval()(ids).logits
+    assert got.shape == want.shape == (1, ids.size(1), 50257)
+    assert float((got - want).abs().max()) <= logit_tolerance(want)
+
+
+@pytest.mark.parametrize(
+    ("preset", "tied"), [("tiny", True), ("tiny-llama", True), ("tiny-llama", False)]
+)
+def test_save_hf_drops_the_padding_rows_of_a_model_as_trained(
+    preset: str, tied: bool, tmp_path: Path
+) -> None:
+    """save_hf on the trainer's model itself (no loading between): the folder holds the
+    vocabulary's rows, and reads back to the same logits."""
+    config = GPTConfig.from_preset(
+        preset, n_layer=1, block_size=16, vocab_multiple=64, tie_embeddings=tied
+    )
+    model = wide_random_init(GPT(config), 0).eval()
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    save_hf(model, Tokenizer().encoding, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 50257
+    assert {tuple(t.shape) for n, t in load_file(tmp_path / "model.safetensors").items()
+            if "embed" in n or "wte" in n or "lm_head" in n} == {(50257, 128)}  # fmt: skip
+    ids = torch.tensor([Tokenizer().encode(VARIED_TEXT)[:16]])
+    with torch.no_grad():
+        want, got = model(ids).logits, load_hf(str(tmp_path)).eval()(ids).logits
+    assert float((got - want).abs().max()) <= logit_tolerance(want)
 
 
 @pytest.mark.slow

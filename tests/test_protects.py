@@ -679,11 +679,17 @@ def test_a_stop_string_ending_in_a_split_character_fires(stop: str) -> None:
 PADDED_VOCAB = 50304  # GPT-2's 50,257 rounded up to a multiple of 64, as nanoGPT does
 
 
-@pytest.fixture(scope="module")
-def padded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(
+    scope="module",
+    params=[dict(vocab_size=PADDED_VOCAB), dict(vocab_multiple=64)],
+    ids=["vocab_size 50304 (nanoGPT's)", "vocab_multiple 64 (rose-train's)"],
+)
+def padded_checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model whose 47 padding ids have embeddings so large that, left in, they would win
-    nearly every draw and every argmax."""
-    config = GPTConfig(vocab_size=PADDED_VOCAB, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    nearly every draw and every argmax; its padding declared as nanoGPT declares it (a
+    vocabulary of 50,304) or as rose-train does (50,257 ids in rows of a multiple of 64)."""
+    config = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, **request.param)
+    assert config.padded_vocab_size == PADDED_VOCAB
     torch.manual_seed(0)
     model = GPT(config)
     with torch.no_grad():

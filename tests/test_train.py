@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -9,17 +10,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 from training import tiny_run, train_losses
 
+from roseinfer.cache.dense import ConcatKVCache
+from rosetrainer import model as model_module
 from rosetrainer import runtime
-from rosetrainer.checkpoint import load_checkpoint
-from rosetrainer.config import GPTConfig, TrainConfig
+from rosetrainer.checkpoint import load_checkpoint, load_model
+from rosetrainer.config import LLAMA, GPTConfig, TrainConfig
 from rosetrainer.errors import RoseError
 from rosetrainer.model import GPT
+from rosetrainer.numerics import logit_tolerance
 from rosetrainer.schedule import learning_rate_at
 from rosetrainer.train import main, resolve_configs
 
@@ -93,6 +99,182 @@ def test_activation_checkpointing_gives_the_same_loss_and_every_gradient() -> No
 
 
 # ---------------------------------------------------------------------------
+# The loss, a slice of rows at a time (model.linear_cross_entropy)
+# ---------------------------------------------------------------------------
+
+LOSS_SHAPES = {
+    "gpt2, tied": dict(),
+    "gpt2, 300 ids in 320 rows": dict(vocab_multiple=64),
+    "llama, untied": dict(**LLAMA, n_kv_head=1, tie_embeddings=False),
+}
+
+
+def loss_model(shape: str) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return GPT(GPTConfig(**{**config.to_dict(), **LOSS_SHAPES[shape]})).train()
+
+
+def loss_and_grads(
+    model: GPT, loss_of: Callable[[], torch.Tensor], autocast: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_of()
+    loss.backward()
+    return [("loss", loss.detach()), *((n, p.grad.clone()) for n, p in model.named_parameters())]
+
+
+def plain_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The head as a textbook writes it: every logit, then F.cross_entropy over them."""
+    logits = model(idx).logits
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def batch_with_ignored_targets() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(300, (4, 32), generator=generator).split(2)
+    idx, targets = torch.cat([idx, idx]), torch.cat([targets, targets])
+    targets[:, -5:] = -100  # the last positions of each row count in no loss
+    targets[1, :] = -100  # nor does one whole row
+    return idx, targets
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_the_sliced_loss_and_every_gradient_equal_plain_cross_entropy(
+    shape: str, checkpointing: bool, monkeypatch
+) -> None:
+    # 128 rows in slices of 24: five whole slices and a short one
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model(shape), batch_with_ignored_targets()
+    model.activation_checkpointing = checkpointing
+    want = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    got = loss_and_grads(model, lambda: model(idx, targets).loss)
+    assert [name for name, _ in got] == [name for name, _ in want]
+    for (name, g), (_, w) in zip(got, want, strict=True):
+        assert w.abs().sum() > 0, f"{name} got no gradient"
+        gap = float((g - w).abs().max())
+        assert gap <= logit_tolerance(w), f"{name}: {gap:.2e} from the plain loss's"
+        if name in ("transformer.wte.weight", "lm_head.weight"):  # padding rows: no token
+            assert not g[300:].any() and g.size(0) == model.config.padded_vocab_size
+    with torch.no_grad():  # an eval computes it without gradients, the same way
+        assert abs(float(model(idx, targets).loss) - float(want[0][1])) <= logit_tolerance(
+            want[0][1]
+        )
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_under_bfloat16_autocast_the_sliced_loss_is_as_exact_as_the_plain_one(
+    shape: str, monkeypatch
+) -> None:
+    """In bfloat16 the logits and their gradients are rounded to 8 bits of mantissa, so
+    two orders of the same products differ by more than float32's rule: the sliced loss is
+    held to the plain bfloat16 loss's own distance from the float32 computation."""
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model(shape), batch_with_ignored_targets()
+    exact = loss_and_grads(model, lambda: plain_loss(model, idx, targets))
+    plain = loss_and_grads(model, lambda: plain_loss(model, idx, targets), autocast=True)
+    sliced = loss_and_grads(model, lambda: model(idx, targets).loss, autocast=True)
+    loss_gap = float((sliced[0][1] - plain[0][1]).abs())
+    assert loss_gap <= logit_tolerance(plain[0][1]), "the loss itself is plain's to float32's rule"
+    for (name, e), (_, p), (_, s) in zip(exact, plain, sliced, strict=True):
+        plain_error, sliced_error = (p - e).abs().max(), (s - e).abs().max()
+        assert sliced_error <= 1.5 * plain_error + logit_tolerance(e), (
+            f"{name}: {sliced_error:.2e} from float32, the plain bfloat16 loss {plain_error:.2e}"
+        )
+
+
+def test_the_loss_never_keeps_logits_for_the_backward() -> None:
+    model, (idx, targets) = loss_model("gpt2, tied"), batch_with_ignored_targets()
+    kept = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor.shape)
+        return tensor
+
+    def logits_kept() -> list[torch.Size]:
+        """Tensors of logits (rows, vocab) the forward kept (a weight is (vocab, n_embd))."""
+        return [shape for shape in kept if shape and shape[-1] >= model.config.vocab_size]
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        plain_loss(model, idx, targets)
+    assert logits_kept(), "the plain head keeps its logits (the hook sees them)"
+    kept.clear()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(idx, targets).loss.backward()
+    assert kept and not logits_kept()
+
+
+@pytest.mark.slow
+def test_the_sliced_loss_compiles_into_one_graph_with_the_same_loss_and_gradients(
+    monkeypatch,
+) -> None:
+    """torch.compile (the GPU's training step) traces the loss whole, no graph break."""
+    monkeypatch.setattr(model_module, "LOSS_CHUNK_ROWS", 24)
+    model, (idx, targets) = loss_model("gpt2, 300 ids in 320 rows"), batch_with_ignored_targets()
+    want = loss_and_grads(model, lambda: model(idx, targets).loss)
+    compiled = torch.compile(model, fullgraph=True)
+    got = loss_and_grads(model, lambda: compiled(idx, targets, validate=False).loss)
+    for (name, g), (_, w) in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= logit_tolerance(w), name
+
+
+# ---------------------------------------------------------------------------
+# The vocabulary padded for training (GPTConfig.vocab_multiple)
+# ---------------------------------------------------------------------------
+
+
+def test_padding_rows_are_never_a_logit_nor_a_sampled_id() -> None:
+    """Padding rows made to win every argmax and draw, were they ever scored."""
+    from roseinfer.pipeline.stage import PipelineStage
+    from rosetrainer.sample import generate
+
+    config = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(dataclasses.replace(config, vocab_multiple=64)).eval()
+    assert model.lm_head.weight.shape == (320, 32)  # 300 rounded up to 5 x 64
+    with torch.no_grad():
+        model.lm_head.weight[300:] = 1000.0 * model.lm_head.weight[:20]
+        ids = torch.tensor([[1, 2, 3]])
+        assert model(ids).logits.shape == (1, 3, 300)
+        sampled = generate(model, ids, 20, generator=torch.Generator().manual_seed(0))
+        assert int(sampled.max()) < 300
+        whole = model(ids).logits[:, -1]
+        stage_logits = PipelineStage(model, 0, 1)(ids, ConcatKVCache())  # (a split model's)
+        assert stage_logits.shape == whole.shape == (1, 300)
+        assert float((stage_logits - whole).abs().max()) <= logit_tolerance(whole)
+    with pytest.raises(RoseError, match="outside the vocabulary"):
+        model(torch.tensor([[300]]))  # a padding row is no input either
+
+
+def test_a_new_run_pads_its_vocabulary_and_vocab_multiple_1_does_not() -> None:
+    padded, _ = resolve_configs({"preset": "tiny"})
+    assert (padded.vocab_size, padded.vocab_multiple, padded.padded_vocab_size) == (
+        50257, 64, 50304
+    )  # fmt: skip
+    plain, _ = resolve_configs({"preset": "tiny", "vocab_multiple": 1})
+    assert plain.padded_vocab_size == 50257
+
+
+def test_a_checkpoint_from_before_the_padding_loads_and_resumes_unpadded(
+    text_file: Path, tmp_path: Path
+) -> None:
+    """A run saved before vocab_multiple existed: its model_config has no such key, and its
+    matrices have the vocabulary's 50,257 rows."""
+    run = tmp_path / "old"
+    assert main(tiny_run(text_file, run, "--max-steps", "2", "--vocab-multiple", "1")) == 0
+    ckpt = load_checkpoint(run / "last.pt")
+    del ckpt["model_config"]["vocab_multiple"]
+    torch.save(ckpt, run / "last.pt")
+    model, _ = load_model(run / "last.pt")
+    assert model.transformer.wte.weight.shape[0] == model.config.vocab_size == 50257
+    assert main(tiny_run(text_file, run, "--max-steps", "4", "--resume")) == 0
+    resumed = load_checkpoint(run / "last.pt")
+    assert resumed["step"] == 4 and resumed["model_config"]["vocab_multiple"] == 1
+    assert resumed["model"]["lm_head.weight"].shape[0] == 50257
+
+
+# ---------------------------------------------------------------------------
 # Exact resume, through the command line (in this process)
 # ---------------------------------------------------------------------------
 
@@ -127,6 +309,7 @@ def test_resume_continues_exactly_where_the_run_stopped(
     final_straight = load_checkpoint(straight / "last.pt")
     final_resumed = load_checkpoint(resumed / "last.pt")
     assert final_resumed["step"] == final_straight["step"] == 6
+    assert final_resumed["model"]["lm_head.weight"].shape[0] == 50304  # (padded, by default)
     for name, tensor in final_straight["model"].items():
         assert torch.equal(final_resumed["model"][name], tensor), name
     assert torch.equal(final_resumed["data_state"], final_straight["data_state"])
@@ -139,7 +322,9 @@ def test_a_checkpoint_holds_the_whole_training_state(
     ckpt = load_checkpoint(straight / "last.pt")  # weights_only=True: plain data only
     assert (
         ckpt["model_config"]
-        == GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1).to_dict()
+        == GPTConfig(
+            n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1, vocab_multiple=64
+        ).to_dict()
     )
     assert ckpt["train_config"]["grad_accum_steps"] == 2
     assert ckpt["optimizer"]["state"], "AdamW moments must be saved"

@@ -132,7 +132,7 @@ class PipelineStage(nn.Module):
         for local, block in enumerate(parts.h):
             x = block(x, attn_mask, cache, cache_slot(self.layers, local), rope)
         if self.is_last:
-            x = self.lm_head(parts.ln_f(x)[:, -1, :])
+            x = gpt.vocabulary_logits(self.lm_head, parts.ln_f(x)[:, -1, :], self.config.vocab_size)
         return x
 
     def num_params(self) -> int:
