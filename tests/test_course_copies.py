@@ -1,6 +1,6 @@
 """The reference solutions that copy rose's own code agree with it, on inputs drawn at random.
 
-A chapter's exercise is a piece of rose, and its reference solution (rosecourse/solutions/)
+A chapter's exercise is a piece of rose, and its reference solution (rosecourse/exercises/chNN_name/reference.py)
 is that piece written out for the learner to read. A copy drifts: rose's piece grows (a
 sliding window, rotary positions) while the copy, whose check never meets the new case,
 still passes. Chapter 12's scheduler had drifted so (it kept a sliding window's blocks),
@@ -28,25 +28,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import make_test_model
 
-from rosecourse.solutions import (
-    build_block_manager,
-    build_verify,
-    ch02_concat_kv,
-    ch03_causal_mask,
-    ch04_position_ids,
-    ch05_top_p_filter,
-    ch06_static_update,
-    ch07_padded_position_ids,
-    ch09_window_start,
-    ch11_slot_mapping,
-    ch12_schedule,
-    ch13_cached_prefix,
-    ch14_held_back,
-    ch15_export_prepare,
-    ch16_stage_forward,
-    ch17_quantize,
-    ch18_rolling_slot,
-)
+from rosecourse.exercises.ch02_concat_kv import reference as ch02_concat_kv
+from rosecourse.exercises.ch03_causal_mask import reference as ch03_causal_mask
+from rosecourse.exercises.ch04_position_ids import reference as ch04_position_ids
+from rosecourse.exercises.ch05_top_p_filter import reference as ch05_top_p_filter
+from rosecourse.exercises.ch06_static_update import reference as ch06_static_update
+from rosecourse.exercises.ch07_padded_position_ids import reference as ch07_padded_position_ids
+from rosecourse.exercises.ch09_window_start import reference as ch09_window_start
+from rosecourse.exercises.ch11_slot_mapping import reference as ch11_slot_mapping
+from rosecourse.exercises.ch12_schedule import reference as ch12_schedule
+from rosecourse.exercises.ch13_cached_prefix import reference as ch13_cached_prefix
+from rosecourse.exercises.ch14_held_back import reference as ch14_held_back
+from rosecourse.exercises.ch15_export_prepare import reference as ch15_export_prepare
+from rosecourse.exercises.ch16_stage_forward import reference as ch16_stage_forward
+from rosecourse.exercises.ch17_quantize import reference as ch17_quantize
+from rosecourse.exercises.ch18_rolling_slot import reference as ch18_rolling_slot
+from rosecourse.solutions import build_block_manager, build_verify
 from roseinfer.cache import paged, quantized, rolling
 from roseinfer.cache.dense import ConcatKVCache, StaticLayerCache
 from roseinfer.cache.export import ExportCache
