@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,8 +194,9 @@ def solution_source(chosen: Lesson | Build | str) -> str:
 def stub_source(chosen: Lesson | Build | str) -> str:
     """The learner's starting file: the solution module with the body of every function
     and method cut off after its docstring (the signature and the contract stay), each
-    raising NotImplementedError, and without its HINTS (given only when asked for:
-    `hint_next`); everything else (imports, constants) as it is."""
+    raising NotImplementedError, without its HINTS (given only when asked for:
+    `hint_next`) and without the binding of rose's piece a reference delegates to
+    (`binds_rose_piece`); everything else (imports, constants) as it is."""
     name = chosen if isinstance(chosen, str) else chosen.file_name
     source = solution_source(name)
     lines = source.splitlines()
@@ -212,14 +214,26 @@ def stub_source(chosen: Lesson | Build | str) -> str:
             indent = " " * contract.col_offset
             raises = f'{indent}raise NotImplementedError("write {owner}{node.name}")'
             cuts.append((contract.end_lineno + 1, node.end_lineno, [raises]))
-        elif is_hints(node):  # with the comment lines right above it
+        elif is_hints(node) or binds_rose_piece(node):  # with the comment lines above it
             first = node.lineno
             while first > 1 and lines[first - 2].startswith("#"):
                 first -= 1
             cuts.append((first, node.end_lineno, []))
     for first, last, replacement in sorted(cuts, reverse=True):
         lines[first - 1 : last] = replacement
-    return "\n".join(lines).rstrip() + "\n"
+    # (a cut between two blank runs leaves one run of at most two blank lines, as ruff does)
+    return re.sub(r"\n{4,}", "\n\n\n", "\n".join(lines)).rstrip() + "\n"
+
+
+def binds_rose_piece(node: ast.stmt) -> bool:
+    """Whether `node` binds rose's own piece, the reference a body delegates to (`from
+    rosetrainer.model import causal_mask as rose_causal_mask`, `rose_schedule = ...`):
+    like the body, the stub leaves it out."""
+    if isinstance(node, ast.ImportFrom):
+        return all((alias.asname or "").startswith("rose_") for alias in node.names)
+    return isinstance(node, ast.Assign) and all(
+        isinstance(target, ast.Name) and target.id.startswith("rose_") for target in node.targets
+    )
 
 
 def is_hints(node: ast.stmt) -> bool:

