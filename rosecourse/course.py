@@ -1,8 +1,9 @@
 """The course's lessons and builds: each one's stub, its solution and its check.
 
-A lesson is the piece a chapter is about. Its reference solution is a module of
-`rosecourse/solutions/` (`chNN_name.py`) holding one function whose docstring is the
-contract; the learner's stub is made from that module, with the body cut off after
+A lesson is the piece a chapter is about, with a folder of its own,
+`rosecourse/exercises/chNN_name/`: its check (`__init__.py`), its known answers
+(`mistakes.py`) and its reference solution (`reference.py`), one function whose
+docstring is the contract; the learner's stub is made from that module, with the body cut off after
 the docstring, so the stub and the solution never disagree on the signature or the
 contract. The how is not in the stub: the module's `HINTS` say it, one at a time, when
 the learner asks (`rose-course hint`: the idea first, the near-code last; `hint_next`).
@@ -25,6 +26,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +40,10 @@ if TYPE_CHECKING:
     from rosecourse.builds.grading import Build
     from rosecourse.exercises.common import CheckResult
 
-# The reference solutions, read as text (a stub is made from one without importing it).
+# The reference solutions, read as text (a stub is made from one without importing it): a
+# build's in solutions/, a chapter exercise's in its folder of exercises/.
 SOLUTIONS = Path(__file__).parent / "solutions"
+EXERCISES = Path(__file__).parent / "exercises"
 
 
 class CourseError(RoseError):
@@ -58,13 +62,13 @@ class Lesson:
 
     @property
     def check(self) -> Callable[[Callable], CheckResult]:
-        """The chapter's check, `check_NAME` of rosecourse/exercises/chNN_NAME.py (imported
+        """The chapter's check, `check_NAME` of rosecourse/exercises/chNN_NAME/ (imported
         here, when first asked for)."""
-        module = importlib.import_module(f"rosecourse.exercises.ch{self.chapter}_{self.name}")
+        module = importlib.import_module(f"rosecourse.exercises.{self.file_name[:-3]}")
         return getattr(module, f"check_{self.name}")
 
     def solution_module(self) -> ModuleType:
-        return importlib.import_module(f"rosecourse.solutions.ch{self.chapter}_{self.name}")
+        return importlib.import_module(f"rosecourse.exercises.{self.file_name[:-3]}.reference")
 
     def solution(self) -> Callable:
         return getattr(self.solution_module(), self.name)
@@ -180,16 +184,19 @@ def file_name(name: str) -> str:
 
 def solution_source(chosen: Lesson | Build | str) -> str:
     """The text of the reference solution of `chosen` (or of the workspace file named
-    `chosen`), read from rosecourse/solutions/ without importing it."""
+    `chosen`), read without importing it: a build's from rosecourse/solutions/, a chapter
+    exercise's from its folder, rosecourse/exercises/chNN_name/reference.py."""
     name = chosen if isinstance(chosen, str) else chosen.file_name
-    return (SOLUTIONS / name).read_text(encoding="utf-8")
+    path = SOLUTIONS / name if name.startswith("build_") else EXERCISES / name[:-3] / "reference.py"
+    return path.read_text(encoding="utf-8")
 
 
 def stub_source(chosen: Lesson | Build | str) -> str:
     """The learner's starting file: the solution module with the body of every function
     and method cut off after its docstring (the signature and the contract stay), each
-    raising NotImplementedError, and without its HINTS (given only when asked for:
-    `hint_next`); everything else (imports, constants) as it is."""
+    raising NotImplementedError, without its HINTS (given only when asked for:
+    `hint_next`) and without the binding of rose's piece a reference delegates to
+    (`binds_rose_piece`); everything else (imports, constants) as it is."""
     name = chosen if isinstance(chosen, str) else chosen.file_name
     source = solution_source(name)
     lines = source.splitlines()
@@ -207,14 +214,26 @@ def stub_source(chosen: Lesson | Build | str) -> str:
             indent = " " * contract.col_offset
             raises = f'{indent}raise NotImplementedError("write {owner}{node.name}")'
             cuts.append((contract.end_lineno + 1, node.end_lineno, [raises]))
-        elif is_hints(node):  # with the comment lines right above it
+        elif is_hints(node) or binds_rose_piece(node):  # with the comment lines above it
             first = node.lineno
             while first > 1 and lines[first - 2].startswith("#"):
                 first -= 1
             cuts.append((first, node.end_lineno, []))
     for first, last, replacement in sorted(cuts, reverse=True):
         lines[first - 1 : last] = replacement
-    return "\n".join(lines).rstrip() + "\n"
+    # (a cut between two blank runs leaves one run of at most two blank lines, as ruff does)
+    return re.sub(r"\n{4,}", "\n\n\n", "\n".join(lines)).rstrip() + "\n"
+
+
+def binds_rose_piece(node: ast.stmt) -> bool:
+    """Whether `node` binds rose's own piece, the reference a body delegates to (`from
+    rosetrainer.model import causal_mask as rose_causal_mask`, `rose_schedule = ...`):
+    like the body, the stub leaves it out."""
+    if isinstance(node, ast.ImportFrom):
+        return all((alias.asname or "").startswith("rose_") for alias in node.names)
+    return isinstance(node, ast.Assign) and all(
+        isinstance(target, ast.Name) and target.id.startswith("rose_") for target in node.targets
+    )
 
 
 def is_hints(node: ast.stmt) -> bool:

@@ -1,15 +1,15 @@
 """The reference solutions that copy rose's own code agree with it, on inputs drawn at random.
 
-A chapter's exercise is a piece of rose, and its reference solution (rosecourse/solutions/)
-is that piece written out for the learner to read. A copy drifts: rose's piece grows (a
-sliding window, rotary positions) while the copy, whose check never meets the new case,
-still passes. Chapter 12's scheduler had drifted so (it kept a sliding window's blocks),
-chapter 16's stage (no rotary positions) and the verify build's sampled rule (nothing to
-draw from where p equals q up to rounding). So every copy runs here beside rose's piece
-on what hypothesis draws, and must do what it does: the same outputs, and for the
-scheduler the same plan at every step of two engines driven alike. (The one part of
-rose's scheduler the copy leaves out is speculative decoding's drafts, chapter 19's: its
-engines here have no drafter.)
+A chapter's reference (rosecourse/exercises/chNN_name/reference.py) is rose's own piece
+wherever rose has it as a function of the same signature: it delegates to it, and cannot
+drift. Where the exercise's piece is a part of a method of rose's (chapter 06's write into
+the static cache, 13's prefix lookup, 15's exported positions and mask, 16's stage, 17's
+quantizer), the reference is that part written out for the learner to read, and a copy
+drifts: rose's piece grows (a sliding window, rotary positions) while the copy, whose check
+never meets the new case, still passes (chapter 16's stage once had no rotary positions).
+So each such copy runs here beside rose's piece on what hypothesis draws, and must do what
+it does: the same outputs, and for the prefix lookup the pool's own answer at every step of
+an engine.
 
 The builds are held to rose's pieces by their own checks, which tests/test_builds.py runs
 on each reference: the model beside rose's GPT, the training step beside rose's trainer,
@@ -20,7 +20,6 @@ sampled rule, a copy of the engine's, and the block manager's key are held here.
 from __future__ import annotations
 
 import random
-from unittest import mock
 
 import pytest
 import torch
@@ -28,32 +27,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import make_test_model
 
-from rosecourse.solutions import (
-    build_block_manager,
-    build_verify,
-    ch02_concat_kv,
-    ch03_causal_mask,
-    ch04_position_ids,
-    ch05_top_p_filter,
-    ch06_static_update,
-    ch07_padded_position_ids,
-    ch09_window_start,
-    ch11_slot_mapping,
-    ch12_schedule,
-    ch13_cached_prefix,
-    ch14_held_back,
-    ch15_export_prepare,
-    ch16_stage_forward,
-    ch17_quantize,
-    ch18_rolling_slot,
-)
-from roseinfer.cache import paged, quantized, rolling
+from rosecourse.exercises.ch06_static_update import reference as ch06_static_update
+from rosecourse.exercises.ch13_cached_prefix import reference as ch13_cached_prefix
+from rosecourse.exercises.ch15_export_prepare import reference as ch15_export_prepare
+from rosecourse.exercises.ch16_stage_forward import reference as ch16_stage_forward
+from rosecourse.exercises.ch17_quantize import reference as ch17_quantize
+from rosecourse.solutions import build_block_manager, build_verify
+from roseinfer.cache import quantized
 from roseinfer.cache.dense import ConcatKVCache, StaticLayerCache
 from roseinfer.cache.export import ExportCache
 from roseinfer.engine import EngineConfig, LLMEngine
 from roseinfer.engine import block_manager as engine_block_manager
 from roseinfer.pipeline.stage import PipelineStage
-from roseinfer.request import detokenizer, rows, sampling
 from roseinfer.request.sampling_params import SamplingParams
 from roseinfer.speculative import verify
 from rosetrainer import model as gpt
@@ -63,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Cheap functions: many draws, the same ones every run.
 MANY = settings(max_examples=60, deadline=None, derandomize=True)
-# Two engines to the end: a few schedules, the same ones every run.
+# An engine to the end: a few schedules, the same ones every run.
 SCHEDULES = settings(
     max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -78,7 +63,7 @@ def seeded(seed: int, *shape: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Chapter 12: the scheduler, in two engines driven alike
+# Chapter 13: the prefix cache's lookup, in an engine's pool
 # ---------------------------------------------------------------------------
 
 KV_BLOCK = 4
@@ -119,52 +104,25 @@ def workload(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
     return arrivals
 
 
-def plan(engine: LLMEngine) -> tuple:
-    """What the engine's scheduler decided in its last step: who ran with how many tokens
-    (drafts included), who was preempted."""
-    batch = engine.last_batch
-    ran = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-    return ran, [s.request_id for s in batch.preempted]
-
-
-def drive_alike(ours: LLMEngine, theirs: LLMEngine, rng: random.Random) -> int:
-    """Step two engines to the end with the same arrivals and aborts before every step
-    (`rng` decides them); fail at the first step whose plan or finished requests differ,
-    or where chapter 13's lookup differs from the pool's for a live request's tokens.
-    Returns how many steps they ran."""
+def drive(engine: LLMEngine, rng: random.Random) -> int:
+    """Step an engine to the end with arrivals and aborts before every step (`rng` decides
+    them); fail at the first step where chapter 13's lookup differs from the pool's for a
+    live request's tokens. Returns how many steps it ran."""
     pending = workload(rng)
     for step in range(400):
         while pending and rng.random() < 0.5:
             prompt, params = pending.pop(0)
-            for each in (ours, theirs):
-                each.add_request(list(prompt), params, request_id=f"r{len(pending)}")
-        if theirs.requests and rng.random() < 0.03:  # now and then a request is aborted
-            aborted = rng.choice(sorted(theirs.requests))
-            ours.abort(aborted)
-            theirs.abort(aborted)
-        if not (pending or theirs.has_unfinished()):
+            engine.add_request(list(prompt), params, request_id=f"r{len(pending)}")
+        if engine.requests and rng.random() < 0.03:  # now and then a request is aborted
+            engine.abort(rng.choice(sorted(engine.requests)))
+        if not (pending or engine.has_unfinished()):
             return step
-        finished = [
-            {o.request_id: o.token_ids for o in e.step() if o.finished} for e in (ours, theirs)
-        ]
-        assert plan(ours) == plan(theirs), f"the plans of step {step} differ"
-        assert finished[0] == finished[1], f"the requests finished at step {step} differ"
-        manager = theirs.block_manager
-        for seq in theirs.requests.values():
+        engine.step()
+        manager = engine.block_manager
+        for seq in engine.requests.values():
             found = ch13_cached_prefix.cached_prefix(manager, seq.all_ids)
             assert found == manager.cached_prefix(seq.all_ids), f"step {step}, {seq.request_id}"
-    raise AssertionError("the engines made no progress in 400 steps")
-
-
-def engine_pair(
-    model: object, tokenizer: Tokenizer, **config: object
-) -> tuple[LLMEngine, LLMEngine]:
-    """Two engines alike: the first with chapter 12's solution as its scheduler's
-    decision, the second with the engine's own."""
-    settings = EngineConfig(kv_block_size=KV_BLOCK, **config)
-    ours, theirs = LLMEngine(model, tokenizer, settings), LLMEngine(model, tokenizer, settings)
-    ours.scheduler.schedule = lambda: ch12_schedule.schedule(ours.scheduler)
-    return ours, theirs
+    raise AssertionError("the engine made no progress in 400 steps")
 
 
 @SCHEDULES
@@ -174,77 +132,22 @@ def engine_pair(
     budget=st.sampled_from([3, 7, 16, 64]),
     num_blocks=st.integers(16, 40),
     max_num_seqs=st.integers(1, 5),
-    prefix_caching=st.booleans(),
 )
-def test_schedule_makes_the_engines_decisions(
-    models, tokenizer, seed, kind, budget, num_blocks, max_num_seqs, prefix_caching
+def test_cached_prefix_finds_what_the_pool_finds(
+    models, tokenizer, seed, kind, budget, num_blocks, max_num_seqs
 ) -> None:
-    """Chapter 12's solution in one engine, the engine's own scheduler in the other: the
-    same plan at every step, the same tokens; and chapter 13's lookup the pool's."""
-    ours, theirs = engine_pair(
-        models[kind], tokenizer, num_kv_blocks=num_blocks,
-        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=prefix_caching,
+    """Chapter 13's solution beside the pool's own lookup, at every step of an engine with
+    prefix caching: the same blocks for every live request's tokens."""
+    settings = EngineConfig(
+        kv_block_size=KV_BLOCK, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs, enable_prefix_caching=True,
     )  # fmt: skip
-    drive_alike(ours, theirs, random.Random(seed))
-
-
-def test_a_copy_that_drifts_fails_here(models, tokenizer) -> None:
-    """What the drift was: chapter 12's solution as it stood, keeping the blocks behind a
-    sliding window, runs the pool short where the engine does not, and the comparison says
-    at which step."""
-    ours, theirs = engine_pair(
-        models["windowed"], tokenizer, num_kv_blocks=16, max_num_batched_tokens=16
-    )
-    with mock.patch.object(ours.block_manager, "drop_out_of_window", lambda seq: None):
-        with pytest.raises(AssertionError, match="the plans of step"):
-            drive_alike(ours, theirs, random.Random(0))
+    drive(LLMEngine(models[kind], tokenizer, settings), random.Random(seed))
 
 
 # ---------------------------------------------------------------------------
 # The chapters' functions, beside rose's
 # ---------------------------------------------------------------------------
-
-
-@MANY
-@given(
-    seed=st.integers(0, 99),
-    past=st.integers(0, 5),
-    new=st.integers(1, 4),
-    first=st.booleans(),
-)
-def test_concat_kv(seed, past, new, first) -> None:
-    k, v = seeded(seed, 2, 2, new, 3), seeded(seed + 1, 2, 2, new, 3)
-    layer_past = (
-        None if first else (seeded(seed + 2, 2, 2, past, 3), seeded(seed + 3, 2, 2, past, 3))
-    )
-    for got, want in zip(
-        ch02_concat_kv.concat_kv(layer_past, k, v), gpt.concat_kv(layer_past, k, v), strict=True
-    ):
-        assert same_tensor(got, want)
-
-
-@MANY
-@given(kv_len=st.integers(1, 12), data=st.data())
-def test_causal_mask_and_position_ids(kv_len, data) -> None:
-    q_len = data.draw(st.integers(1, kv_len))
-    assert same_tensor(ch03_causal_mask.causal_mask(q_len, kv_len), gpt.causal_mask(q_len, kv_len))
-    past = kv_len - q_len
-    assert same_tensor(ch04_position_ids.position_ids(past, q_len), gpt.position_ids(past, q_len))
-
-
-@MANY
-@given(
-    seed=st.integers(0, 999),
-    vocab=st.integers(1, 40),
-    p=st.sampled_from([0.0, 0.1, 0.5, 0.9, 0.999, 1.0, 1.5]),
-    ties=st.booleans(),
-)
-def test_top_p_filter(seed, vocab, p, ties) -> None:
-    logits = seeded(seed, 3, vocab)
-    if ties:  # equal probabilities: the order by token id decides
-        logits = logits.round()
-    assert same_tensor(ch05_top_p_filter.top_p_filter(logits, p), sampling.top_p_filter(logits, p))
 
 
 @MANY
@@ -262,56 +165,6 @@ def test_static_update(seed, max_len, data) -> None:
     for mine, rose, buffer in zip(got, want, (theirs.k, theirs.v), strict=True):
         assert same_tensor(mine, rose) and same_tensor(mine, buffer)  # the buffers, in place
     assert same_tensor(ours[0], theirs.k) and same_tensor(ours[1], theirs.v)
-
-
-@MANY
-@given(rows_=st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4))
-def test_padded_position_ids(rows_) -> None:
-    attention_mask = torch.tensor(rows_, dtype=torch.long)
-    assert same_tensor(
-        ch07_padded_position_ids.padded_position_ids(attention_mask),
-        gpt.padded_position_ids(attention_mask),
-    )
-
-
-@MANY
-@given(
-    block_size=st.integers(1, 16), start=st.integers(0, 40), grow=st.integers(0, 30), data=st.data()
-)
-def test_window_start(block_size, start, grow, data) -> None:
-    keep = data.draw(st.integers(1, block_size))
-    seq_len = start + grow
-    assert ch09_window_start.window_start(start, seq_len, block_size, keep) == rows.window_start(
-        start, seq_len, block_size, keep
-    )
-
-
-@MANY
-@given(
-    kv_block_size=st.integers(1, 6),
-    tables=st.lists(st.permutations(range(8)), min_size=1, max_size=3),
-    data=st.data(),
-)
-def test_slot_mapping(kv_block_size, tables, data) -> None:
-    block_tables = torch.tensor(tables)
-    n = data.draw(st.integers(1, 10))
-    seq_of_token = torch.tensor(
-        data.draw(st.lists(st.integers(0, len(tables) - 1), min_size=n, max_size=n))
-    )
-    positions = torch.tensor(
-        data.draw(st.lists(st.integers(0, 8 * kv_block_size - 1), min_size=n, max_size=n))
-    )
-    args = (block_tables, seq_of_token, positions, kv_block_size)
-    assert same_tensor(ch11_slot_mapping.slot_mapping(*args), paged.slot_mapping(*args))
-
-
-@MANY
-@given(
-    text=st.text(alphabet="ab<|>e", max_size=12),
-    stops=st.lists(st.text(alphabet="ab<|>e", min_size=1, max_size=5), max_size=3),
-)
-def test_held_back(text, stops) -> None:
-    assert ch14_held_back.held_back(text, tuple(stops)) == detokenizer.held_back(text, tuple(stops))
 
 
 @MANY
@@ -371,19 +224,6 @@ def test_quantize(seed, bits, group_size, dim, equal) -> None:
     want = quantized.quantize(x, bits, group_size, dim)
     for mine, rose in zip(got, want, strict=True):
         assert same_tensor(mine, rose)
-
-
-@MANY
-@given(
-    window=st.integers(1, 9),
-    sinks=st.integers(0, 4),
-    positions=st.lists(st.integers(0, 60), max_size=12),
-)
-def test_rolling_slot(window, sinks, positions) -> None:
-    pos = torch.tensor(positions, dtype=torch.long)
-    assert same_tensor(
-        ch18_rolling_slot.rolling_slot(pos, window, sinks), rolling.rolling_slot(pos, window, sinks)
-    )
 
 
 # ---------------------------------------------------------------------------

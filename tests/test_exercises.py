@@ -20,16 +20,16 @@ from rosecourse.exercises import (
     ch18_rolling_slot,
     ch21_grouped_attention,
 )
-from rosecourse.solutions import ch02_concat_kv as solution02
-from rosecourse.solutions import ch03_causal_mask as solution03
-from rosecourse.solutions import ch04_position_ids as solution04
-from rosecourse.solutions import ch05_top_p_filter as solution05
-from rosecourse.solutions import ch06_static_update as solution06
-from rosecourse.solutions import ch07_padded_position_ids as solution07
-from rosecourse.solutions import ch08_mask_slice as solution08
-from rosecourse.solutions import ch09_window_start as solution09
-from rosecourse.solutions import ch18_rolling_slot as solution18
-from rosecourse.solutions import ch21_grouped_attention as solution21
+from rosecourse.exercises.ch02_concat_kv import reference as solution02
+from rosecourse.exercises.ch03_causal_mask import reference as solution03
+from rosecourse.exercises.ch04_position_ids import reference as solution04
+from rosecourse.exercises.ch05_top_p_filter import reference as solution05
+from rosecourse.exercises.ch06_static_update import reference as solution06
+from rosecourse.exercises.ch07_padded_position_ids import reference as solution07
+from rosecourse.exercises.ch08_mask_slice import reference as solution08
+from rosecourse.exercises.ch09_window_start import reference as solution09
+from rosecourse.exercises.ch18_rolling_slot import reference as solution18
+from rosecourse.exercises.ch21_grouped_attention import reference as solution21
 
 SOLUTIONS = [
     (ch02_concat_kv.check_concat_kv, solution02.concat_kv),

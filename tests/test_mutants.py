@@ -17,8 +17,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from contract_mutants import CLAUSES
-from mutants import ALTERNATIVES, BLIND, BLIND_KNOWN, MUTANTS
+from mutants import ALTERNATIVES, BLIND, BLIND_KNOWN, CLAUSES, MUTANTS
 
 from rosecourse.course import LESSONS, Lesson
 from rosecourse.exercises.common import Exercise, same
