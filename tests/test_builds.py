@@ -26,7 +26,9 @@ from rosecourse.builds.grading import (
     check_build,
     known_probes,
     module_from_source,
+    observe,
     replaced,
+    verdict,
 )
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
@@ -477,6 +479,22 @@ def test_each_known_wrong_probe_tells_it_apart(build: Build) -> None:
 
 
 CODED = [(BUILD[name], m) for name, mutants in BUILD_MUTANTS.items() for m in mutants]
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_the_verdict_is_the_graders_whatever_the_checks_process_says(build: Build) -> None:
+    """A known wrong answer whose check's process finds no failure (its comparisons there
+    forged away): every part is judged again from the values it sent, and one fails."""
+    wrong = build.known_wrong[0]
+    module = replaced(build, wrong.replacements, wrong.name)
+    results = [
+        verdict(build, part, observe(build, part, module)[0], None, lambda: "")
+        for part in build.parts
+    ]
+    assert not all(result.passed for result in results), results
+    assert verdict(build, build.parts[0], [], None, lambda: "").explanation.startswith(
+        "the check's process sent nothing to compare"
+    )
 
 
 @pytest.mark.parametrize(("build", "mutant"), CODED, ids=[f"{b.name}-{m[0]}" for b, m in CODED])

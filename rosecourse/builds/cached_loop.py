@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, seen
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
 from rosecourse.solutions.build_cached_loop import StaticCache
@@ -228,18 +228,24 @@ def _memory(module: types.ModuleType) -> None:
 
     cache.update = recorded
     held = []
-    for step, _ in cached_steps(cache, rows, None):
+    for _ in cached_steps(cache, rows, None):
         held.append(sum(t.untyped_storage().nbytes() for t in held_tensors(cache).values()))
-        if held[-1] != held[min(step, 1)]:
+    held = seen("the bytes the cache holds at each step", held)
+    for step in range(len(held)):
+        if held[step] != held[min(step, 1)]:
             raise Mismatch(
                 f"the cache holds {held[1]:,} bytes at decode step 1 and {held[-1]:,} at "
                 f"decode step {step}: a static cache allocates its buffers once"
             )
-    for layer, storages in returned.items():
-        if len(set(storages)) > 1:
+    distinct = seen(
+        "the keys' storages of each layer",
+        [(layer, len(set(s)), len(s)) for layer, s in returned.items()],
+    )
+    for layer, different, calls in distinct:
+        if different > 1:
             raise Mismatch(
-                f"layer {layer}'s keys come back in {len(set(storages))} different tensors "
-                f"over {len(storages)} calls: write into the buffers in place"
+                f"layer {layer}'s keys come back in {different} different tensors "
+                f"over {calls} calls: write into the buffers in place"
             )
 
 
@@ -396,7 +402,7 @@ def loop(batch: int, chunk: int | None):
 
         fed = [model.relabel[torch.tensor(row)].tolist() for row in rows]
         with mock.patch.object(module, "StaticCache", static_cache):
-            got = module.generate_cached(model, fed, NEW, chunk)
+            got = seen("the tokens it returns", module.generate_cached(model, fed, NEW, chunk))
         if not isinstance(got, list) or len(got) != len(rows):
             raise Mismatch(f"it returns {type(got).__name__} where {len(rows)} lists are right")
         for row, prompt in enumerate(rows):
