@@ -17,7 +17,9 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 from mutants import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS
+from torch.nn import functional as F
 
 from rosecourse import cli
 from rosecourse.builds.grading import (
@@ -479,6 +481,53 @@ def test_each_known_wrong_probe_tells_it_apart(build: Build) -> None:
 
 
 CODED = [(BUILD[name], m) for name, mutants in BUILD_MUTANTS.items() for m in mutants]
+
+
+# Wrong answers of the general classes (issue 54), each with the clause its failure names.
+def _mlp_in_float64(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: the MLP computes in float64 (close values, another dtype)
+    return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")).double()
+
+
+@torch.no_grad()
+def _adamw_skips_zero_gradients(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            # the mistake: was `if p.grad is None:` (an all-zero gradient is a gradient)
+            if p.grad is None or not p.grad.any():
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+            p.mul_(1 - lr * group["weight_decay"])
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**t)
+            v_hat = v / (1 - beta2**t)
+            p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+GENERAL = [
+    ("model", {"MLP.forward": _mlp_in_float64}, "dtype torch.float64 where torch.float32 is right"),
+    (
+        "training_step",
+        {"AdamW.step": _adamw_skips_zero_gradients},
+        "its gradient all zeros: still a gradient",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "replacements", "clause"), GENERAL, ids=[g[0] for g in GENERAL])
+def test_a_wrong_answer_of_a_general_class_fails_naming_the_clause(
+    name: str, replacements: dict, clause: str
+) -> None:
+    build = BUILD[name]
+    results = check_build(build, replaced(build, replacements, "general"))
+    failed = [r for r in results if not r.passed]
+    assert failed and clause in failed[0].explanation, "\n".join(map(str, results))
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)

@@ -82,7 +82,7 @@ def bfloat16_logits(prompt: tuple[int, ...]) -> torch.Tensor:
     tokens = list(prompt) + list(reference_tokens(prompt, NEW))
     with torch.no_grad():
         logits = bfloat16_model()(torch.tensor([tokens[:-1]])).logits[0]
-    return logits[len(prompt) - 1 :].float()
+    return logits[len(prompt) - 1 :]
 
 
 def cached_steps(

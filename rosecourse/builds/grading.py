@@ -323,6 +323,8 @@ def first_gap(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | 
         return f"a {type(got).__name__} where a tensor of shape {tuple(want.shape)} is right"
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} where {tuple(want.shape)} is right"
+    if got.dtype != want.dtype:  # a float64 answer is no float32 one, however close
+        return f"dtype {got.dtype} where {want.dtype} is right (the contract's dtype, as rose's)"
     gap = (got.detach().float() - want.detach().float()).abs()
     gap = torch.where(gap.isnan(), torch.inf, gap)
     if float(gap.max()) <= tolerance:

@@ -217,6 +217,10 @@ def _schedule(module: types.ModuleType) -> None:
                 )
 
 
+# (parameter, step) of adam_run whose gradient is all zeros, not None.
+ZERO_GRADIENT = (1, 2)
+
+
 def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
     """`steps` updates of four parameters in three groups (decay 0.3 and 0, and one with
     betas and eps of its own) by `optimizer_cls`, with fresh gradients and a new learning
@@ -236,6 +240,8 @@ def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
         for i, p in enumerate(params):
             skipped = i == 2 and step in (1, 3)
             p.grad = None if skipped else torch.randn(p.shape, generator=generator) * 10**-step
+            if i == ZERO_GRADIENT[0] and step == ZERO_GRADIENT[1]:
+                p.grad.zero_()  # a gradient all zeros is a gradient: the moments still move p
         for group in optimizer.param_groups:
             group["lr"] = 0.1 / (step + 1)
         optimizer.step()
@@ -250,6 +256,8 @@ def _adamw(module: types.ModuleType) -> None:
             what = f"after update {step + 1}, parameter {i}"
             if i == 3:
                 what += " (its group's own betas and eps override the optimizer's)"
+            if (i, step) == ZERO_GRADIENT:
+                what += " (its gradient all zeros: still a gradient, the moments move it)"
             expect_close(what, a, b, 1e-6 * max(1.0, float(b.abs().max())))
 
 
