@@ -34,6 +34,7 @@ from rosecourse.builds.grading import (
 )
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
+from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -510,6 +511,46 @@ def _adamw_skips_zero_gradients(self) -> None:
             p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
 
 
+def _pads_on_the_cpu(self, model, batch_size: int, max_len: int, pad_lengths=None) -> None:
+    cfg = model.config
+    weight = model.lm_head.weight
+    shape = (batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    self.layers = [
+        StaticLayer(
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        )
+        for _ in range(cfg.n_layer)
+    ]
+    self.max_len = max_len
+    self.filled = 0
+    self.input_pos = torch.zeros(0, dtype=torch.long, device=weight.device)
+    # the mistake: was `torch.tensor(pad_lengths or [0] * batch_size, device=weight.device)`
+    self.pads = torch.tensor(pad_lengths or [0] * batch_size)
+    slots = torch.arange(max_len, device=weight.device)
+    self.real = slots[None, :] >= self.pads.to(weight.device)[:, None]
+
+
+def _prompts_padded_in_place(model, prompts, max_new_tokens, prefill_chunk=None):
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    for pad, prompt in zip(pads, prompts, strict=True):
+        prompt[:0] = [0] * pad  # the mistake: the caller's lists padded in place
+    ids = torch.tensor(prompts, device=model.lm_head.weight.device)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    for start in range(0, longest, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    new_tokens = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        next_ids = logits.argmax(dim=-1)
+        for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+            row.append(token)
+        if step + 1 < max_new_tokens:
+            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
 GENERAL = [
     ("model", {"MLP.forward": _mlp_in_float64}, "dtype torch.float64 where torch.float32 is right"),
     (
@@ -517,10 +558,22 @@ GENERAL = [
         {"AdamW.step": _adamw_skips_zero_gradients},
         "its gradient all zeros: still a gradient",
     ),
+    (
+        "cached_loop",
+        {"StaticCache.__init__": _pads_on_the_cpu},
+        "the cache keeps tensors on the cpu",
+    ),
+    (
+        "cached_loop",
+        {"generate_cached": _prompts_padded_in_place},
+        "generate_cached changed the prompt lists it was given",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "replacements", "clause"), GENERAL, ids=[g[0] for g in GENERAL])
+@pytest.mark.parametrize(
+    ("name", "replacements", "clause"), GENERAL, ids=[f"{g[0]}-{next(iter(g[1]))}" for g in GENERAL]
+)
 def test_a_wrong_answer_of_a_general_class_fails_naming_the_clause(
     name: str, replacements: dict, clause: str
 ) -> None:

@@ -216,6 +216,16 @@ def held_tensors(obj: object) -> dict[int, torch.Tensor]:
 
 
 def _memory(module: types.ModuleType) -> None:
+    # On a model moved to another device (meta, as to a GPU): every tensor the cache keeps.
+    cache = module.StaticCache(copy.deepcopy(oracle_model()).to("meta"), 2, 8, [0, 1])
+    kept = {t.device.type for t in held_tensors(cache).values()}
+    elsewhere = sorted(seen("the devices of a meta model's cache", kept) - {"meta"})
+    if elsewhere:
+        raise Mismatch(
+            f"on a model moved to another device (meta, as to a GPU) the cache keeps "
+            f"tensors on the {elsewhere[0]}: make every tensor it keeps (buffers, padding, "
+            "slots) on the device of the model's weights, or it fails on a GPU"
+        )
     rows = prompts(3)
     cache = new_cache(module, rows)
     returned: dict[int, list[int]] = {}  # layer -> the storage of its keys, per call
@@ -401,8 +411,18 @@ def loop(batch: int, chunk: int | None):
             return built[-1]
 
         fed = [model.relabel[torch.tensor(row)].tolist() for row in rows]
+        given = [list(row) for row in fed]
         with mock.patch.object(module, "StaticCache", static_cache):
             got = seen("the tokens it returns", module.generate_cached(model, fed, NEW, chunk))
+        after = seen("the prompt lists after the call", fed)
+        changed = next(
+            (i for i, (a, b) in enumerate(zip(after, given, strict=True)) if a != b), None
+        )
+        if changed is not None:
+            raise Mismatch(
+                f"generate_cached changed the prompt lists it was given (row {changed} was "
+                f"{given[changed]}, is {after[changed]}): they are the caller's; pad a copy"
+            )
         if not isinstance(got, list) or len(got) != len(rows):
             raise Mismatch(f"it returns {type(got).__name__} where {len(rows)} lists are right")
         for row, prompt in enumerate(rows):
