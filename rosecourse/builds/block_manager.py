@@ -33,7 +33,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, seen
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, made, seen
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
@@ -172,7 +172,7 @@ def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
     """The learner's manager on `schedule`: every request against its solo uncached run,
     and the prefix cache's service against rose's manager's on the same schedule."""
     try:
-        mine = seen(f"the engine on {schedule}", run_schedule(schedule, module))
+        mine = made(f"the engine on {schedule}", lambda: run_schedule(schedule, module))
     except Mismatch as error:
         raise Mismatch(f"{error} [{schedule}]") from None
     except NotImplementedError:
@@ -466,7 +466,7 @@ def scripted(manager_cls: type) -> list[tuple]:
 
 def _bookkeeping(module: types.ModuleType) -> None:
     want = scripted(BlockManager)
-    got = seen("the scripted lives", scripted(module.BlockManager))
+    got = made("the scripted lives", lambda: scripted(module.BlockManager))
     names = ("the pool's invariants break:", "the answer", "free blocks", "evictable blocks", "prefix_cache_queries",
              "prefix_cache_hits", "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
     for mine, right in zip(got, want, strict=False):

@@ -246,6 +246,14 @@ def seen(what: str, value: T) -> T:
     return decode(data)
 
 
+def made(what: str, make: Callable[[], T]) -> T:
+    """`seen(what, make())`, where in the grader `make` is never called: the tape holds
+    its value (for a learner's value the reference is slow to make again)."""
+    if _tape is not None and _tape.replaying:
+        return seen(what, None)
+    return seen(what, make())
+
+
 def observe(build: Build, part: Part, module: types.ModuleType) -> tuple[list, tuple | None]:
     """Run `part` on the learner's `module` (in the check's process): its tape, and why it
     failed there (None: it did not): ("unwritten" | "mismatch" | "raised", explanation)."""
