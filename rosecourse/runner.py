@@ -401,6 +401,7 @@ class CheckProcess:
     ) -> None:
         self.timeout, self.output_limit = timeout, output_limit
         self.deadline = time.monotonic() + timeout
+        self.answered_at: float | None = None  # when its last answer came
         self.channel, channel_theirs = socket.socketpair()
         self.lifeline, lifeline_theirs = socket.socketpair()
         with channel_theirs, lifeline_theirs:
@@ -436,6 +437,8 @@ class CheckProcess:
         answer, a process that ended instead, or one that ran out of time or printed too
         much: Stopped."""
         self.require_guard()
+        if self.answered_at is not None:  # the grader's own time judging is not the check's
+            self.deadline += time.monotonic() - self.answered_at
         with contextlib.suppress(OSError):  # a process that ended: found below
             send(self.channel, request)
         data = None
@@ -448,6 +451,7 @@ class CheckProcess:
                 self.pump()
         self.drain()  # what it printed before it answered, before anything the grader prints
         self.end_line()
+        self.answered_at = time.monotonic()
         return read_answer(data)
 
     def require_guard(self) -> None:
