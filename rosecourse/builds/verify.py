@@ -30,7 +30,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, seen
+from rosecourse.builds.grading import (
+    Build,
+    KnownWrong,
+    Mismatch,
+    Part,
+    expect_close,
+    made,
+    seen,
+)
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from rosecourse.solutions.build_verify import RollbackCache, score
@@ -443,26 +451,37 @@ def exact_law() -> tuple[dict[tuple[int, ...], float], list[torch.Tensor]]:
 
 def small_steps(module: types.ModuleType, generator: torch.Generator, n: int) -> list[tuple]:
     """n sampled verify steps of the learner's on the small target, from one place."""
-    cache = ConcatKVCache()
-    with torch.no_grad():
-        small_target()(torch.tensor([SMALL_TEXT[:-1]]), cache=cache)
-    held = cache.seq_len
-    outcomes = []
-    for _ in range(n):
-        got = seen(
-            "verify_sampled",
-            module.verify_sampled(
+
+    def steps() -> tuple[list[tuple], list[int], int]:  # tokens, lengths after, before
+        cache = ConcatKVCache()
+        with torch.no_grad():
+            small_target()(torch.tensor([SMALL_TEXT[:-1]]), cache=cache)
+        held = cache.seq_len
+        outcomes, lengths = [], []
+        for _ in range(n):
+            got = module.verify_sampled(
                 small_target(),
                 cache,
                 SMALL_TEXT[-1],
                 list(SMALL_DRAFTS),
                 SMALL_Q.clone(),
                 generator,
-            ),
-        )
-        outcomes.append(tuple(int(t) for t in got))
-        check_length(cache, held + len(got), "a sampled step on the 5-token target")
-        cache.truncate(held)
+            )
+            outcomes.append(tuple(int(t) for t in got))
+            lengths.append(cache.seq_len)
+            if cache.seq_len != held + len(got):
+                break  # judged below, before a later call trips over it
+            cache.truncate(held)
+        return outcomes, lengths, held
+
+    outcomes, lengths, held = made(f"{n} sampled steps on the 5-token target", steps)
+    for tokens, length in zip(outcomes, lengths, strict=True):  # (all n, when right)
+        if length != held + len(tokens):
+            raise Mismatch(
+                f"a sampled step on the 5-token target: the cache holds {length} positions "
+                f"after the call where {held + len(tokens)} are right (the text but its "
+                "newest token)"
+            )
     return outcomes
 
 
