@@ -22,12 +22,12 @@ So `rose-course check` (`grade_in_child`) starts each check's processes fresh:
   of the learner's is ever built here). The reference, the comparisons, the diagnosis and
   the verdict are computed and printed in the grader, so no message and no patch of the
   learner's can make them say "passed": only answers equal to the reference's can.
-- A build plugs the learner's classes into rose, and each part compares them with rose's
-  inside the run (rosecourse/builds/): it runs whole in the check's process and sends
-  ("verdict", passed) as its very last act. The grader believes "passed" only when the
-  process then exited with code 0 and the lines it printed say "passed" for every part.
-  Code in that process can still print those lines and send that message itself: a
-  build's verdict is as trustworthy as the learner's wish to be graded (see below).
+- A build's parts (rosecourse/builds/) run in the check's process on the learner's module
+  only to note, on a tape, the values its code made that each part compares (`grading.
+  seen`): the grader asks for one part's tape at a time, runs the part again on the
+  reference with the tape's values in place of the reference's, and prints each part's
+  line itself. What the check's process says is believed only when it is a failure; a
+  part with nothing on its tape fails.
 - The reaper ends every process the check started when the check ends (its verdict is in,
   it timed out, it printed too much, or the grader ended however it ended: its lifeline
   closes), including those that left its process group or session: on Linux the reaper
@@ -46,8 +46,7 @@ Inside the check's process, a learner's code that raises what stops a program
 defaults changed is one FAILED line too. Every failure is one line in the check's own
 form.
 
-What this does not stop: a build's check runs in the learner's process (above); and the
-learner's code runs as the same user as the grader, so it can signal the grader or the
+What this does not stop: the learner's code runs as the same user as the grader, so it can signal the grader or the
 reaper (a killed reaper leaves the processes that left its group to init; the check
 fails all the same, and the grader kills what is left in the reaper's first process
 group), or write to the terminal's device directly. The grader makes
@@ -68,7 +67,6 @@ import functools
 import hashlib
 import importlib
 import io
-import numbers
 import os
 import pickle
 import selectors
@@ -76,27 +74,28 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
-from rosecourse.builds.grading import Build
+from rosecourse.builds.grading import Build, diagnosis, observe, probed, verdict
 from rosecourse.course import (
     CourseError,
     Lesson,
     find,
-    grade,
     key,
     learner_file,
     load_learner,
+    load_module,
     note_failing_part,
 )
 from rosecourse.exercises import CheckResult
-from rosecourse.exercises.common import Exercise, Raised, check
+from rosecourse.exercises.common import Exercise, check
+from rosecourse.plain import Foreign, PlainData, decode, encode  # noqa: F401 (Foreign: tests)
 from rosetrainer.errors import one_line
 
 # Bytes of a check's output shown on the terminal; more fails the check.
@@ -129,97 +128,6 @@ class Stopped(BaseException):
 # ---------------------------------------------------------------------------
 # Messages between the grader and the check's process: plain data only
 # ---------------------------------------------------------------------------
-
-# Tensors of these dtypes travel as their bytes; any other is an object the grader
-# does not read.
-DTYPES = {
-    str(dtype): dtype
-    for dtype in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-TENSOR, DTYPE, RAISED, FOREIGN = "rose:tensor", "rose:dtype", "rose:raised", "rose:foreign"
-
-
-@dataclasses.dataclass(frozen=True)
-class Foreign:
-    """What the learner's code answered that is no plain data (an object of a class of its
-    own, say): the grader knows only its type's name, and it equals nothing else."""
-
-    type_name: str
-
-    def __str__(self) -> str:
-        return f"a {self.type_name} object"
-
-
-def encode(value: object) -> object:
-    """`value` as plain data (in the check's process): numbers, strings, bytes, containers
-    of them, and tagged tuples for tensors, dtypes, Raised and anything else."""
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.dtype not in DTYPES.values() or value.layout != torch.strided:
-            return (FOREIGN, f"tensor of {value.dtype}, {value.layout}")
-        plain = value.detach().cpu().contiguous()
-        raw = bytes(plain.reshape(-1).view(torch.uint8).numpy())
-        return (TENSOR, str(plain.dtype), tuple(plain.shape), raw)
-    if isinstance(value, torch.dtype):
-        return (DTYPE, str(value))
-    if isinstance(value, Raised):
-        return (RAISED, str(value.error))
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, dict):
-        return {encode(k): encode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        kind = next(t for t in (list, tuple, frozenset, set) if isinstance(value, t))
-        return kind(encode(item) for item in value)
-    return (FOREIGN, type(value).__qualname__)
-
-
-def decode(value: object) -> object:
-    """What `encode` made, back (in the grader): tensors, dtypes, Raised, Foreign."""
-    if isinstance(value, tuple) and value and isinstance(value[0], str):
-        if value[0] == TENSOR:
-            _, dtype_name, shape, raw = value
-            dtype, shape = DTYPES[dtype_name], tuple(int(size) for size in shape)
-            if not raw:
-                return torch.zeros(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-        if value[0] == DTYPE:
-            return DTYPES[value[1]]
-        if value[0] == RAISED:
-            return Raised(str(value[1]))
-        if value[0] == FOREIGN:
-            return Foreign(str(value[1]))
-    if isinstance(value, dict):
-        return {decode(k): decode(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value)(decode(item) for item in value)
-    return value
-
-
-class PlainData(pickle.Unpickler):
-    """An unpickler that builds no object of any class: only what pickle makes of its own
-    (None, bools, numbers, strings, bytes, lists, tuples, dicts, sets)."""
-
-    def find_class(self, module: str, name: str) -> NoReturn:
-        raise pickle.UnpicklingError(f"{module}.{name}: the grader takes plain data only")
 
 
 def send(channel: socket.socket, message: object) -> None:
@@ -337,11 +245,11 @@ def grade_in_child(
         return False
     exercise = exercise_of(chosen)
     child = CheckProcess(chosen, directory, timeout, output_limit)
+    failing = None
     try:
         if exercise is not None:
             return judge(chosen.name, exercise, child, intact)
-        passed = trusted_verdict(chosen, child)
-        intact()
+        passed, failing = judge_build(chosen, child, intact)
         return passed
     except Stopped as stopped:
         child.end_line()
@@ -350,17 +258,38 @@ def grade_in_child(
     finally:
         child.stop()
         if exercise is None:  # a build: `hint` gives its first failing part's hints first
-            note_failing_part(chosen.name, directory, first_failing(chosen, child.transcript))
+            note_failing_part(chosen.name, directory, failing)
 
 
-def first_failing(build: Build, transcript: str) -> str | None:
-    """The first of `build`'s parts whose line in `transcript` is not "passed"."""
-    for line in transcript.splitlines():
-        for part in build.parts:
-            said = line.removeprefix(f"{build.name}/{part.name}: ")
-            if said != line and not said.startswith("passed"):
-                return part.name
-    return None
+def judge_build(
+    build: Build, child: CheckProcess, intact: Callable[[], None]
+) -> tuple[bool, str | None]:
+    """Each of the build's parts run in the check's process on the learner's module, and
+    judged here from what it sent (grading.verdict); print one line a part; whether every
+    part passed, and the first that did not."""
+    outcomes = None
+
+    def named() -> str:
+        nonlocal outcomes
+        if outcomes is None:
+            outcomes = child.ask(("probe",))
+        return diagnosis(build, outcomes) or ""
+
+    results = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)  # the reference's numbers as the check's process gets them
+    try:
+        for index, part in enumerate(build.parts):
+            entries, failure = child.ask(("part", index))
+            result = verdict(build, part, entries, failure, named)
+            child.require_guard()
+            intact()
+            print(result)
+            results.append(result)
+    finally:
+        torch.set_num_threads(threads)
+    first = next((r.part for r in results if not r.passed), None)
+    return bool(results) and first is None, first
 
 
 def exercise_of(chosen: Lesson | Build) -> Exercise | None:
@@ -436,32 +365,6 @@ def replayed(type_name: str, message: str) -> Exception:
     return type(name, (Exception,), {"__module__": "learner"})(str(message)[:2000])
 
 
-def trusted_verdict(chosen: Lesson | Build, child: CheckProcess) -> bool:
-    """A check run whole in the check's process (a build): its ("verdict", passed), believed
-    when the process then exited with code 0 and its lines say "passed" for every part."""
-    child.wait_end()
-    message = child.last_message()
-    status = child.status()
-    if message is None or status != 0:
-        raise Stopped(ended_without_verdict(status))
-    if message != ("verdict", True) or not chosen.parts:
-        return False  # its lines say how
-    wanted = (
-        [f"{chosen.name}/{part.name}: passed" for part in chosen.parts]
-        if isinstance(chosen, Build)
-        else [f"{chosen.name}: passed"]
-    )
-    lines = child.transcript.splitlines()
-    shown = [want for want in wanted if any(line.startswith(want) for line in lines)]
-    failed = [line for line in lines if line.startswith(f"{chosen.name}") and ": FAILED" in line]
-    if len(shown) < len(wanted) or failed:
-        raise Stopped(
-            f"its process said it passed, but its lines say so for {len(shown)} of "
-            f"{len(wanted)} parts: does your code print or send the grader's messages?"
-        )
-    return True
-
-
 def read_answer(data: bytes) -> object:
     """An answer of the check's process, read as plain data: a probe's outcomes, or a run's
     (steps made by row, rows, what it raised). Stopped when it stopped or failed to load."""
@@ -469,6 +372,10 @@ def read_answer(data: bytes) -> object:
         kind, *content = PlainData(io.BytesIO(data)).load()
         if kind == "probe":
             return decode(content[0])
+        if kind == "part":  # a build's part: its tape, and why it failed there
+            entries, failure = content
+            tape = [(str(what), value) for what, value in entries]
+            return tape, None if failure is None else (str(failure[0]), str(failure[1]))
         if kind == "run":
             made, rows, raised = content
             made = {int(row): int(count) for row, count in made.items()}
@@ -494,6 +401,7 @@ class CheckProcess:
     ) -> None:
         self.timeout, self.output_limit = timeout, output_limit
         self.deadline = time.monotonic() + timeout
+        self.answered_at: float | None = None  # when its last answer came
         self.channel, channel_theirs = socket.socketpair()
         self.lifeline, lifeline_theirs = socket.socketpair()
         with channel_theirs, lifeline_theirs:
@@ -529,6 +437,8 @@ class CheckProcess:
         answer, a process that ended instead, or one that ran out of time or printed too
         much: Stopped."""
         self.require_guard()
+        if self.answered_at is not None:  # the grader's own time judging is not the check's
+            self.deadline += time.monotonic() - self.answered_at
         with contextlib.suppress(OSError):  # a process that ended: found below
             send(self.channel, request)
         data = None
@@ -541,6 +451,7 @@ class CheckProcess:
                 self.pump()
         self.drain()  # what it printed before it answered, before anything the grader prints
         self.end_line()
+        self.answered_at = time.monotonic()
         return read_answer(data)
 
     def require_guard(self) -> None:
@@ -697,34 +608,20 @@ class ChangedDefault(BaseException):
 
 
 def child_main(name: str, directory: Path, channel_fd: int) -> NoReturn:
-    """Answer the grader's requests for one chapter's exercise, or grade one build (`name`:
-    as `rose-course check` takes it), print its lines, send its verdict; then exit."""
+    """Answer the grader's requests for one chapter's exercise or build (`name`: as
+    `rose-course check` takes it) until the grader closes the channel; then exit."""
     channel = socket.socket(fileno=channel_fd)
     channel.set_inheritable(False)  # nothing the learner's code starts holds it open
     torch.set_num_threads(THREADS)
-    chosen = find(name)
-    exercise = exercise_of(chosen)
-    if exercise is not None:
-        serve(chosen, exercise, directory, channel)
-    else:
-        threading.Thread(target=exit_with_grader, args=(channel,), daemon=True).start()
-        try:
-            before = global_defaults()
-            passed = grade(chosen, directory).passed
-            require_unchanged(before)
-        except BaseException as stopping:  # the learner's code raised what stops a program
-            print(CheckResult(chosen.name, False, None, stopping_line(stopping)))
-            passed = False
-        sys.stdout.flush()
-        sys.stderr.flush()
-        send(channel, ("verdict", bool(passed)))
+    serve(find(name), directory, channel)
     # At once: no exit handler or thread of the learner's code runs after the last answer.
     os._exit(0)
 
 
-def serve(chosen: Lesson, exercise: Exercise, directory: Path, channel: socket.socket) -> None:
-    """Load the learner's function, then answer the grader's requests with it: ("probe",)
-    with the exercise's probe of it, ("run", i) with what run i made with it swapped in."""
+def serve(chosen: Lesson | Build, directory: Path, channel: socket.socket) -> None:
+    """Load the learner's function (a build: module), then answer the grader's requests
+    with it: ("probe",) with the probe of it, ("run", i) with what run i made with it
+    swapped in, ("part", i) with the tape of a build's part i."""
 
     def send_answer(*message: object) -> None:
         sys.stdout.flush()  # its prints first
@@ -733,17 +630,32 @@ def serve(chosen: Lesson, exercise: Exercise, directory: Path, channel: socket.s
 
     try:
         before_import = global_defaults()
+        exercise = exercise_of(chosen)
         try:
-            fn = load_learner(chosen, directory)
+            fn = load_learner(chosen, directory) if exercise else load_module(chosen, directory)
         except CourseError as error:
             send_answer("failed", str(error))
             return
         require_unchanged(before_import)
-        call = guarded(fn)
         while (request := receive(channel)) is not None:
-            send_answer(*answer(exercise, call, request))
+            if exercise is None:
+                send_answer(*build_answer(chosen, fn, request))
+            else:
+                send_answer(*answer(exercise, guarded(fn), request))
     except BaseException as stopping:  # the learner's code raised what stops a program
         send_answer("stopped", stopping_line(stopping))
+
+
+def build_answer(build: Build, module: types.ModuleType, request: tuple) -> tuple:
+    """The answer to one of the grader's requests about a build: ("probe",), the build's
+    probe of the learner's module; ("part", i): part i's tape, and why it failed here."""
+    before = global_defaults()
+    if request[0] == "probe":
+        answer = ("probe", encode(probed(build, module)))
+    else:
+        answer = ("part", *observe(build, build.parts[request[1]], module))
+    require_unchanged(before)
+    return answer
 
 
 def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
@@ -768,13 +680,6 @@ def answer(exercise: Exercise, fn: Callable, request: tuple) -> tuple:
     except Exception as error:  # anything the learner's code raises is a finding
         raised = (type(error).__name__, one_line(error, with_type=False))
     return ("run", made, rows, raised)
-
-
-def exit_with_grader(channel: socket.socket) -> None:
-    """Block until the grader's end of the channel closes, then end this process."""
-    with contextlib.suppress(OSError):
-        channel.recv(1)  # the grader never sends to a build: this returns when it ends
-    os._exit(1)
 
 
 def guarded(fn: Callable) -> Callable:

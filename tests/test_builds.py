@@ -17,7 +17,9 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 from mutants import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS
+from torch.nn import functional as F
 
 from rosecourse import cli
 from rosecourse.builds.grading import (
@@ -26,10 +28,13 @@ from rosecourse.builds.grading import (
     check_build,
     known_probes,
     module_from_source,
+    observe,
     replaced,
+    verdict,
 )
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
+from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -477,6 +482,120 @@ def test_each_known_wrong_probe_tells_it_apart(build: Build) -> None:
 
 
 CODED = [(BUILD[name], m) for name, mutants in BUILD_MUTANTS.items() for m in mutants]
+
+
+# Wrong answers of the general classes (issue 54), each with the clause its failure names.
+def _mlp_in_float64(self, x: torch.Tensor) -> torch.Tensor:
+    # the mistake: the MLP computes in float64 (close values, another dtype)
+    return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")).double()
+
+
+@torch.no_grad()
+def _adamw_skips_zero_gradients(self) -> None:
+    for group in self.param_groups:
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        for p in group["params"]:
+            # the mistake: was `if p.grad is None:` (an all-zero gradient is a gradient)
+            if p.grad is None or not p.grad.any():
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+            state["t"] += 1
+            t, m, v, grad = state["t"], state["m"], state["v"], p.grad
+            p.mul_(1 - lr * group["weight_decay"])
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            m_hat = m / (1 - beta1**t)
+            v_hat = v / (1 - beta2**t)
+            p.sub_(lr * m_hat / (v_hat.sqrt() + group["eps"]))
+
+
+def _pads_on_the_cpu(self, model, batch_size: int, max_len: int, pad_lengths=None) -> None:
+    cfg = model.config
+    weight = model.lm_head.weight
+    shape = (batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    self.layers = [
+        StaticLayer(
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device),
+        )
+        for _ in range(cfg.n_layer)
+    ]
+    self.max_len = max_len
+    self.filled = 0
+    self.input_pos = torch.zeros(0, dtype=torch.long, device=weight.device)
+    # the mistake: was `torch.tensor(pad_lengths or [0] * batch_size, device=weight.device)`
+    self.pads = torch.tensor(pad_lengths or [0] * batch_size)
+    slots = torch.arange(max_len, device=weight.device)
+    self.real = slots[None, :] >= self.pads.to(weight.device)[:, None]
+
+
+def _prompts_padded_in_place(model, prompts, max_new_tokens, prefill_chunk=None):
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    for pad, prompt in zip(pads, prompts, strict=True):
+        prompt[:0] = [0] * pad  # the mistake: the caller's lists padded in place
+    ids = torch.tensor(prompts, device=model.lm_head.weight.device)
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    for start in range(0, longest, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    new_tokens = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        next_ids = logits.argmax(dim=-1)
+        for row, token in zip(new_tokens, next_ids.tolist(), strict=True):
+            row.append(token)
+        if step + 1 < max_new_tokens:
+            logits = model(next_ids[:, None], cache=cache).logits[:, -1]
+    return new_tokens
+
+
+GENERAL = [
+    ("model", {"MLP.forward": _mlp_in_float64}, "dtype torch.float64 where torch.float32 is right"),
+    (
+        "training_step",
+        {"AdamW.step": _adamw_skips_zero_gradients},
+        "its gradient all zeros: still a gradient",
+    ),
+    (
+        "cached_loop",
+        {"StaticCache.__init__": _pads_on_the_cpu},
+        "the cache keeps tensors on the cpu",
+    ),
+    (
+        "cached_loop",
+        {"generate_cached": _prompts_padded_in_place},
+        "generate_cached changed the prompt lists it was given",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "replacements", "clause"), GENERAL, ids=[f"{g[0]}-{next(iter(g[1]))}" for g in GENERAL]
+)
+def test_a_wrong_answer_of_a_general_class_fails_naming_the_clause(
+    name: str, replacements: dict, clause: str
+) -> None:
+    build = BUILD[name]
+    results = check_build(build, replaced(build, replacements, "general"))
+    failed = [r for r in results if not r.passed]
+    assert failed and clause in failed[0].explanation, "\n".join(map(str, results))
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: b.name)
+def test_the_verdict_is_the_graders_whatever_the_checks_process_says(build: Build) -> None:
+    """A known wrong answer whose check's process finds no failure (its comparisons there
+    forged away): every part is judged again from the values it sent, and one fails."""
+    wrong = build.known_wrong[0]
+    module = replaced(build, wrong.replacements, wrong.name)
+    results = [
+        verdict(build, part, observe(build, part, module)[0], None, lambda: "")
+        for part in build.parts
+    ]
+    assert not all(result.passed for result in results), results
+    empty = verdict(build, build.parts[0], [], None, lambda: "")  # it sent no value at all
+    assert not empty.passed and "the check's process sent no" in empty.explanation, empty
 
 
 @pytest.mark.parametrize(("build", "mutant"), CODED, ids=[f"{b.name}-{m[0]}" for b, m in CODED])

@@ -33,7 +33,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, made, seen
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
@@ -172,7 +172,7 @@ def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
     """The learner's manager on `schedule`: every request against its solo uncached run,
     and the prefix cache's service against rose's manager's on the same schedule."""
     try:
-        mine = run_schedule(schedule, module)
+        mine = made(f"the engine on {schedule}", lambda: run_schedule(schedule, module))
     except Mismatch as error:
         raise Mismatch(f"{error} [{schedule}]") from None
     except NotImplementedError:
@@ -218,8 +218,9 @@ def _chain_hash(module: types.ModuleType) -> None:
         ("one block behind two parents", key(first, (4, 5, 6)) == key(b"", (4, 5, 6)), False),
         ("a block and its own repeat", key(first, (1, 2, 3)) == first, False),
     ]
-    if not isinstance(first, bytes):
-        raise Mismatch(f"chain_hash returns a {type(first).__name__}, not bytes")
+    kind, cases = seen("chain_hash's kind and cases", (type(first).__name__, cases))
+    if kind != "bytes":
+        raise Mismatch(f"chain_hash returns a {kind}, not bytes")
     for what, got, want in cases:
         if got != want:
             raise Mismatch(f"{what} get {'one key' if got else 'two keys'}")
@@ -465,7 +466,7 @@ def scripted(manager_cls: type) -> list[tuple]:
 
 def _bookkeeping(module: types.ModuleType) -> None:
     want = scripted(BlockManager)
-    got = scripted(module.BlockManager)
+    got = made("the scripted lives", lambda: scripted(module.BlockManager))
     names = ("the pool's invariants break:", "the answer", "free blocks", "evictable blocks", "prefix_cache_queries",
              "prefix_cache_hits", "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
     for mine, right in zip(got, want, strict=False):

@@ -30,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, seen
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
 from rosecourse.solutions.build_cached_loop import StaticCache
@@ -82,7 +82,7 @@ def bfloat16_logits(prompt: tuple[int, ...]) -> torch.Tensor:
     tokens = list(prompt) + list(reference_tokens(prompt, NEW))
     with torch.no_grad():
         logits = bfloat16_model()(torch.tensor([tokens[:-1]])).logits[0]
-    return logits[len(prompt) - 1 :].float()
+    return logits[len(prompt) - 1 :]
 
 
 def cached_steps(
@@ -216,6 +216,16 @@ def held_tensors(obj: object) -> dict[int, torch.Tensor]:
 
 
 def _memory(module: types.ModuleType) -> None:
+    # On a model moved to another device (meta, as to a GPU): every tensor the cache keeps.
+    cache = module.StaticCache(copy.deepcopy(oracle_model()).to("meta"), 2, 8, [0, 1])
+    kept = {t.device.type for t in held_tensors(cache).values()}
+    elsewhere = sorted(seen("the devices of a meta model's cache", kept) - {"meta"})
+    if elsewhere:
+        raise Mismatch(
+            f"on a model moved to another device (meta, as to a GPU) the cache keeps "
+            f"tensors on the {elsewhere[0]}: make every tensor it keeps (buffers, padding, "
+            "slots) on the device of the model's weights, or it fails on a GPU"
+        )
     rows = prompts(3)
     cache = new_cache(module, rows)
     returned: dict[int, list[int]] = {}  # layer -> the storage of its keys, per call
@@ -228,18 +238,24 @@ def _memory(module: types.ModuleType) -> None:
 
     cache.update = recorded
     held = []
-    for step, _ in cached_steps(cache, rows, None):
+    for _ in cached_steps(cache, rows, None):
         held.append(sum(t.untyped_storage().nbytes() for t in held_tensors(cache).values()))
-        if held[-1] != held[min(step, 1)]:
+    held = seen("the bytes the cache holds at each step", held)
+    for step in range(len(held)):
+        if held[step] != held[min(step, 1)]:
             raise Mismatch(
                 f"the cache holds {held[1]:,} bytes at decode step 1 and {held[-1]:,} at "
                 f"decode step {step}: a static cache allocates its buffers once"
             )
-    for layer, storages in returned.items():
-        if len(set(storages)) > 1:
+    distinct = seen(
+        "the keys' storages of each layer",
+        [(layer, len(set(s)), len(s)) for layer, s in returned.items()],
+    )
+    for layer, different, calls in distinct:
+        if different > 1:
             raise Mismatch(
-                f"layer {layer}'s keys come back in {len(set(storages))} different tensors "
-                f"over {len(storages)} calls: write into the buffers in place"
+                f"layer {layer}'s keys come back in {different} different tensors "
+                f"over {calls} calls: write into the buffers in place"
             )
 
 
@@ -395,8 +411,18 @@ def loop(batch: int, chunk: int | None):
             return built[-1]
 
         fed = [model.relabel[torch.tensor(row)].tolist() for row in rows]
+        given = [list(row) for row in fed]
         with mock.patch.object(module, "StaticCache", static_cache):
-            got = module.generate_cached(model, fed, NEW, chunk)
+            got = seen("the tokens it returns", module.generate_cached(model, fed, NEW, chunk))
+        after = seen("the prompt lists after the call", fed)
+        changed = next(
+            (i for i, (a, b) in enumerate(zip(after, given, strict=True)) if a != b), None
+        )
+        if changed is not None:
+            raise Mismatch(
+                f"generate_cached changed the prompt lists it was given (row {changed} was "
+                f"{given[changed]}, is {after[changed]}): they are the caller's; pad a copy"
+            )
         if not isinstance(got, list) or len(got) != len(rows):
             raise Mismatch(f"it returns {type(got).__name__} where {len(rows)} lists are right")
         for row, prompt in enumerate(rows):

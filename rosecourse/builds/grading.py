@@ -16,18 +16,23 @@ wrong answer's probe; the mistake is named only when they are the same.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from rosecourse.exercises import same
+from rosecourse.plain import decode, encode
 from rosetrainer.errors import one_line
+
+T = TypeVar("T")
 
 
 class Mismatch(Exception):
@@ -171,44 +176,145 @@ def known_probes(build: Build) -> tuple[tuple[KnownWrong, list[object] | None], 
 
 
 def probed(build: Build, module: types.ModuleType) -> list[object] | None:
-    """The probe's outcomes, or None when the module cannot even be probed."""
+    """The probe's outcomes as plain data, or None when the module cannot even be probed."""
     torch.manual_seed(0)
     try:
-        return build.probe(module)
+        return decode(encode(build.probe(module)))
     except Exception:  # a module that breaks the probe matches no known mistake
         return None
 
 
-def diagnosis(build: Build, module: types.ModuleType) -> str | None:
-    """The explanation of the known mistake whose probe `module` matches, if any."""
-    seen = probed(build, module)
-    if seen is None:
+def diagnosis(build: Build, outcomes_seen: list[object] | None) -> str | None:
+    """The explanation of the known mistake whose probe's outcomes are `outcomes_seen`
+    (the learner's module's, as plain data), if any."""
+    if outcomes_seen is None:
         return None
     for wrong, outcomes in known_probes(build):
-        if outcomes is not None and same(outcomes, seen):
+        if outcomes is not None and same(outcomes, outcomes_seen):
             return wrong.explanation
     return None
 
 
-def check_build(build: Build, module: types.ModuleType) -> list[PartResult]:
-    """Grade every part of `module`; print and return one result per part."""
-    results, named = [], None
-    for part in build.parts:
-        torch.manual_seed(0)
+# ---------------------------------------------------------------------------
+# Where the verdict is decided: what the learner's code made, on a tape
+# ---------------------------------------------------------------------------
+# A part runs twice. In the check's process it runs with the learner's module, and every
+# value the learner's code made that the part compares goes through `seen`, which notes
+# it on the part's tape as plain data. In the grader, which never imports the learner's
+# module, the same part runs again with the reference module, and `seen` hands back the
+# tape's values in place of the reference's: every comparison, with references computed
+# here by rose's own code, is made where the learner's code never ran. What the check's
+# process says is believed only when it is a failure.
+
+
+class Tape:
+    """The values a part's `seen` calls noted, in order, as (what, plain data)."""
+
+    def __init__(self, entries: list[tuple[str, object]] | None = None) -> None:
+        self.replaying = entries is not None
+        self.entries = list(entries or [])
+        self.used = 0
+
+
+_tape: Tape | None = None  # the part's tape while a part runs under `taped`
+
+
+@contextlib.contextmanager
+def taped(tape: Tape) -> Iterator[Tape]:
+    global _tape
+    _tape = tape
+    try:
+        yield tape
+    finally:
+        _tape = None
+
+
+def seen(what: str, value: T) -> T:
+    """`value`, made by the learner's code, as the part compares it: noted on the tape in
+    the check's process; in the grader, the tape's value in its place."""
+    if _tape is None:
+        return value
+    if not _tape.replaying:
+        _tape.entries.append((what, encode(value)))
+        return value
+    if _tape.used == len(_tape.entries):
+        raise Mismatch(f"the check's process sent no value for {what}")
+    noted, data = _tape.entries[_tape.used]
+    _tape.used += 1
+    if noted != what:
+        raise Mismatch(f"the check's process sent {noted!r} where the check asks {what!r}")
+    return decode(data)
+
+
+def made(what: str, make: Callable[[], T]) -> T:
+    """`seen(what, make())`, where in the grader `make` is never called: the tape holds
+    its value (for a learner's value the reference is slow to make again)."""
+    if _tape is not None and _tape.replaying:
+        return seen(what, None)
+    return seen(what, make())
+
+
+def observe(build: Build, part: Part, module: types.ModuleType) -> tuple[list, tuple | None]:
+    """Run `part` on the learner's `module` (in the check's process): its tape, and why it
+    failed there (None: it did not): ("unwritten" | "mismatch" | "raised", explanation)."""
+    torch.manual_seed(0)
+    with taped(Tape()) as tape:
         try:
             part.run(module)
         except NotImplementedError as error:
-            why = f"not written yet: replace the stub's body ({error})"
-            result = PartResult(build.name, part.name, False, why, unwritten=True)
+            return tape.entries, (
+                "unwritten",
+                f"not written yet: replace the stub's body ({error})",
+            )
         except Mismatch as error:
-            if named is None:
-                named = diagnosis(build, module) or ""
-            why = f"{error}" + (f": {named}" if named else "")
-            result = PartResult(build.name, part.name, False, why)
+            return tape.entries, ("mismatch", str(error))
         except Exception as error:  # whatever the learner's code raises is a finding
-            result = PartResult(build.name, part.name, False, f"raised {one_line(error)}")
-        else:
-            result = PartResult(build.name, part.name, True, build.passed)
+            return tape.entries, ("raised", f"raised {one_line(error)}")
+    return tape.entries, None
+
+
+def replay(build: Build, part: Part, entries: list) -> str | None:
+    """Run `part` on the reference with the tape's values in place of the learner's (in the
+    grader): what differs from rose, in words; None when nothing does."""
+    torch.manual_seed(0)
+    with taped(Tape(entries)) as tape:
+        try:
+            part.run(build.solution_module())
+        except Mismatch as error:
+            return str(error)
+    if tape.used == 0:
+        return "the check's process sent nothing to compare (no check passes without its runs)"
+    if tape.used < len(tape.entries):
+        return f"the check's process sent {len(tape.entries) - tape.used} values the check never asked for"
+    return None
+
+
+def verdict(
+    build: Build, part: Part, entries: list, failure: tuple | None, named: Callable[[], str]
+) -> PartResult:
+    """The part's result, decided here from what the check's process sent."""
+    kind, why = failure or ("mismatch", replay(build, part, entries))
+    if why is None:
+        return PartResult(build.name, part.name, True, build.passed)
+    if kind == "mismatch":
+        said = named()
+        why += f": {said}" if said else ""
+    return PartResult(build.name, part.name, False, why, unwritten=kind == "unwritten")
+
+
+def check_build(build: Build, module: types.ModuleType) -> list[PartResult]:
+    """Grade every part of `module` in this process (both halves: the tests use it); print
+    and return one result per part."""
+    results, named = [], None
+
+    def diagnose() -> str:
+        nonlocal named
+        if named is None:
+            named = diagnosis(build, probed(build, module)) or ""
+        return named
+
+    for part in build.parts:
+        result = verdict(build, part, *observe(build, part, module), diagnose)
         print(result)
         results.append(result)
     return results
@@ -225,6 +331,8 @@ def first_gap(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | 
         return f"a {type(got).__name__} where a tensor of shape {tuple(want.shape)} is right"
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} where {tuple(want.shape)} is right"
+    if got.dtype != want.dtype:  # a float64 answer is no float32 one, however close
+        return f"dtype {got.dtype} where {want.dtype} is right (the contract's dtype, as rose's)"
     gap = (got.detach().float() - want.detach().float()).abs()
     gap = torch.where(gap.isnan(), torch.inf, gap)
     if float(gap.max()) <= tolerance:
@@ -238,6 +346,6 @@ def first_gap(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | 
 
 
 def expect_close(what: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
-    gap = first_gap(got, want, tolerance)
+    gap = first_gap(seen(what, got), want, tolerance)
     if gap is not None:
         raise Mismatch(f"{what}: {gap}")

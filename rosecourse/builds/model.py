@@ -27,7 +27,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, first_gap
+from rosecourse.builds.grading import (
+    Build,
+    KnownWrong,
+    Mismatch,
+    Part,
+    expect_close,
+    first_gap,
+    seen,
+)
 from rosecourse.demo import wide_random_init
 from rosecourse.solutions.build_model import Block
 from rosetrainer import model as rose
@@ -97,7 +105,19 @@ def compare_layer(
 
 def _weights(module: types.ModuleType) -> None:
     for config in (CONFIG, NO_BIAS):
-        loaded(module.GPT, rose_model(config), config)
+        reference = rose_model(config)
+        mine = loaded(module.GPT, reference, config)
+        shapes = seen(
+            f"the weights{'' if config.bias else ' without biases'}",
+            {name: list(tensor.shape) for name, tensor in mine.state_dict().items()},
+        )
+        want = {name: list(tensor.shape) for name, tensor in reference.state_dict().items()}
+        if shapes != want:
+            wrong = next(name for name in {**shapes, **want} if shapes.get(name) != want.get(name))
+            raise Mismatch(
+                f"rose's GPT weights do not load into yours: {wrong} has shape "
+                f"{shapes.get(wrong, 'none (missing)')} where rose's has {want.get(wrong, 'none')}"
+            )
 
 
 def default_model() -> rose.GPT:
@@ -130,30 +150,35 @@ def _on_the_device(module: types.ModuleType) -> None:
     transformer.wpe show where they were made (an embedding there reads them wherever they
     are), and a tensor of the CPU mixed with the model's raises."""
     mine = module.GPT(CONFIG).to("meta")
+    devices: list[str] = []
 
     def positions_here(_wpe: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = next(iter([*args, *kwargs.values()]), None)
-        if isinstance(positions, torch.Tensor) and positions.device.type != "meta":
-            raise Mismatch(
-                "on a model moved to another device (meta, as to a GPU) the positions "
-                f"handed to transformer.wpe are on the {positions.device.type}, not idx's "
-                "device: make them there (torch.arange(T, device=idx.device)), or the "
-                "lookup fails on a GPU"
-            )
+        if isinstance(positions, torch.Tensor):
+            devices.append(positions.device.type)
 
     mine.transformer.wpe.register_forward_pre_hook(positions_here, with_kwargs=True)
+    raised = None
     try:
         with torch.no_grad():
             mine(torch.zeros(2, 5, dtype=torch.long, device="meta"))
-    except Mismatch:
-        raise
-    except Exception as error:  # the meta device cannot run all a GPU can: judged no further
-        if "not on the expected device" in str(error):
-            raise Mismatch(
-                "on a model moved to another device (meta, as to a GPU) the forward pass "
-                f"raises ({one_line(error)}): a tensor it makes is on the CPU (no "
-                "device=idx.device), not the model's device"
-            ) from None
+    except Exception as error:  # the meta device cannot run all a GPU can: judged below
+        raised = one_line(error)
+    devices, raised = seen("on the meta device: positions' devices, raised", (devices, raised))
+    elsewhere = [device for device in devices if device != "meta"]
+    if elsewhere:
+        raise Mismatch(
+            "on a model moved to another device (meta, as to a GPU) the positions "
+            f"handed to transformer.wpe are on the {elsewhere[0]}, not idx's "
+            "device: make them there (torch.arange(T, device=idx.device)), or the "
+            "lookup fails on a GPU"
+        )
+    if raised is not None and "not on the expected device" in raised:
+        raise Mismatch(
+            "on a model moved to another device (meta, as to a GPU) the forward pass "
+            f"raises ({raised}): a tensor it makes is on the CPU (no "
+            "device=idx.device), not the model's device"
+        )
 
 
 def _train_mode(module: types.ModuleType) -> None:
@@ -165,10 +190,10 @@ def _train_mode(module: types.ModuleType) -> None:
     with torch.no_grad():
         want = reference(idx).logits
         tolerance = logit_tolerance(want)
-        in_eval = first_gap(mine(idx), want, tolerance)
+        in_eval = first_gap(seen("the logits in eval mode", mine(idx)), want, tolerance)
         mine.train()
-        for _ in range(2):
-            gap = first_gap(mine(idx), want, tolerance)
+        for i in range(2):
+            gap = first_gap(seen(f"the logits in train mode, call {i}", mine(idx)), want, tolerance)
             if gap is None:
                 continue
             what = f"in train mode (model.train()) the logits of a (2, {CONFIG.block_size}) batch"
@@ -190,11 +215,13 @@ def _gradients(module: types.ModuleType) -> None:
     F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
     grads = dict(mine.named_parameters())
     for name, param in reference.named_parameters():
-        got = grads[name].grad
+        got = seen(f"the gradient of {name}", grads[name].grad)
         if got is None:
             raise Mismatch(f"{name} got no gradient: is it used in forward?")
         tolerance = GRAD_RTOL * float(param.grad.abs().max())
-        expect_close(f"the gradient of {name}", got, param.grad, tolerance)
+        gap = first_gap(got, param.grad, tolerance)
+        if gap is not None:
+            raise Mismatch(f"the gradient of {name}: {gap}")
 
 
 def _probe(module: types.ModuleType) -> list[object]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, seen
 from rosecourse.solutions.build_training_step import clip_gradients, learning_rate
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.data import get_batch
@@ -126,6 +126,9 @@ def training(run: str):
     def run_part(module: types.ModuleType) -> None:
         want_losses, want_params, want_norms = roses_run(run)
         losses, params, norms, left = learners_run(module, RUNS[run])
+        losses, norms, left = seen(
+            f"{run}: the losses, norms, gradients left", (losses, norms, left)
+        )
         for step, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
             if not abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
                 raise Mismatch(
@@ -166,13 +169,16 @@ def _groups_of(module: types.ModuleType, model: GPT, case: str) -> None:
     want = {}
     for group in model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups:
         want.update({names[id(p)]: group["weight_decay"] for p in group["params"]})
+    grouped = [
+        (names.get(id(p), "a tensor that is no parameter of the model"), group.get("weight_decay"))
+        for group in module.parameter_groups(model, 0.1)
+        for p in group["params"]
+    ]
     got: dict[str, float] = {}
-    for group in module.parameter_groups(model, 0.1):
-        for p in group["params"]:
-            name = names.get(id(p), "a tensor that is no parameter of the model")
-            if name in got:
-                raise Mismatch(f"{case}{name} is in two groups (or twice in one)")
-            got[name] = group.get("weight_decay")
+    for name, decay in seen(f"{case}the groups", grouped):
+        if name in got:
+            raise Mismatch(f"{case}{name} is in two groups (or twice in one)")
+        got[name] = decay
     for name, decay in want.items():
         if name not in got:
             raise Mismatch(f"{case}{name} is in no group")
@@ -198,15 +204,21 @@ SCHEDULES = (
 
 
 def _schedule(module: types.ModuleType) -> None:
-    for cfg in SCHEDULES:
-        for step in range(cfg.max_steps + 3):
-            got, want = module.learning_rate(step, cfg), learning_rate_at(step, cfg)
+    for i, cfg in enumerate(SCHEDULES):
+        steps = range(cfg.max_steps + 3)
+        rates = seen(f"schedule {i}'s rates", [module.learning_rate(step, cfg) for step in steps])
+        for step, got in zip(steps, rates, strict=True):
+            want = learning_rate_at(step, cfg)
             if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15):
                 raise Mismatch(
                     f"with learning_rate {cfg.learning_rate}, min_lr {cfg.min_lr}, "
                     f"warmup_steps {cfg.warmup_steps}, decay over {cfg.lr_decay_steps or cfg.max_steps} "
                     f"steps: step {step}'s rate is {got:.6g} where {want:.6g} is right"
                 )
+
+
+# (parameter, step) of adam_run whose gradient is all zeros, not None.
+ZERO_GRADIENT = (1, 2)
 
 
 def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
@@ -228,6 +240,8 @@ def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
         for i, p in enumerate(params):
             skipped = i == 2 and step in (1, 3)
             p.grad = None if skipped else torch.randn(p.shape, generator=generator) * 10**-step
+            if i == ZERO_GRADIENT[0] and step == ZERO_GRADIENT[1]:
+                p.grad.zero_()  # a gradient all zeros is a gradient: the moments still move p
         for group in optimizer.param_groups:
             group["lr"] = 0.1 / (step + 1)
         optimizer.step()
@@ -242,6 +256,8 @@ def _adamw(module: types.ModuleType) -> None:
             what = f"after update {step + 1}, parameter {i}"
             if i == 3:
                 what += " (its group's own betas and eps override the optimizer's)"
+            if (i, step) == ZERO_GRADIENT:
+                what += " (its gradient all zeros: still a gradient, the moments move it)"
             expect_close(what, a, b, 1e-6 * max(1.0, float(b.abs().max())))
 
 
@@ -258,7 +274,9 @@ def _clipping(module: types.ModuleType) -> None:
     for seed, scale, max_norm in ((0, 1.0, 0.5), (1, 0.1, 5.0), (2, 3.0, math.inf)):
         mine, want = gradients(seed, scale), gradients(seed, scale)
         # Given as a generator, as model.parameters() is: it can be iterated only once.
-        norm = module.clip_gradients((p for p in mine), max_norm)
+        norm = seen(
+            f"the norm clipped at {max_norm}", module.clip_gradients((p for p in mine), max_norm)
+        )
         want_norm = float(torch.nn.utils.clip_grad_norm_(want, max_norm))
         case = (
             f"gradients of norm {want_norm:.4g} clipped at {max_norm}, the parameters given "

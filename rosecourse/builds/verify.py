@@ -30,7 +30,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close
+from rosecourse.builds.grading import (
+    Build,
+    KnownWrong,
+    Mismatch,
+    Part,
+    expect_close,
+    made,
+    seen,
+)
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from rosecourse.solutions.build_verify import RollbackCache, score
@@ -103,8 +111,9 @@ def _cache_pass(module: types.ModuleType) -> None:
     for q_len in (10, 1, 2, 4, 9, 5):  # a prefill, then passes of k + 1 for k = 0, 1, 3, 8, 4
         fed(cache, text, start, start + q_len)
         start += q_len
-        if cache.seq_len != start:
-            raise Mismatch(f"after reading {start} tokens the cache's seq_len is {cache.seq_len}")
+        held = seen(f"seq_len after {start} tokens", cache.seq_len)
+        if held != start:
+            raise Mismatch(f"after reading {start} tokens the cache's seq_len is {held}")
 
 
 def _cache_rollback(module: types.ModuleType) -> None:
@@ -118,10 +127,11 @@ def _cache_rollback(module: types.ModuleType) -> None:
         with torch.no_grad():  # one pass: the text's next tokens, then tokens not in it
             oracle_model()(torch.tensor([text[held : held + kept] + wrong]), cache=cache)
         cache.truncate(held + kept)
-        if cache.seq_len != held + kept:
+        left = seen(f"seq_len after truncate({held + kept})", cache.seq_len)
+        if left != held + kept:
             raise Mismatch(
                 f"truncate({held + kept}) on a cache of {held + kept + rejected} positions "
-                f"leaves seq_len {cache.seq_len}"
+                f"leaves seq_len {left}"
             )
         fed(cache, text, held + kept, held + kept + 3)
 
@@ -154,9 +164,12 @@ def run(
         proposed = drafts(seq, min(k, NEW - made - 1), made)
         with target_calls() as calls:
             got = module.verify_greedy(oracle_model(), cache, seq.all_ids[-1], list(proposed))
-        if calls[0] != 1:
+        got, passes, held = seen(
+            f"{label}: the call at token {made}", (got, calls[0], getattr(cache, "seq_len", None))
+        )
+        if passes != 1:
             raise Mismatch(
-                f"{label}: a call given {drafted(len(proposed))} ran the target {calls[0]} "
+                f"{label}: a call given {drafted(len(proposed))} ran the target {passes} "
                 f"times: one pass over the newest token and the drafts is the point"
             )
         if not isinstance(got, list) or not 1 <= len(got) <= len(proposed) + 1:
@@ -164,10 +177,10 @@ def run(
                 f"{label}: given {drafted(len(proposed))} it returns {got!r}: between 1 and "
                 f"{len(proposed) + 1} tokens are right"
             )
-        if lengths and cache.seq_len != len(seq.all_ids) + len(got) - 1:
+        if lengths and held != len(seq.all_ids) + len(got) - 1:
             raise Mismatch(
                 f"{label}: after a call given {drafted(len(proposed))} that returned {len(got)} "
-                f"token(s), the cache holds {cache.seq_len} positions where "
+                f"token(s), the cache holds {held} positions where "
                 f"{len(seq.all_ids) + len(got) - 1} are right (the text but its newest token)"
             )
         for i, token in enumerate(got):
@@ -261,7 +274,7 @@ def rule_draws(
         drafted = int(torch.multinomial(q, 1, generator=generator))
         token, kept = module.accept_or_resample(p, q, drafted, generator)
         outcomes.append((int(token), bool(kept)))
-    return outcomes
+    return seen(f"{draws} draws of the rule", outcomes)
 
 
 def _rule(module: types.ModuleType) -> None:
@@ -304,8 +317,8 @@ def own_generator(what: str) -> Iterator[None]:
 
 def expect_reproducible(what: str, draws: Callable[[torch.Generator], list[object]]) -> None:
     """The same seed of `generator` twice: the same draws."""
-    first = draws(torch.Generator().manual_seed(11))
-    again = draws(torch.Generator().manual_seed(11))
+    first = seen(f"{what}, run once", draws(torch.Generator().manual_seed(11)))
+    again = seen(f"{what}, run again", draws(torch.Generator().manual_seed(11)))
     if first != again:
         at = next(i for i, (a, b) in enumerate(zip(first, again, strict=False)) if a != b)
         raise Mismatch(
@@ -345,8 +358,11 @@ def _sampled_verify(module: types.ModuleType) -> None:
             drafts.append(int(target_probs(text + drafts)[-1].argmax()))
         draft_probs = target_probs(text + drafts)[len(text) - 1 : -1]
         with target_calls() as calls:
-            got = module.verify_sampled(
-                oracle_model(), cache, text[-1], drafts, draft_probs, generator
+            got = seen(
+                "verify_sampled",
+                module.verify_sampled(
+                    oracle_model(), cache, text[-1], drafts, draft_probs, generator
+                ),
             )
         where = f"{drafted(k)} drawn from the target's own distribution (q = p)"
         if calls[0] != 1:
@@ -366,7 +382,10 @@ def _sampled_verify(module: types.ModuleType) -> None:
     p, q = target_probs(text + drafts)[-2:]
     counts: dict[int, int] = {}
     for _ in range(BONUS_DRAWS):
-        got = module.verify_sampled(oracle_model(), cache, text[-1], drafts, p[None], generator)
+        got = seen(
+            "verify_sampled",
+            module.verify_sampled(oracle_model(), cache, text[-1], drafts, p[None], generator),
+        )
         check_length(cache, len(text) + 1, f"{drafted(1)} drawn from q = p")
         counts[got[-1]] = counts.get(got[-1], 0) + 1
         cache.truncate(len(text) - 1)
@@ -375,8 +394,11 @@ def _sampled_verify(module: types.ModuleType) -> None:
     least = int(target_probs(text)[-1].argmin())
     vocab = oracle_model().config.vocab_size
     draft_probs = torch.nn.functional.one_hot(torch.tensor([least, least]), vocab)
-    got = module.verify_sampled(
-        oracle_model(), cache, text[-1], [least, least], draft_probs.float(), generator
+    got = seen(
+        "verify_sampled",
+        module.verify_sampled(
+            oracle_model(), cache, text[-1], [least, least], draft_probs.float(), generator
+        ),
     )
     where = f"drafts [{least}, {least}] (q one-hot; p gives {least} almost nothing)"
     if not isinstance(got, list) or len(got) != 1 or got[0] == least:
@@ -429,18 +451,37 @@ def exact_law() -> tuple[dict[tuple[int, ...], float], list[torch.Tensor]]:
 
 def small_steps(module: types.ModuleType, generator: torch.Generator, n: int) -> list[tuple]:
     """n sampled verify steps of the learner's on the small target, from one place."""
-    cache = ConcatKVCache()
-    with torch.no_grad():
-        small_target()(torch.tensor([SMALL_TEXT[:-1]]), cache=cache)
-    held = cache.seq_len
-    outcomes = []
-    for _ in range(n):
-        got = module.verify_sampled(
-            small_target(), cache, SMALL_TEXT[-1], list(SMALL_DRAFTS), SMALL_Q.clone(), generator
-        )
-        outcomes.append(tuple(int(t) for t in got))
-        check_length(cache, held + len(got), "a sampled step on the 5-token target")
-        cache.truncate(held)
+
+    def steps() -> tuple[list[tuple], list[int], int]:  # tokens, lengths after, before
+        cache = ConcatKVCache()
+        with torch.no_grad():
+            small_target()(torch.tensor([SMALL_TEXT[:-1]]), cache=cache)
+        held = cache.seq_len
+        outcomes, lengths = [], []
+        for _ in range(n):
+            got = module.verify_sampled(
+                small_target(),
+                cache,
+                SMALL_TEXT[-1],
+                list(SMALL_DRAFTS),
+                SMALL_Q.clone(),
+                generator,
+            )
+            outcomes.append(tuple(int(t) for t in got))
+            lengths.append(cache.seq_len)
+            if cache.seq_len != held + len(got):
+                break  # judged below, before a later call trips over it
+            cache.truncate(held)
+        return outcomes, lengths, held
+
+    outcomes, lengths, held = made(f"{n} sampled steps on the 5-token target", steps)
+    for tokens, length in zip(outcomes, lengths, strict=True):  # (all n, when right)
+        if length != held + len(tokens):
+            raise Mismatch(
+                f"a sampled step on the 5-token target: the cache holds {length} positions "
+                f"after the call where {held + len(tokens)} are right (the text but its "
+                "newest token)"
+            )
     return outcomes
 
 
@@ -550,9 +591,10 @@ def chi_square_p_value(statistic: float, dof: int) -> float:
 
 
 def check_length(cache: object, want: int, where: str) -> None:
-    if cache.seq_len != want:
+    held = seen(f"{where}: seq_len", cache.seq_len)
+    if held != want:
         raise Mismatch(
-            f"{where}: the cache holds {cache.seq_len} positions after the call where {want} "
+            f"{where}: the cache holds {held} positions after the call where {want} "
             f"are right (the text but its newest token)"
         )
 
