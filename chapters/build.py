@@ -7,7 +7,7 @@ Each chapter is one jupytext markdown file, the single source of its prose and
 code. Building reads it with jupytext, executes it top to bottom in a fresh
 python3 kernel (nbclient), keeps only the last state of progress bars, and writes
 the notebook. Never edit a notebook by hand: edit the chapter and build again
-(tests/test_chapters.py fails when the two differ).
+(tests/project/test_chapters.py fails when the two differ).
 
 Kernels start in notebooks/, the folder Jupyter starts a notebook's kernel in, so
 a notebook behaves the same built here, run by the tests, or opened by a reader.

@@ -106,7 +106,7 @@ def lessons(source: Path = COURSE) -> list[tuple[str, str, str]]:
     rose's packages import, and the checks need the course's own dependencies
     (hypothesis, llguidance, ...) and tiktoken's files. The table is the literal
     `LESSONS = [Lesson("02", "concat_kv", "keep the past ..."), ...]`;
-    tests/test_site_hooks.py holds what is read here to what the module holds.
+    tests/project/test_site_hooks.py holds what is read here to what the module holds.
     """
     tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
     for node in tree.body:

@@ -252,7 +252,7 @@ def is_hints(node: ast.stmt) -> bool:
 
 # Each build's parts, in order, with the stub function each part meets first (the
 # NotImplementedError its untouched stub raises there): what `check_build` prints for the
-# stub, said without importing torch. tests/test_course.py holds it to those lines.
+# stub, said without importing torch. tests/course/test_course.py holds it to those lines.
 UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "model": (
         ("weights", "GPT.__init__"),

@@ -143,7 +143,7 @@ def exit_torchrun_worker(code: int) -> NoReturn:
     finalizing interpreter ends such a thread with a forced unwind through a noexcept
     destructor, and the process aborts (SIGABRT, exit -6) after a run that had finished and
     saved: 1 in 5 two-process CPU runs on the build machine (the stack read with gdb), and
-    a CI run of tests/test_ddp.py. Everything a run writes is closed by then; the two
+    a CI run of tests/trainer/test_ddp.py. Everything a run writes is closed by then; the two
     streams are flushed here."""
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,7 +2,7 @@
 
 Each is written against the exercise's contract (rosecourse/exercises/chNN_*/reference.py) the way
 a learner might get it wrong: off by one, the wrong axis, one row only, a constant where
-a parameter belongs, a missing comparison, rounding the wrong way. tests/test_mutants.py
+a parameter belongs, a missing comparison, rounding the wrong way. tests/course/test_mutants.py
 asserts that each fails its check without being taken for a known mistake, and that the
 alternatives (other answers that meet the contract) pass.
 """
@@ -58,7 +58,7 @@ load()
 # Each is the build's reference solution (rosecourse/solutions/build_NAME.py) with one
 # class or function replaced by the code below. A replacing function runs with the
 # learner module's globals (so it builds the StaticCache the check swaps in), a replacing
-# class may subclass the reference's. tests/test_builds.py asserts that each fails a part
+# class may subclass the reference's. tests/course/test_builds.py asserts that each fails a part
 # of its build, and that each alternative passes every part.
 
 BUILD_MUTANTS: dict[str, list[tuple[str, dict[str, object]]]] = {}
@@ -1736,7 +1736,7 @@ def sampled_rows_shifted(
 # lists nor the exercises' and builds' known wrong answers (issue 45): each registered with
 # `blind` or `blind_build` below, as a mutant like the ones above, or, where the check names
 # it as one of the known mistakes (the blind writer found that one too), with `known=` that
-# mistake, whose diagnosis it must then get (tests/test_mutants.py, tests/test_builds.py).
+# mistake, whose diagnosis it must then get (tests/course/test_mutants.py, tests/course/test_builds.py).
 
 
 def blind_build(

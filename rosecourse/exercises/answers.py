@@ -1,7 +1,7 @@
 """The chapter exercises' known answers, kept as data beside each check.
 
 Each exercise's folder holds, in `mistakes.py`, the answers its check is proven against
-(tests/test_mutants.py runs them): plausible wrong answers (`mutant`), wrong answers
+(tests/course/test_mutants.py runs them): plausible wrong answers (`mutant`), wrong answers
 written blind by someone who had read neither these lists nor the known mistakes
 (`blind`, issue 45), wrong answers by class that break a clause of the contract their
 values do not show (`breaks`, issue 54: device, dtype, numerics, side effects), and

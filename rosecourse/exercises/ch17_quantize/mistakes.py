@@ -1,5 +1,5 @@
 """Chapter 17's known answers (data: rosecourse/exercises/answers.py says what each kind
-is; tests/test_mutants.py runs them against this chapter's check)."""
+is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
