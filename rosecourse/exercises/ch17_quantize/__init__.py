@@ -48,13 +48,15 @@ def _quantize_probe(fn: Callable) -> Probe:
     dtypes, the code range, and how far each number is read back from itself.
 
     The numbers hold an outlier channel (as keys do), a group just above 1000 whose
-    minimum float16 cannot hold (rounded to nearest, the zero lands above it), a group
-    of equal numbers (scale 0) and a group near float16's largest numbers.
+    minimum float16 cannot hold (rounded to nearest, the zero lands above it), groups of
+    equal numbers (one float16 holds exactly: scale 0, not a small one) and a group near
+    float16's largest numbers.
     """
     x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0)) * 3
     x[..., 3] += 20.0
     x[0, 0, 0] = torch.linspace(1000.3, 1001.0, 8)
-    x[0, 0, 1] = 5.1
+    x[0, 0, 1] = 5.1  # (not a float16 number: its zero rounds down, its scale is not 0)
+    x[0, 1, 5] = 2.5  # (a float16 number: zero is it, and the contract's scale is 0)
     x[0, 1, 2] = torch.linspace(-65000.0, 60000.0, 8)
     half = x.half()
     ulp = (torch.nextafter(half, torch.full_like(half, torch.inf)) - half).float()
@@ -68,6 +70,9 @@ def _quantize_probe(fn: Callable) -> Probe:
         bound = scale / 2 + 1e-6 * (1 + x.abs()) + torch.where(scale == 0, ulp, 0.0)
         outside = ((back - x).abs() > bound).nonzero()
         zero = q.zero.float().repeat_interleave(group_size, dim)
+        groups = x.movedim(dim, -1).unflatten(-1, (-1, group_size))
+        low = groups.amin(-1)  # (..., groups): a group of one number float16 holds exactly
+        equal = (groups.amax(-1) == low) & (low.half().float() == low)
         top, tol = zero + (2**bits - 1) * scale, 1e-6 * (1 + x.abs())
         first = "none"
         if len(outside):
@@ -84,6 +89,11 @@ def _quantize_probe(fn: Callable) -> Probe:
             # The stored zero and scale must cover the group: zero at or below its
             # minimum, zero + (2**bits - 1) * scale at or above its maximum.
             "numbers above zero + (2**bits - 1) * scale": int((x > top + tol).sum()),
+            # The contract: a group of equal numbers has scale 0, not a small one (where
+            # float16 holds the number: else its zero rounds down below it).
+            "groups of one float16 number whose scale is not 0": int(
+                (q.scale.float().movedim(dim, -1)[equal] != 0).sum()
+            ),
         }
 
     cases = [(4, 4, 3), (8, 8, 2), (4, 2, 2), (2, 8, 3)]

@@ -122,3 +122,20 @@ def levels_2_pow_bits(x, bits, group_size, dim):
 @blind("17", known="scale_to_nearest")
 def scale_nearest(x, bits, group_size, dim):
     return _blind_17(x, bits, group_size, dim, scale_up=False)
+
+
+# WRONG: the scale clamped to at least 1e-6 (to avoid dividing by zero): a group of one
+# number float16 holds gets a small scale where the contract's is 0 (a second blind batch)
+@blind("17")
+def scale_clamped_at_a_small_number(x, bits, group_size, dim):
+    levels = 2**bits - 1
+    groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))
+    zero = _to_float16(groups.amin(-1, keepdim=True), -float("inf"))
+    spread = (groups.amax(-1, keepdim=True) - zero.float()) / levels
+    scale = _to_float16(spread.clamp_min(1e-6), float("inf"))
+    codes = ((groups - zero.float()) / scale.float()).round().clamp(0, levels).to(torch.uint8)
+    return Quantized(
+        codes.flatten(-2).movedim(-1, dim),
+        scale.squeeze(-1).movedim(-1, dim),
+        zero.squeeze(-1).movedim(-1, dim),
+    )
