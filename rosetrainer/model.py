@@ -566,17 +566,19 @@ class GPT(nn.Module):
                 x = block(x, attn_mask, cache, layer, rope)
         x = self.transformer.ln_f(x)
         if targets is not None:
-            if last_only or logits_at is not None:
-                raise RoseError(
-                    "targets need logits at every position; drop last_only and logits_at"
-                )
-            # At GPT-2's vocabulary the logits outweigh every block's activations: the loss
-            # is computed a slice of rows at a time, and the logits never exist whole.
-            loss = linear_cross_entropy(
-                x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
-            )
-            return GPTOutput(None, loss)
+            return GPTOutput(None, self._loss(x, targets, last_only or logits_at is not None))
         return GPTOutput(self._logits(x, last_only, logits_at), None)
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor, some_positions: bool) -> torch.Tensor:
+        """Final hidden states and next-token ids -> the mean cross-entropy. At GPT-2's
+        vocabulary the logits outweigh every block's activations: the loss is computed a
+        slice of rows at a time, and the logits never exist whole."""
+        if some_positions:
+            raise RoseError("targets need logits at every position; drop last_only and logits_at")
+        rows = x.reshape(-1, x.size(-1))
+        return linear_cross_entropy(
+            rows, self.lm_head.weight, targets.reshape(-1), self.config.vocab_size
+        )
 
     def full_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
         """The mask of a forward without a cache: None (plain causal) or the banded one."""
