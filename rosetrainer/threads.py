@@ -12,7 +12,9 @@ figures beside two busy programs of equal priority: `python -m benchmarks.conten
 So rose's default, "auto", starts with torch's own count (one thread per core) and,
 between steps, looks at how many *other* threads are ready to run on the machine; while
 they keep cores busy it computes on the cores they leave (at least one), and takes the
-cores back once they are free again. The team then never holds more threads than there
+cores back once they are free again. A core counts as taken only when other programs are
+runnable on it nearly all the time: one busy part of the time (a load generator beside a
+server) leaves gaps that are worth a thread. The team then never holds more threads than there
 are cores for it, so its spinning waits stay short, and OpenMP's waiting policy can stay
 its default (spin, then sleep), which is the fast one on free cores. A count the user
 gives (`--num-threads N`, or OMP_NUM_THREADS in the environment) is kept as given.
@@ -43,6 +45,9 @@ SAMPLE_EVERY_S = 0.02
 # every sample; a program that wakes up for a moment, in few.
 DECIDE_EVERY_S = 0.2
 SMOOTHING = 0.2
+# The smoothed share of samples in which other programs keep a core runnable for rose to
+# leave it to them (`_for_load`).
+BUSY_SHARE = 0.95
 
 
 # --num-threads at most this many per core this process may run on: more threads than
@@ -195,4 +200,10 @@ class Threads:
         if now - self.decided < DECIDE_EVERY_S and not first:
             return self.count
         self.decided = now
-        return max(1, min(self.most, self.cores - round(self.others)))
+        # A core counts as taken only while other programs keep it runnable nearly all the
+        # time (BUSY_SHARE): one busy most but not all of the time (a load generator beside
+        # a server) leaves gaps a second thread fills. GPT-2 124M served beside
+        # benchmarks.serving_compare's client (runnable 0.7-1.0 of the time, smoothed):
+        # two threads 194.6 tok/s, one 122.6 (docs/benchmarks.md, "A busy machine").
+        taken = math.floor(self.others + 1 - BUSY_SHARE)
+        return max(1, min(self.most, self.cores - taken))

@@ -79,6 +79,24 @@ def test_a_moment_of_load_does_not_flip_the_count(auto_env, monkeypatch) -> None
     assert counts == {2}
 
 
+def test_a_program_busy_most_of_the_time_leaves_the_team_its_cores(auto_env, monkeypatch) -> None:
+    """A load generator beside a server is runnable most but not all of the time (5 samples
+    in 6 here): the gaps it leaves are worth a second thread (GPT-2 124M served beside
+    such a client: 190 tok/s on two threads, 123 on one); a program runnable in every
+    sample takes its core."""
+    loads(monkeypatch, ([1, 1, 1, 1, 1, 0] * 10))
+    threads = Threads()
+    counts = []
+    for _ in range(60):
+        threads.adapt()
+        counts.append(torch.get_num_threads())
+    assert counts[10:] == [2] * 50
+    loads(monkeypatch, [1])
+    for _ in range(20):
+        threads.adapt()
+    assert torch.get_num_threads() == 1
+
+
 def test_a_fixed_count_is_kept_whatever_the_load(auto_env, monkeypatch) -> None:
     loads(monkeypatch, [2])
     threads = Threads(2)
