@@ -107,6 +107,10 @@ def server_process(
         process = subprocess.Popen(
             command, stdout=stdout, stderr=out, start_new_session=True, env=env
         )
+    # A benchmark stopped by SIGTERM (`timeout`, a CI job's end) stops its server too: the
+    # server runs in a session of its own, so nothing else would, and Python's default for
+    # SIGTERM ends this process without running the `finally` below.
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         if base_url is None:
             line = process.stdout.readline().decode()
@@ -137,6 +141,11 @@ def server_process(
                 process.wait()
         if process.stdout is not None:
             process.stdout.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def rose_command(model_dir: Path, *flags: str) -> list[str]:
