@@ -101,7 +101,14 @@ class EngineConfig:
         return "flex" if device.type == "cuda" else "kernel"
 
     def check_model(self, model: GPTConfig) -> None:
-        """The settings that depend on the model (a quantized pool's group size)."""
+        """The settings that depend on the model (a block's length, a quantized pool's
+        group size)."""
+        if self.kv_block_size > model.block_size:
+            # (a block longer than any sequence can grow only holds memory no token uses)
+            raise RoseError(
+                f"kv_block_size {self.kv_block_size} is more than the model's context "
+                f"({model.block_size} tokens): choose at most {model.block_size}"
+            )
         if model.sliding_window is not None and self.kv_cache_dtype != "auto":
             raise RoseError(
                 "a quantized KV pool does not yet free blocks behind a sliding window: "

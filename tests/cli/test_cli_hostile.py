@@ -171,11 +171,18 @@ def test_a_kv_pool_past_the_memory_is_one_line(
     ("flags", "says"),
     [
         (["--kv-block-size", "0"], "--kv-block-size must be an integer >= 1, got 0"),
+        (["--kv-block-size", "100000"], "--kv-block-size 100000 is more than the model's"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
         (["--num-kv-blocks", "0"], "--num-kv-blocks must be an integer >= 1, got 0"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory must be a byte count"),
     ],
-    ids=["kv-block-size", "max-num-seqs", "num-kv-blocks", "kv-cache-memory"],
+    ids=[
+        "kv-block-size",
+        "kv-block-past-context",
+        "max-num-seqs",
+        "num-kv-blocks",
+        "kv-cache-memory",
+    ],
 )
 def test_an_engine_flags_mistake_names_the_flag(
     capsys: pytest.CaptureFixture, checkpoint: Path, tool: str, flags: list[str], says: str
