@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import replace
 from numbers import Integral
 from pathlib import Path
 
@@ -166,20 +167,29 @@ class LLM:
         engine = self.engine
         # Only the finished outputs are returned: the engine makes no other.
         final_only = RequestOutputKind.FINAL_ONLY
+        # A prompt's n completions are n requests, choice i with seed + i (as rose-serve
+        # draws a request's n choices): ids[k] lists prompt k's, its own first.
         ids = [
-            engine.add_request(prompt, p, output_kind=final_only)
+            [engine.add_request(prompt, choice, output_kind=final_only) for choice in p.choices()]
             for prompt, p in zip(prompts, params, strict=True)
         ]
+        total = sum(len(choices) for choices in ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+        with tqdm(total=total, desc="generating", unit="request", disable=not use_tqdm) as bar:
             self.threads.adapt()  # (between steps too: the machine's load may change)
             for output in engine.drain(after_step=self.threads.adapt):
                 finished[output.request_id] = output
                 bar.update(1)
-        for prompt, request_id in zip(prompts, ids, strict=True):
+        results = []
+        for prompt, (first, *more) in zip(prompts, ids, strict=True):
+            output = finished[first]
             if isinstance(prompt, str):
-                finished[request_id].prompt = prompt
-        return [finished[request_id] for request_id in ids]
+                output.prompt = prompt
+            for index, request_id in enumerate(more, start=1):
+                (completion,) = finished[request_id].outputs
+                output.more_completions.append(replace(completion, index=index))
+            results.append(output)
+        return results
 
 
 def is_message(message: object) -> bool:

@@ -202,6 +202,11 @@ class LLMEngine:
             raise RoseError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(output_kind, RequestOutputKind):
             raise RoseError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+        if params.n != 1:
+            raise RoseError(
+                f"add_request runs one completion, got n={params.n}: LLM.generate and "
+                f"rose-serve run each of n completions as a request of its own"
+            )
         prompt_ids = self._prompt_ids(prompt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"

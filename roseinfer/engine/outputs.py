@@ -7,12 +7,13 @@ A `RequestOutput` also reads as vLLM's: `output.outputs[0].text`, `.token_ids`,
 `.finish_reason` (a `CompletionOutput`), `output.prompt`, `output.prompt_token_ids`,
 `output.request_id`, `output.finished`, so vLLM's offline examples run on rose's `LLM`
 unchanged. rose's own code reads the request's fields directly (`output.text`): a rose
-request is one completion (n choices are n requests), so `outputs` holds just one.
+request is one completion (n choices are n requests), so `outputs` holds just one, or,
+from `LLM.generate` with n > 1, the prompt's n (the first is the request's own).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -88,6 +89,9 @@ class RequestOutput:
     # text): it finished then with finish_reason "abort"; the other requests went on.
     error: str | None = None
     prompt: str | None = None  # the prompt's text, where it was given as text (LLM.generate)
+    # The prompt's other completions, where LLM.generate was asked for n > 1 (`outputs`
+    # lists them after this request's own, index 1 to n - 1)
+    more_completions: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -104,7 +108,7 @@ class RequestOutput:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
-        return [completion]
+        return [completion, *self.more_completions]
 
 
 @dataclass

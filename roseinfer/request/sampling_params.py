@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rosetrainer.errors import RoseError
 
@@ -184,11 +184,26 @@ class SamplingParams:
     # hold the output to a JSON schema, a regex, a choice or a grammar (compiled and
     # matched in roseinfer/request/structured.py)
     structured_outputs: StructuredOutputs | None = None
+    # completions of the prompt (vLLM's `n`): `LLM.generate` runs each as a request of its
+    # own, choice i sampled with seed + i; the engine's add_request takes one (n=1)
+    n: int = 1
+
+    def choices(self) -> list[SamplingParams]:
+        """One params of one completion (n=1) for each of the n choices; choice i is
+        seeded seed + i, so that seeded choices differ and each can be redrawn alone."""
+        if self.n == 1:
+            return [self]
+        return [
+            replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % (MAX_SEED + 1))
+            for i in range(self.n)
+        ]
 
     def __post_init__(self) -> None:
         # Accept a single stop string, lists and None, as the OpenAI API does; store tuples.
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidParam("n", f"n must be an integer >= 1, got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidParam(
                 "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"

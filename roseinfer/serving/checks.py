@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from roseinfer.request.grammar_process import CompilerStopped
 from roseinfer.request.sampling_params import (
-    MAX_SEED,
     InvalidParam,
     SamplingParams,
     StructuredOutputs,
@@ -264,24 +263,22 @@ class RequestChecks:
             max_tokens = self.room_left(ids)
         for ids in prompts:
             self.fits(ids, max_tokens, body)
-        per_choice = []
-        for choice in range(body.n):
-            seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
-            try:
-                params = SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=body.temperature,
-                    top_k=max(body.top_k, 0),
-                    top_p=body.top_p,
-                    seed=seed,
-                    stop=body.stop,
-                    ignore_eos=body.ignore_eos,
-                    logprobs=logprobs,
-                    structured_outputs=structured_outputs,
-                )
-            except InvalidParam as err:
-                raise BadRequest(str(err), err.param) from None
-            per_choice.append(params)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_k=max(body.top_k, 0),
+                top_p=body.top_p,
+                seed=body.seed,
+                stop=body.stop,
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+                structured_outputs=structured_outputs,
+                n=body.n,
+            )
+        except InvalidParam as err:
+            raise BadRequest(str(err), err.param) from None
+        per_choice = params.choices()
         if self.speculative and not per_choice[0].greedy and not self.told_sampled:
             self.told_sampled = True
             log.warning(

@@ -116,6 +116,29 @@ def test_llm_takes_vllms_prompt_dicts_keywords_and_top_k_off(checkpoint: Path) -
         llm.generate({"text": "What light"}, greedy, use_tqdm=False)
 
 
+def test_llm_makes_n_completions_a_prompt_as_vllm_does(checkpoint: Path) -> None:
+    """SamplingParams(n=3): each prompt's output holds three completions (outputs[0..2],
+    index 0..2); choice i is the one-completion request seeded seed + i (as rose-serve
+    draws a request's n choices), its uncached tokens; the engine itself takes one
+    completion a request, and says where n goes."""
+    llm = roseinfer.LLM(str(checkpoint), kv_block_size=4)
+    sampled = SamplingParams(max_tokens=6, temperature=1.5, seed=11, n=3)
+    outputs = llm.generate(["What light", "O"], sampled, use_tqdm=False)
+    for prompt, output in zip(["What light", "O"], outputs, strict=True):
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert output.text == output.outputs[0].text
+        for i, completion in enumerate(output.outputs):
+            one = SamplingParams(max_tokens=6, temperature=1.5, seed=11 + i)
+            assert completion.token_ids == solo_ids(llm, prompt, one)
+            assert completion.finish_reason in ("stop", "length")
+        assert len({tuple(c.token_ids) for c in output.outputs}) > 1  # (seeds differ)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(RoseError, match="add_request runs one completion, got n=3"):
+        llm.engine.add_request("O", sampled)
+    with pytest.raises(RoseError, match="n must be an integer >= 1, got 0"):
+        SamplingParams(n=0)
+
+
 def test_llm_called_from_several_threads_runs_each_call_whole(checkpoint: Path) -> None:
     """The engine is not thread-safe: LLM.generate calls from several threads run one after
     the other, each with its oracle tokens, and the LLM still works after."""
