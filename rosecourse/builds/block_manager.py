@@ -3,23 +3,23 @@
 Contract: rosecourse/solutions/build_block_manager.py. The parts:
 
 * the chained key: equal for equal blocks behind equal parents, different otherwise;
-* the bookkeeping alone: scripted lives of a few sequences (shared prefixes, a block
+* the bookkeeping alone: scripted lives of small pools (`LIVES`: shared prefixes, a block
   repeated inside one prompt, a release, an eviction; one prompt computed side by side
   by two sequences, whose first block is then evicted while its second stays cached;
   blocks filled by generated tokens; a start that holds a chunk of its prompt; a pool
-  without prefix caching), every answer and count beside rose's BlockManager doing the
-  same, the pool's invariants checked after every call (`check_pool`, and the prefix
-  cache's map: every key names a block keyed by it, nothing keyed without prefix
-  caching, every evictable block keyed); block *ids* may differ from rose's, nothing
+  without prefix caching), every answer and count beside rose's BlockManager living the
+  same, the pool's invariants checked after every call (`pool_problem`: rose's
+  `check_pool`, and the prefix cache's map); block *ids* may differ from rose's, nothing
   else may;
 * rose's engine with the learner's BlockManager in place of rose's (LLMEngine builds it):
   a workload of shared prefixes with room to spare, the same in a pool so small that
   requests are preempted and cached blocks evicted, and random schedules drawn by
   hypothesis (block sizes that are not powers of two, pool sizes, token budgets that
-  chunk the prefill, arrivals, aborts, now and then no prefix caching). After every engine step the pool's invariants
-  hold; every request's tokens are its solo uncached run's (an aborted one's, the start
-  of it); and each request's prompt tokens served by the prefix cache are what rose's
-  own manager serves on the same schedule, and its counters (queries, hits) rose's.
+  chunk the prefill, arrivals, aborts, now and then no prefix caching). After every
+  engine step the pool's invariants hold; every request's tokens are its solo uncached
+  run's (an aborted one's, the start of it); and each request's prompt tokens served by
+  the prefix cache are what rose's own manager serves on the same schedule, and its
+  counters (queries, hits) rose's.
 
 The model is the chapters' random strong-oracle model, which has no sliding window, so the
 engine's window hook (`drop_out_of_window`) is not the learner's to write.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, made, seen
@@ -44,8 +44,178 @@ from rosetrainer.errors import one_line
 from rosetrainer.tokenizer import Tokenizer
 
 MAX_STEPS = 300  # an engine that makes no progress is stopped here, and says so
-COUNTERS = "the prefix cache's counters"  # run_schedule's entry for them
 EXAMPLES = 6  # random schedules per check: a few, so the check takes seconds
+
+
+def pool_problem(
+    manager: object, live: list, caching: bool, written: list = (), writers: list = ()
+) -> str | None:
+    """What breaks the pool's invariants (`check_pool`) or the prefix cache's map, in
+    words (None: nothing): every key in `cached` names a block keyed by it, every keyed
+    block is cached under its key, nothing is keyed without prefix caching, and every
+    evictable block is keyed."""
+    try:
+        check_pool(manager, live, written, writers)
+    except AssertionError as error:
+        return str(error)
+    for key, block_id in manager.cached.items():
+        if manager.blocks[block_id].hash != key:
+            return (
+                f"`cached` still maps a key to block {block_id}, which is no longer keyed by "
+                "it: an evicted block is keyed no more, so its key leaves `cached`"
+            )
+    for block in manager.blocks:
+        if block.hash is not None and not caching:
+            return f"block {block.block_id} is keyed with prefix caching off: nothing is then"
+        if block.hash is not None and manager.cached.get(block.hash) != block.block_id:
+            return f"block {block.block_id} is keyed, but `cached` does not map its key to it"
+    for block_id in manager.evictable:
+        if manager.blocks[block_id].hash is None:
+            return (
+                f"block {block_id} is evictable but keyed by nothing: a block nobody holds "
+                "is free, unless it is keyed (cached)"
+            )
+    return None
+
+
+# -- the chained key ---------------------------------------------------------------------------
+
+
+def _chain_hash(module: types.ModuleType) -> None:
+    key = module.chain_hash
+    first = key(b"", (1, 2, 3))
+    cases = [
+        ("the same block behind the same parent", key(b"", (1, 2, 3)) == first, True),
+        ("(1, 2, 3) and (1, 2, 4) behind one parent", key(b"", (1, 2, 4)) == first, False),
+        ("(1, 23) and (12, 3)", key(b"", (1, 23)) == key(b"", (12, 3)), False),
+        ("one block behind two parents", key(first, (4, 5, 6)) == key(b"", (4, 5, 6)), False),
+        ("a block and its own repeat", key(first, (1, 2, 3)) == first, False),
+    ]
+    kind, cases = seen("chain_hash's kind and cases", (type(first).__name__, cases))
+    if kind != "bytes":
+        raise Mismatch(f"chain_hash returns a {kind}, not bytes")
+    for what, got, want in cases:
+        if got != want:
+            raise Mismatch(f"{what} get {'one key' if got else 'two keys'}")
+
+
+# -- the bookkeeping, scripted -----------------------------------------------------------------
+
+TEXTS = {  # the sequences' tokens, by name
+    **dict.fromkeys(("x", "y", "r", "s1", "s2"), range(1, 8)),
+    "a": range(1, 9), "a6": range(1, 7), "b": [*range(1, 7), 20, 21], "c": [5] * 7,
+    "d": [5] * 7, "e": range(30, 41), "s3": range(50, 62), "g": range(70, 74),
+    "g99": [*range(70, 77), 99], "h": range(80, 90), "f": [*range(1, 7), *range(40, 45)],
+}  # fmt: skip
+# Lives of small pools of blocks of 3 slots: (blocks, prefix caching, the calls in order).
+LIVES = (
+    # Shared prefixes, a block repeated inside one prompt (c and d: two full blocks told
+    # apart by their parents), releases; e one block more than the free ones: the least
+    # recently given back cached block goes.
+    (7, True, (("start", "a"), ("start", "b"), ("found", "a6"), ("release", "a"),
+               ("start", "c"), ("start", "d"), ("can_grow", "e"), ("release", "b"),
+               ("can_start", "e"), ("release", "c"), ("release", "d"), ("can_grow", "e"),
+               ("start", "e"), ("found", "b"), ("found", "d"))),
+    # Two sequences compute one prompt side by side, each keying the block it computes
+    # first; the first block's copy is evicted while the second's stays cached: a lookup
+    # of the prompt finds nothing (the run of first full blocks ends at the first missing).
+    (7, True, (("open", "s1"), ("open", "s2"), ("advance", "s1", 3), ("advance", "s2", 6),
+               ("advance", "s1", 4), ("release", "s1"), ("start", "s3"), ("found", "s1"))),
+    # A block filled by generated tokens is keyed and served like a prompt's; a start that
+    # holds a chunk of its prompt counts the queries of the whole text.
+    (7, True, (("start", "g"), ("decode", "g", 74), ("decode", "g", 75), ("decode", "g", 76),
+               ("found", "g99"), ("start", "h", 4))),
+    # Without prefix caching: nothing keyed, nothing found, every block freed.
+    (4, False, (("start", "x"), ("release", "x"), ("start", "y"))),
+    # A prompt served blocks that wait to be evicted takes them back, so they are not also
+    # room to grow into (can_start counts the evictable blocks it is served out).
+    (3, True, (("start", "r"), ("release", "r"), ("start", "f"))),
+)  # fmt: skip
+NOTED = ("the pool's invariants break:", "the answer", "free blocks", "evictable blocks",
+         "prefix_cache_queries", "prefix_cache_hits",
+         "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
+
+
+def calls(manager, live: list, call: str, seq: EngineSequence, arg: int | None) -> Iterator:
+    """One scripted call, made of the manager's: (what, its answer) after each of them."""
+    if call in ("start", "open"):  # open: started, nothing computed yet
+        cached = manager.cached_prefix(seq.all_ids)
+        yield "blocks the prefix cache holds", (len(cached), len(set(cached)))
+        hold = arg or seq.num_tokens
+        can = manager.can_start(cached, hold)
+        yield "can it start", can
+        if can:
+            manager.start(seq, cached, hold)
+            live.append(seq)
+            yield "started", None
+            if call == "start":
+                manager.advance(seq, hold - seq.num_computed_tokens)
+                yield "computed", None
+    elif call == "advance":
+        manager.advance(seq, arg)
+        yield f"{arg} more tokens computed", None
+    elif call == "decode":  # a token sampled, then fed: its block fills with generated tokens
+        seq.append_token(arg)
+        manager.grow(seq, seq.num_tokens)
+        manager.advance(seq, 1)
+        yield f"decodes {arg}", None
+    elif call == "release":
+        manager.release(seq)
+        live.remove(seq)
+        yield "released", None
+    elif call == "found":
+        yield "blocks the prefix cache serves", len(manager.cached_prefix(seq.all_ids))
+    elif call == "can_grow":
+        yield "can it grow", manager.can_grow(seq, seq.num_tokens)
+    else:
+        yield "can it start with no cached block", manager.can_start([], seq.num_tokens)
+
+
+def lived(manager_class: type) -> list[tuple]:
+    """LIVES, each on a fresh pool: after every call of the manager, what it was, what
+    breaks the pool's invariants, its answer and the pool's counts (NOTED)."""
+    noted = []
+    for blocks, caching, script in LIVES:
+        manager, live, seqs, keys = manager_class(blocks, 3, caching), [], {}, None
+        for call, name, *arg in script:
+            if name not in seqs:
+                params = SamplingParams(max_tokens=8, ignore_eos=True)
+                seqs[name] = EngineSequence(list(TEXTS[name]), params)
+            try:
+                for what, answer in calls(manager, live, call, seqs[name], *arg or [None]):
+                    problem = pool_problem(manager, live, caching)
+                    now = (frozenset(manager.cached), manager.cache_version)
+                    if problem is None and keys and keys[0] != now[0] and keys[1] == now[1]:
+                        problem = (
+                            "a key entered or left `cached` and cache_version did not change: "
+                            "the scheduler would serve a waiting request an old lookup's blocks"
+                        )
+                    keys = now
+                    sizes = tuple((len(s.block_table), s.num_computed_tokens) for s in live)
+                    counts = (manager.num_free, len(manager.evictable))
+                    counters = (manager.prefix_cache_queries, manager.prefix_cache_hits)
+                    noted.append((f"{name}: {what}", problem, answer, *counts, *counters, sizes))
+            except NotImplementedError:
+                raise
+            except Exception as error:  # the learner's code raised: the lives end here
+                return [*noted, (f"{name}: {call}", f"raised {one_line(error)}")]
+    return noted
+
+
+def _bookkeeping(module: types.ModuleType) -> None:
+    want = lived(BlockManager)
+    for mine, right in zip(
+        made("the scripted lives", lambda: lived(module.BlockManager)), want, strict=False
+    ):
+        if len(mine) == 2:
+            raise Mismatch(": ".join(mine))
+        for name, got, rose in zip(NOTED, mine[1:], right[1:], strict=True):
+            if got != rose:
+                rose = "" if name.endswith(":") else f" where rose's manager has {rose}"
+                raise Mismatch(f"{mine[0]}: {name} {got}{rose}")
+
+
+# -- rose's engine -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -94,15 +264,8 @@ def learners(module: types.ModuleType) -> Callable[..., BlockManagerProtocol]:
     class Learners(module.BlockManager):
         def __init__(self, num_blocks, kv_block_size, enable_prefix_caching, *_seed_window):
             super().__init__(num_blocks, kv_block_size, enable_prefix_caching)
-            if not isinstance(getattr(self, "cache_version", None), int):
-                raise Mismatch(
-                    "your BlockManager's __init__ sets no cache_version (an int): the "
-                    "engine's scheduler reads it to know when the prefix cache changed"
-                )
 
-        @property
-        def num_available(self) -> int:
-            return self.num_free + len(self.evictable)
+        num_available = property(lambda self: self.num_free + len(self.evictable))
 
         def drop_out_of_window(self, seq: EngineSequence) -> None:
             pass
@@ -110,10 +273,13 @@ def learners(module: types.ModuleType) -> Callable[..., BlockManagerProtocol]:
     return Learners
 
 
-def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[str, tuple]:
-    """Each request's (tokens, prompt tokens the prefix cache served) when rose's engine
-    runs `schedule` on the learner's manager (None: rose's own); the pool's invariants
-    are checked after every step."""
+Run = tuple[dict[str, tuple[int, ...]], dict[str, int], tuple[int, int]]
+
+
+def run_schedule(schedule: Schedule, manager_class: Callable[..., BlockManagerProtocol]) -> Run:
+    """Each request's tokens, and the prompt tokens the prefix cache served it, and the
+    prefix cache's counters (queries, hits), when rose's engine runs `schedule` with a
+    manager of `manager_class`; the pool's invariants are checked after every step."""
     config = EngineConfig(
         kv_block_size=schedule.kv_block_size,
         num_kv_blocks=schedule.num_kv_blocks,
@@ -122,11 +288,12 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
         enable_prefix_caching=schedule.enable_prefix_caching,
         record_writes=True,  # the pool's invariants are checked after every step
     )
-    made = BlockManager if module is None else learners(module)
-    engine = LLMEngine(oracle_model(), tokenizer(), config, block_manager_class=made)
-    seen: dict[str, tuple] = {}
-    step = 0
-    while step <= max(r.arrives for r in schedule.requests) or engine.has_unfinished():
+    engine = LLMEngine(oracle_model(), tokenizer(), config, block_manager_class=manager_class)
+    tokens, served = {}, {}
+    for step in range(MAX_STEPS):
+        if step > max(r.arrives for r in schedule.requests) and not engine.has_unfinished():
+            manager = engine.block_manager
+            return tokens, served, (manager.prefix_cache_queries, manager.prefix_cache_hits)
         for i, request in enumerate(schedule.requests):
             params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
             if request.arrives == step:
@@ -134,352 +301,55 @@ def run_schedule(schedule: Schedule, module: types.ModuleType | None) -> dict[st
             if request.aborted_at == step:
                 engine.abort(f"r{i}")
         for output in engine.step():
-            seen[output.request_id] = (tuple(output.token_ids), output.num_cached_tokens)
-        ran = bool(engine.last_batch.seqs)
-        runner = engine.runner
-        live = list(engine.requests.values())
-        try:
-            check_pool(
-                engine.block_manager,
-                live,
-                runner.written_slots if ran else (),
-                runner.writer_tables if ran else (),
-            )
-            problem = cache_map_problem(engine.block_manager, schedule.enable_prefix_caching)
-        except AssertionError as error:
-            problem = pool_problem(engine.block_manager, live, schedule.enable_prefix_caching)
-            problem = (
-                str(error)
-                or problem
-                or "a block in `evictable` is not the one `cached` maps its key to"
-            )
+            tokens[output.request_id] = tuple(output.token_ids)
+            served[output.request_id] = output.num_cached_tokens
+        ran, runner = bool(engine.last_batch.seqs), engine.runner
+        problem = pool_problem(
+            engine.block_manager,
+            list(engine.requests.values()),
+            schedule.enable_prefix_caching,
+            runner.written_slots if ran else (),
+            runner.writer_tables if ran else (),
+        )
         if problem is not None:
             raise Mismatch(f"after engine step {step}, the pool's invariants break: {problem}")
-        step += 1
-        if step == MAX_STEPS:
-            raise Mismatch(f"the engine made no progress in {MAX_STEPS} steps")
-    manager = engine.block_manager
-    seen[COUNTERS] = (manager.prefix_cache_queries, manager.prefix_cache_hits)
-    return seen
+    raise Mismatch(f"the engine made no progress in {MAX_STEPS} steps")
 
 
 @functools.cache
-def roses(schedule: Schedule) -> dict[str, tuple]:
-    return run_schedule(schedule, None)
+def roses(schedule: Schedule) -> Run:
+    return run_schedule(schedule, BlockManager)
 
 
 def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
     """The learner's manager on `schedule`: every request against its solo uncached run,
     and the prefix cache's service against rose's manager's on the same schedule."""
     try:
-        mine = made(f"the engine on {schedule}", lambda: run_schedule(schedule, module))
-    except Mismatch as error:
-        raise Mismatch(f"{error} [{schedule}]") from None
+        run = made(f"the engine on {schedule}", lambda: run_schedule(schedule, learners(module)))
     except NotImplementedError:
         raise
-    except Exception as error:  # the learner's manager broke the engine
-        why = f"the engine raised {one_line(error)} [{schedule}]"
-        raise Mismatch(why) from None
-    rose = roses(schedule)
+    except Exception as error:  # what the run found, or the learner's manager broke the engine
+        why = str(error) if isinstance(error, Mismatch) else f"the engine raised {one_line(error)}"
+        raise Mismatch(f"{why} [{schedule}]") from None
+    (tokens, served, counters), rose = run, roses(schedule)
     for i, request in enumerate(schedule.requests):
-        tokens, served = mine[f"r{i}"]
-        want = reference_tokens(request.prompt, request.max_tokens)
-        if tokens != want[: len(tokens)] or (request.aborted_at is None and tokens != want):
-            parted = (j for j, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b)
-            step = next(parted, len(tokens))
+        got, want = tokens.get(f"r{i}", ()), reference_tokens(request.prompt, request.max_tokens)
+        if got != want[: len(got)] or (request.aborted_at is None and got != want):
             raise Mismatch(
-                f"r{i}'s token {step} is {tokens[step] if step < len(tokens) else 'missing'} "
-                f"where its solo uncached run gives {want[step]} [{schedule}]"
+                f"r{i} makes the tokens {list(got)} where its solo uncached run makes "
+                f"{list(want)} [{schedule}]"
             )
-        if served != rose[f"r{i}"][1]:
+        if served.get(f"r{i}") != rose[1][f"r{i}"]:
             raise Mismatch(
-                f"the prefix cache served r{i} {served} prompt tokens where rose's block "
-                f"manager serves {rose[f'r{i}'][1]} [{schedule}]"
+                f"the prefix cache served r{i} {served.get(f'r{i}')} prompt tokens where rose's "
+                f"block manager serves {rose[1][f'r{i}']} [{schedule}]"
             )
-    if mine[COUNTERS] != rose[COUNTERS]:
+    if counters != rose[2]:
         raise Mismatch(
-            "after the run, (prefix_cache_queries, prefix_cache_hits) is "
-            f"{mine[COUNTERS]} where rose's manager has {rose[COUNTERS]}: each start counts "
-            "the full blocks its whole text may be served (lookup_blocks(len(seq.all_ids))) "
-            f"and those it is served [{schedule}]"
+            f"after the run, (prefix_cache_queries, prefix_cache_hits) is {counters} where "
+            f"rose's manager has {rose[2]}: each start counts the full blocks its whole text "
+            f"may be served (lookup_blocks(len(seq.all_ids))) and those it is served [{schedule}]"
         )
-
-
-# -- the chained key ---------------------------------------------------------------------------
-
-
-def _chain_hash(module: types.ModuleType) -> None:
-    key = module.chain_hash
-    first = key(b"", (1, 2, 3))
-    cases = [
-        ("the same block behind the same parent", key(b"", (1, 2, 3)) == first, True),
-        ("(1, 2, 3) and (1, 2, 4) behind one parent", key(b"", (1, 2, 4)) == first, False),
-        ("(1, 23) and (12, 3)", key(b"", (1, 23)) == key(b"", (12, 3)), False),
-        ("one block behind two parents", key(first, (4, 5, 6)) == key(b"", (4, 5, 6)), False),
-        ("a block and its own repeat", key(first, (1, 2, 3)) == first, False),
-    ]
-    kind, cases = seen("chain_hash's kind and cases", (type(first).__name__, cases))
-    if kind != "bytes":
-        raise Mismatch(f"chain_hash returns a {kind}, not bytes")
-    for what, got, want in cases:
-        if got != want:
-            raise Mismatch(f"{what} get {'one key' if got else 'two keys'}")
-
-
-# -- the bookkeeping, scripted -----------------------------------------------------------------
-
-
-def cache_map_problem(manager: object, caching: bool) -> str | None:
-    """What is wrong with the prefix cache's map, in words (None: nothing): every key in
-    `cached` names a block keyed by it and holding its tokens, every keyed block is in
-    `cached` under its key, and without prefix caching nothing is keyed."""
-    for key, block_id in manager.cached.items():
-        block = manager.blocks[block_id]
-        if block.hash != key:
-            return (
-                f"`cached` still maps a key to block {block_id}, which is no longer keyed by it "
-                f"(it holds {list(block.token_ids) or 'nothing cached'}): an evicted block "
-                "is keyed no more, so its key leaves `cached`"
-            )
-    for block in manager.blocks:
-        if block.hash is not None and manager.cached.get(block.hash) != block.block_id:
-            return f"block {block.block_id} is keyed, but `cached` does not map its key to it"
-        if not caching and block.hash is not None:
-            return (
-                f"block {block.block_id} is keyed with prefix caching off: without "
-                "enable_prefix_caching nothing is ever keyed or found"
-            )
-    for block_id in manager.evictable:
-        if manager.blocks[block_id].hash is None:
-            return (
-                f"block {block_id} is evictable but keyed by nothing: a block nobody holds "
-                "is free, unless it is keyed (cached)"
-            )
-    return None
-
-
-def pool_problem(manager: object, live: list, caching: bool) -> str | None:
-    """The pool's invariants (`check_pool`) and the cache map's, in words; None: they hold."""
-    try:
-        check_pool(manager, live)
-    except AssertionError as error:
-        if str(error):
-            return str(error)
-        # check_pool's asserts without a message of their own: say what they check.
-        return cache_map_problem(manager, caching) or (
-            "a block in `evictable` is not the block `cached` maps its key to"
-        )
-    return cache_map_problem(manager, caching)
-
-
-class Stopped(Exception):
-    """A scripted call raised: the script ends there."""
-
-
-class Script:
-    """A scripted life of a pool: every answer and count noted along the way, and the
-    pool's invariants checked after every call."""
-
-    def __init__(self, manager_cls: type, num_blocks: int, caching: bool = True) -> None:
-        self.manager = manager_cls(num_blocks, 3, caching)
-        self.caching = caching
-        self.live: list[EngineSequence] = []
-        self.seen: list[tuple] = []
-        self.cache_as_noted: tuple[frozenset, object] | None = None  # (keys, cache_version)
-
-    def call(self, what: str, fn, *args):
-        """fn(*args); when the learner's code raises, that is noted as the call's answer
-        and the script stops (what was noted before it is still compared first)."""
-        try:
-            return fn(*args)
-        except NotImplementedError:
-            raise
-        except Exception as error:
-            self.seen.append((what, None, f"raised {one_line(error)}"))
-            raise Stopped from None
-
-    def note(self, what: str, answer: object = None) -> None:
-        manager = self.manager
-        problem = pool_problem(manager, self.live, self.caching)
-        noted = (frozenset(manager.cached), getattr(manager, "cache_version", None))
-        if problem is None and self.cache_as_noted is not None:
-            keys, version = self.cache_as_noted
-            if keys != noted[0] and version == noted[1]:
-                problem = (
-                    "a key entered or left `cached` and cache_version did not change: the "
-                    "scheduler would serve a waiting request the blocks of an old lookup"
-                )
-        self.cache_as_noted = noted
-        self.seen.append(
-            (
-                what,
-                problem,
-                answer,
-                manager.num_free,
-                len(manager.evictable),
-                manager.prefix_cache_queries,
-                manager.prefix_cache_hits,
-                tuple((len(s.block_table), s.num_computed_tokens) for s in self.live),
-            )
-        )
-
-    def start(self, seq: EngineSequence, name: str, hold: int | None = None) -> None:
-        """Look `seq` up, start it if it can (holding `hold` tokens, all by default) and
-        compute them."""
-        m = self.manager
-        cached = self.call(f"{name}: cached_prefix", m.cached_prefix, seq.all_ids)
-        self.note(f"{name}: blocks the prefix cache holds", (len(cached), len(set(cached))))
-        hold = seq.num_tokens if hold is None else hold
-        can = self.call(f"{name}: can_start", m.can_start, cached, hold)
-        self.note(f"{name}: can it start", can)
-        if can:
-            self.call(f"{name}: start", m.start, seq, cached, hold)
-            self.live.append(seq)
-            self.note(f"{name}: started")
-            done = hold - seq.num_computed_tokens
-            self.call(f"{name}: advance", m.advance, seq, done)
-            self.note(f"{name}: computed")
-
-    def release(self, seq: EngineSequence, name: str) -> None:
-        self.call(f"{name}: release", self.manager.release, seq)
-        self.live.remove(seq)
-        self.note(f"{name}: released")
-
-    def found(self, what: str, token_ids: list[int]) -> None:
-        self.note(what, len(self.call(what, self.manager.cached_prefix, token_ids)))
-
-
-def sequence(prompt: list[int], max_tokens: int = 1) -> EngineSequence:
-    return EngineSequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-
-
-def first_life(life: Script) -> None:
-    """Shared prefixes, a block repeated inside one prompt, releases and an eviction."""
-    manager = life.manager
-    a = sequence(list(range(1, 9)))
-    b = sequence([*range(1, 7), 20, 21])
-    c = sequence([5] * 7)  # one block, repeated
-    d = sequence([5] * 7)
-    e = sequence(list(range(30, 41)))
-    life.start(a, "a")
-    life.start(b, "b")  # two blocks shared with a
-    life.found("a's first 6 tokens: blocks the cache serves", a.all_ids[:6])
-    life.release(a, "a")
-    life.start(c, "c")
-    life.start(d, "d")  # c's two full blocks, told apart by their parents
-    what = "e before anyone leaves: can it grow"
-    life.note(what, life.call(what, manager.can_grow, e, e.num_tokens))
-    life.release(b, "b")
-    what = "e: can it start now"  # one block short
-    life.note(what, life.call(what, manager.can_start, [], e.num_tokens))
-    life.release(c, "c")
-    life.release(d, "d")
-    what = "e: can it grow"  # with the cached blocks
-    life.note(what, life.call(what, manager.can_grow, e, e.num_tokens))
-    life.start(e, "e")  # one block more than the free ones: the least recently given back goes
-    life.found("b's prefix after e", b.all_ids)
-    life.found("d's prefix after e", d.all_ids)
-
-
-def side_by_side(life: Script) -> None:
-    """Two sequences compute one prompt side by side, each keying the block it computes
-    first; the first block's copy is evicted while the second block's stays cached: a
-    lookup of the prompt finds nothing (its first block is gone), not the second block."""
-    m = life.manager
-    s1, s2 = sequence(list(range(1, 8))), sequence(list(range(1, 8)))
-    for seq, name in ((s1, "s1"), (s2, "s2")):  # both looked up before either computes
-        cached = life.call(f"{name}: cached_prefix", m.cached_prefix, seq.all_ids)
-        life.call(f"{name}: start", m.start, seq, cached, seq.num_tokens)
-        life.live.append(seq)
-    life.note("s1 and s2 started side by side")
-    for seq, n, what in ((s1, 3, "s1 computes its first block"),
-                         (s2, 6, "s2 computes its first two"),
-                         (s1, 4, "s1 computes the rest")):  # fmt: skip
-        life.call(f"{what}: advance", m.advance, seq, n)
-        life.note(what)
-    life.release(s1, "s1")
-    life.start(sequence(list(range(50, 62))), "s3 (evicting s1's first block)")
-    life.found(
-        "the prompt of s1 and s2, its first block's copy evicted and its second's still "
-        "cached: blocks the cache serves (the run of first full blocks ends at the first "
-        "one missing)",
-        s1.all_ids,
-    )
-
-
-def generated(life: Script) -> None:
-    """A block filled by generated tokens is keyed and served like a prompt's; a start
-    that holds a chunk of the prompt counts the queries of the whole text."""
-    m = life.manager
-    g = sequence([70, 71, 72, 73], max_tokens=5)
-    life.start(g, "g")
-    for token in (74, 75, 76):  # each sampled, then fed: the block fills with them
-        g.append_token(token)
-        life.call("g: grow", m.grow, g, g.num_tokens)
-        life.call("g: advance", m.advance, g, 1)
-        life.note(f"g decodes {token}")
-    life.found(
-        "g's text and one token more: blocks the cache serves (a full, computed block is "
-        "keyed, whether its tokens are the prompt's or generated)",
-        [*g.all_ids, 99],
-    )
-    h = sequence(list(range(80, 90)))
-    life.start(h, "h, a first chunk of 4 of its 10 prompt tokens", hold=4)
-
-
-def uncached(life: Script) -> None:
-    """Without prefix caching: nothing keyed, nothing found, every block freed."""
-    x, y = sequence(list(range(1, 8))), sequence(list(range(1, 8)))
-    life.start(x, "x, prefix caching off")
-    life.release(x, "x, prefix caching off")
-    life.start(y, "y, x's prompt, prefix caching off")
-
-
-def reclaimed(life: Script) -> None:
-    """A prompt served blocks that wait to be evicted: it takes them back, so they are not
-    also room to grow into (can_start counts the evictable blocks it is served out)."""
-    a = sequence(list(range(1, 8)))  # 3 blocks: 2 full ones keyed, 1 token in the third
-    life.start(a, "a")
-    life.release(a, "a")  # a's 2 keyed blocks evictable, its third free
-    # a's 2 full blocks served, 2 more needed for its 11 tokens, and 1 block left to take
-    life.start(sequence([*range(1, 7), *range(40, 45)]), "f, a's 2 evictable blocks served")
-
-
-# Each script with its pool: (the script, blocks, prefix caching).
-SCRIPTS = ((first_life, 7, True), (side_by_side, 7, True), (generated, 7, True),
-           (uncached, 4, False), (reclaimed, 3, True))  # fmt: skip
-
-
-def scripted(manager_cls: type) -> list[tuple]:
-    """Lives of small pools of blocks of 3 slots, every answer and count along the way;
-    the pool's invariants are checked after every call."""
-    seen = []
-    for script, blocks, caching in SCRIPTS:
-        life = Script(manager_cls, blocks, caching)
-        try:
-            script(life)
-        except Stopped:
-            return seen + life.seen
-        seen += life.seen
-    return seen
-
-
-def _bookkeeping(module: types.ModuleType) -> None:
-    want = scripted(BlockManager)
-    got = made("the scripted lives", lambda: scripted(module.BlockManager))
-    names = ("the pool's invariants break:", "the answer", "free blocks", "evictable blocks", "prefix_cache_queries",
-             "prefix_cache_hits", "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
-    for mine, right in zip(got, want, strict=False):
-        if isinstance(mine[2], str) and mine[2].startswith("raised "):
-            raise Mismatch(f"{mine[0]}: {mine[2]}")
-        for name, a, b in zip(names, mine[1:], right[1:], strict=True):
-            if a != b and name.endswith(":"):
-                raise Mismatch(f"{mine[0]}: {name} {a}")
-            if a != b:
-                raise Mismatch(f"{mine[0]}: {name} {a} where rose's manager has {b}")
-
-
-# -- rose's engine -----------------------------------------------------------------------------
 
 
 def chunk(text: str, size: int) -> tuple[int, ...]:
@@ -503,10 +373,6 @@ def prefix_workload(num_kv_blocks: int) -> Schedule:
     )
 
 
-def _shared_prefixes(module: types.ModuleType) -> None:
-    compare_schedule(prefix_workload(40), module)
-
-
 def evicted_while_waiting() -> Schedule:
     """A waiting request's cached prefix evicted while it waits: r0 leaves its two full
     blocks cached; r2, which shares them, finds them but waits for room while r1 grows
@@ -524,6 +390,10 @@ def evicted_while_waiting() -> Schedule:
         max_num_seqs=2,
         max_num_batched_tokens=64,
     )
+
+
+def _shared_prefixes(module: types.ModuleType) -> None:
+    compare_schedule(prefix_workload(40), module)
 
 
 def _short_pool(module: types.ModuleType) -> None:
@@ -582,7 +452,7 @@ def _random_schedules(module: types.ModuleType) -> None:
 
 
 def _probe(module: types.ModuleType) -> list[object]:
-    return [scripted(module.BlockManager)]
+    return [lived(module.BlockManager)]
 
 
 # ---------------------------------------------------------------------------
