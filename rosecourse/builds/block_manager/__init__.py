@@ -28,12 +28,12 @@ engine's window hook (`drop_out_of_window`) is not the learner's to write.
 from __future__ import annotations
 
 import functools
-import hashlib
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, made, seen
+from rosecourse.builds.block_manager.mistakes import KNOWN_WRONG
+from rosecourse.builds.grading import Build, Mismatch, Part, made, seen
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
@@ -226,28 +226,27 @@ class Request:
     aborted_at: int | None = None  # the engine step it is aborted before, if any
 
 
+# What a schedule says of its engine's config in a message.
+SHOWN = (
+    "kv_block_size",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+)
+
+
 @dataclass(frozen=True)
 class Schedule:
     requests: tuple[Request, ...]
-    kv_block_size: int
-    num_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool = True
+    config: EngineConfig
 
     def __str__(self) -> str:
-        shown = ", ".join(
-            f"r{i}: {len(r.prompt)} prompt + {r.max_tokens} new tokens"
-            + (f" from step {r.arrives}" if r.arrives else "")
+        shown = ", ".join(f"{name} {getattr(self.config, name)}" for name in SHOWN)
+        return f"{shown}; " + ", ".join(
+            f"r{i}: {len(r.prompt)} prompt + {r.max_tokens} new tokens from step {r.arrives}"
             + (f", aborted at step {r.aborted_at}" if r.aborted_at is not None else "")
             for i, r in enumerate(self.requests)
-        )
-        return (
-            f"kv_block_size {self.kv_block_size}, {self.num_kv_blocks} blocks, "
-            f"max_num_seqs {self.max_num_seqs}, max_num_batched_tokens "
-            f"{self.max_num_batched_tokens}"
-            + ("" if self.enable_prefix_caching else ", no prefix caching")
-            + f"; {shown}"
         )
 
 
@@ -280,14 +279,8 @@ def run_schedule(schedule: Schedule, manager_class: Callable[..., BlockManagerPr
     """Each request's tokens, and the prompt tokens the prefix cache served it, and the
     prefix cache's counters (queries, hits), when rose's engine runs `schedule` with a
     manager of `manager_class`; the pool's invariants are checked after every step."""
-    config = EngineConfig(
-        kv_block_size=schedule.kv_block_size,
-        num_kv_blocks=schedule.num_kv_blocks,
-        max_num_seqs=schedule.max_num_seqs,
-        max_num_batched_tokens=schedule.max_num_batched_tokens,
-        enable_prefix_caching=schedule.enable_prefix_caching,
-        record_writes=True,  # the pool's invariants are checked after every step
-    )
+    # record_writes: each step's written slots, so the pool's invariants are checked after it
+    config = replace(schedule.config, record_writes=True)
     engine = LLMEngine(oracle_model(), tokenizer(), config, block_manager_class=manager_class)
     tokens, served = {}, {}
     for step in range(MAX_STEPS):
@@ -307,7 +300,7 @@ def run_schedule(schedule: Schedule, manager_class: Callable[..., BlockManagerPr
         problem = pool_problem(
             engine.block_manager,
             list(engine.requests.values()),
-            schedule.enable_prefix_caching,
+            config.enable_prefix_caching,
             runner.written_slots if ran else (),
             runner.writer_tables if ran else (),
         )
@@ -366,10 +359,7 @@ def prefix_workload(num_kv_blocks: int) -> Schedule:
                swapped + encoded(" breaks?"), repeated + encoded(" parting")]  # fmt: skip
     return Schedule(
         tuple(Request(p, 6) for p in prompts),
-        kv_block_size=4,
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
+        EngineConfig(kv_block_size=4, num_kv_blocks=num_kv_blocks, max_num_seqs=2),
     )
 
 
@@ -385,10 +375,7 @@ def evicted_while_waiting() -> Schedule:
             Request(chunk("JULIET:\nO Romeo, Romeo! wherefore art thou", 12), 8, arrives=1),
             Request(head + chunk(" is the east, and Juliet", 5), 4, arrives=1),
         ),
-        kv_block_size=4,
-        num_kv_blocks=6,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
+        EngineConfig(kv_block_size=4, num_kv_blocks=6, max_num_seqs=2),
     )
 
 
@@ -420,11 +407,13 @@ def draw_schedule(draw: Callable, st: types.ModuleType) -> Schedule:
     longest = max(-(-(len(r.prompt) + r.max_tokens - 1) // size) for r in requests)
     return Schedule(
         tuple(requests),
-        kv_block_size=size,
-        num_kv_blocks=longest + draw(st.integers(0, 6)),
-        max_num_seqs=draw(st.sampled_from([1, 2, 4])),
-        max_num_batched_tokens=draw(st.sampled_from([4, 9, 64])),
-        enable_prefix_caching=draw(st.sampled_from([True, True, False])),
+        EngineConfig(
+            kv_block_size=size,
+            num_kv_blocks=longest + draw(st.integers(0, 6)),
+            max_num_seqs=draw(st.sampled_from([1, 2, 4])),
+            max_num_batched_tokens=draw(st.sampled_from([4, 9, 64])),
+            enable_prefix_caching=draw(st.sampled_from([True, True, False])),
+        ),
     )
 
 
@@ -455,76 +444,6 @@ def _probe(module: types.ModuleType) -> list[object]:
     return [lived(module.BlockManager)]
 
 
-# ---------------------------------------------------------------------------
-# Known wrong answers: the reference with one method or function written wrong
-# ---------------------------------------------------------------------------
-# Each runs as if written in the learner's file (grading.replaced rebinds it to the
-# module's globals); the names it reads are imported above from the reference solution.
-
-
-def _unchained(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
-    # the mistake: was `data = parent + b"|" + ",".join(map(str, token_ids)).encode()`
-    data = b"|" + ",".join(map(str, token_ids)).encode()
-    return hashlib.sha256(data).digest()
-
-
-def _hit_not_held(self, seq: EngineSequence, cached_ids: list[int], num_tokens: int) -> None:
-    self.prefix_cache_queries += self.lookup_blocks(len(seq.all_ids))
-    self.prefix_cache_hits += len(cached_ids)
-    for block_id in cached_ids:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.evictable[block_id]
-        # the mistake: `block.ref_count += 1` left out
-    seq.block_table = list(cached_ids)
-    seq.block_hashes = [self.blocks[block_id].hash for block_id in cached_ids]
-    seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
-    if not seq.output_ids:
-        seq.num_cached_tokens = seq.num_computed_tokens
-    self.grow(seq, num_tokens)
-
-
-def _serves_the_last_token(self, num_tokens: int) -> int:
-    if not self.enable_prefix_caching:
-        return 0
-    # the mistake: was `return (num_tokens - 1) // self.kv_block_size`
-    return num_tokens // self.kv_block_size
-
-
-def _cache_dropped_on_release(self, seq: EngineSequence) -> None:
-    for block_id in reversed(seq.block_table):
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            # the mistake: was `if block.hash is not None: self.evictable[block_id] = None else:
-            # self.free_ids.append(block_id)`
-            self.free_ids.append(block_id)
-    seq.block_table = []
-    seq.block_hashes = []
-    seq.num_computed_tokens = 0
-
-
-def _evicts_the_newest(self, seq: EngineSequence, num_tokens: int) -> None:
-    while len(seq.block_table) * self.kv_block_size < num_tokens:
-        if self.free_ids:
-            block_id = self.free_ids.pop()
-        else:
-            # the mistake: was `block_id, _ = self.evictable.popitem(last=False)`
-            block_id, _ = self.evictable.popitem(last=True)
-            block = self.blocks[block_id]
-            del self.cached[block.hash]
-            self.cache_version += 1
-            block.hash, block.token_ids = None, ()
-        self.blocks[block_id].ref_count = 1
-        seq.block_table.append(block_id)
-
-
-def _cached_blocks_unavailable(self, seq: EngineSequence, num_tokens: int) -> bool:
-    needed = -(-num_tokens // self.kv_block_size) - len(seq.block_table)
-    # the mistake: was `return needed <= self.num_free + len(self.evictable)`
-    return needed <= self.num_free
-
-
 BLOCK_MANAGER = Build(
     name="block_manager",
     chapters="11-13",
@@ -537,43 +456,6 @@ BLOCK_MANAGER = Build(
         Part("engine, random schedules", _random_schedules),
     ),
     probe=_probe,
-    known_wrong=(
-        KnownWrong(
-            "unchained",
-            {"chain_hash": _unchained},
-            "a block's key is its own tokens alone: chain the previous block's key in, or a "
-            "block is found behind any other prefix (and a repeated block finds itself)",
-        ),
-        KnownWrong(
-            "hit_not_held",
-            {"BlockManager.start": _hit_not_held},
-            "a block the prefix cache serves is not counted as held by the new sequence: "
-            "add one to its ref_count",
-        ),
-        KnownWrong(
-            "serves_the_last_token",
-            {"BlockManager.lookup_blocks": _serves_the_last_token},  # fmt: skip
-            "the cache may serve a block holding the prompt's last token: that token must "
-            "be computed, its logits give the first new token",
-        ),
-        KnownWrong(
-            "cache_dropped_on_release",
-            {"BlockManager.release": _cache_dropped_on_release},
-            "a keyed block nobody holds goes back to the free list, so the prefix cache "
-            "never serves a finished request's blocks: keep it cached (evictable)",
-        ),
-        KnownWrong(
-            "evicts_the_newest",
-            {"BlockManager.grow": _evicts_the_newest},
-            "the pool evicts the cached block given back most recently; evict the least "
-            "recently given back",
-        ),
-        KnownWrong(
-            "cached_blocks_unavailable",
-            {"BlockManager.can_grow": _cached_blocks_unavailable},  # fmt: skip
-            "can_grow counts the free blocks only: the cached blocks nobody holds are room "
-            "too (evicted when taken)",
-        ),
-    ),
+    known_wrong=KNOWN_WRONG,
     passed="equal to rose's block manager, and every request to its solo run",
 )

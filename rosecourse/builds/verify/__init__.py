@@ -34,17 +34,16 @@ import torch
 
 from rosecourse.builds.grading import (
     Build,
-    KnownWrong,
     Mismatch,
     Part,
     first_gap,
     made,
     seen,
 )
+from rosecourse.builds.verify.mistakes import KNOWN_WRONG
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
-from rosecourse.solutions.build_verify import RollbackCache, score
-from roseinfer.cache.dense import ConcatKVCache, DenseKVCache, StaticKVCache
+from roseinfer.cache.dense import ConcatKVCache, StaticKVCache
 from roseinfer.request.rows import make_sequences
 from roseinfer.request.sampling import SamplingParams
 from roseinfer.request.sequence import Sequence
@@ -56,9 +55,8 @@ from rosetrainer.numerics import logit_tolerance
 
 NEW = 16  # tokens generated per greedy run
 DRAWS = 4000  # draws of the sampled rule per case
-P_VALUE = (
-    1e-4  # the chi-square test's threshold: a right answer falls below it once in 10,000 seeds
-)
+# The chi-square tests' threshold: a right answer falls below it once in 10,000 seeds.
+P_VALUE = 1e-4
 # The rule's cases (p, q): a draft that disagrees with the target, and deterministic drafts.
 RULE_CASES = (
     (torch.tensor([0.5, 0.3, 0.15, 0.05]), torch.tensor([0.1, 0.2, 0.3, 0.4])),
@@ -93,10 +91,10 @@ def prefilled(cache: object, tokens: list[int], target: GPT | None = None) -> ob
 
 
 @contextlib.contextmanager
-def target_calls(target: GPT) -> Iterator[list[int]]:
-    """Counts the target's calls while the block runs (in a one-item list)."""
+def target_calls() -> Iterator[list[int]]:
+    """Counts the target's (the oracle's) calls while the block runs (in a one-item list)."""
     calls = [0]
-    hook = target.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    hook = oracle_model().register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
         yield calls
     finally:
@@ -153,7 +151,7 @@ Drafts = Callable[[Sequence, int, int], list[int]]  # (request, k, tokens made s
 def greedy_call(module: types.ModuleType, cache: object, last: int, drafts: list[int]) -> tuple:
     """The learner's verify_greedy on `cache`: what it returns, how many times it ran the
     target, and the cache's length after."""
-    with target_calls(oracle_model()) as calls:
+    with target_calls() as calls:
         got = module.verify_greedy(oracle_model(), cache, last, list(drafts))
     return got, calls[0], cache.seq_len
 
@@ -346,60 +344,38 @@ def sampled_steps(
     n: int,
 ) -> list[tuple[int, ...]]:
     """n sampled verify steps of the learner's from one place (the cache rolled back after
-    each): their tokens, each call held to one pass of the target and to the cache's
-    length after it."""
+    each): their tokens, each call held to the cache's length after it."""
 
     def steps() -> list[tuple]:
         cache, outcomes = prefilled(ConcatKVCache(), text[:-1], target), []
         for _ in range(n):
-            with target_calls(target) as calls:
-                got = module.verify_sampled(
-                    target, cache, text[-1], list(drafts), q.clone(), generator
-                )
-            outcomes.append((tuple(int(t) for t in got), calls[0], cache.seq_len))
-            if calls[0] != 1 or cache.seq_len != len(text) - 1 + len(got):
+            got = module.verify_sampled(target, cache, text[-1], list(drafts), q.clone(), generator)
+            outcomes.append((tuple(int(t) for t in got), cache.seq_len))
+            if cache.seq_len != len(text) - 1 + len(got):
                 break  # judged below, before a later call trips over it
             cache.truncate(len(text) - 1)
         return outcomes
 
     outcomes = made(f"{n} sampled steps after drafts {drafts}", steps)
-    for tokens, passes, held in outcomes:
-        if passes != 1:
-            raise Mismatch(f"a sampled step ran the target {passes} times: one pass is the point")
+    for tokens, held in outcomes:
         if held != len(text) - 1 + len(tokens):
             raise Mismatch(
                 f"a sampled step that returned {list(tokens)} leaves the cache holding {held} "
-                f"positions where {len(text) - 1 + len(tokens)} are right (the text but its newest token)"
+                f"positions where {len(text) - 1 + len(tokens)} are right (the text but its "
+                "newest token)"
             )
-    return [tokens for tokens, _, _ in outcomes]
+    return [tokens for tokens, _ in outcomes]
 
 
 def _sampled_verify(module: types.ModuleType) -> None:
-    target, text, generator = oracle_model(), prompt(), torch.Generator().manual_seed(1)
-    drafts: list[int] = []  # the target's likeliest tokens, so no p is tiny
-    for _ in range(3):
+    target, text, drafts = oracle_model(), prompt(), []
+    for _ in range(3):  # the target's likeliest tokens, so no p is tiny
         drafts.append(int(probs(target, text + drafts)[-1].argmax()))
-    least = int(probs(target, text)[-1].argmin())
-    one_hot = torch.nn.functional.one_hot(torch.tensor([least, least]), target.config.vocab_size)
-    cases = (  # what, the drafts, what they were drawn from, steps counted
-        (
-            "3 drafts drawn from q = p: all kept, then the bonus from p",
-            drafts,
-            probs(target, text + drafts)[len(text) - 1 : -1].float(),
-            150,
-        ),
-        (
-            f"drafts [{least}, {least}], q one-hot where p gives almost nothing",
-            [least, least],
-            one_hot.float(),
-            10,
-        ),
-    )
-    for what, drafts, q, n in cases:
-        outcomes = sampled_steps(module, target, text, drafts, q, generator, n)
-        expect_law(
-            what, outcomes, law(probs(target, text + drafts)[len(text) - 1 :], q.double(), drafts)
-        )
+    p = probs(target, text + drafts)[len(text) - 1 :]
+    q = p[:-1].float()  # each draft drawn from the target's own distribution
+    outcomes = sampled_steps(module, target, text, drafts, q, torch.Generator().manual_seed(1), 150)
+    what = f"drafts {drafts} drawn from q = p: all kept, then the bonus from p"
+    expect_law(what, outcomes, law(p, q.double(), drafts))
 
 
 # A target with a five-token vocabulary, so a verify step's every outcome can be listed.
@@ -446,114 +422,15 @@ def _sampled_law(module: types.ModuleType) -> None:
 
 def _probe(module: types.ModuleType) -> list[object]:
     """The learner's cache on a pass after a past, greedy calls with every draft right and
-    with one rejected (their tokens and the cache's length), and the sampled rule's first
-    draws."""
-    text = prompt() + oracle()
-    cache = module.RollbackCache()
-    with torch.no_grad():
-        oracle_model()(torch.tensor([text[:6]]), cache=cache)
-        logits = oracle_model()(torch.tensor([text[6:10]]), cache=cache).logits
-    calls = []
-    cache = prefilled(ConcatKVCache(), prompt()[:-1])
-    at = len(prompt())
+    with one rejected (their tokens, passes and the cache's length), and the sampled
+    rule's first draws."""
+    text, cache = prompt() + oracle(), module.RollbackCache()
+    passes = [passed(cache, text[:6], 6, 6), passed(cache, text[6:10], 4, 10)]
+    calls, at, rose_cache = [], len(prompt()), prefilled(ConcatKVCache(), prompt()[:-1])
     for drafts in (oracle()[:2], [oracle()[2], 0, 0]):
-        got = module.verify_greedy(oracle_model(), cache, text[at - 1], list(drafts))
-        calls.append((got, cache.seq_len))
-        at += len(got)
-    p, q = RULE_CASES[0]
-    return [logits, calls, rule_draws(module, p, q, 100)]
-
-
-# ---------------------------------------------------------------------------
-# Known wrong answers: the reference with one method or function written wrong
-# ---------------------------------------------------------------------------
-# Each runs as if written in the learner's file (grading.replaced rebinds it to the
-# module's globals); the names it reads are imported above from the reference solution.
-
-
-@torch.no_grad()
-def _keys_left_in(
-    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
-) -> list[int]:
-    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()
-    accepted = 0
-    for drafted, chosen in zip(drafts, choices, strict=False):
-        if drafted != chosen:
-            break
-        accepted += 1
-    tokens = drafts[:accepted] + [choices[accepted]]
-    # the mistake: `cache.truncate(held + len(tokens))` left out (held: the cache's seq_len
-    # before the pass), so the rejected drafts' keys stay
-    return tokens
-
-
-@torch.no_grad()
-def _no_bonus(
-    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
-) -> list[int]:
-    held = cache.seq_len
-    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()
-    accepted = 0
-    for drafted, chosen in zip(drafts, choices, strict=False):
-        if drafted != chosen:
-            break
-        accepted += 1
-    # the mistake: was `tokens = drafts[:accepted] + [choices[accepted]]`
-    tokens = drafts[:accepted] + [choices[accepted]] * (accepted < len(drafts) or not drafts)
-    cache.truncate(held + len(tokens))
-    return tokens
-
-
-def _positions_not_offset(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kv_len = self.seq_len + q_len
-    # the mistake: was `query_pos = torch.arange(past, kv_len, device=device)`, past the cache's
-    # seq_len
-    query_pos = torch.arange(q_len, device=device)
-    key_pos = torch.arange(kv_len, device=device)
-    return query_pos[None, :], key_pos[None, :] <= query_pos[:, None]
-
-
-@torch.no_grad()
-def _keeps_first_rejected(
-    target: GPT, cache: DenseKVCache | RollbackCache, last_token: int, drafts: list[int]
-) -> list[int]:
-    held = cache.seq_len
-    choices = score(target, cache, last_token, drafts).argmax(dim=-1).tolist()
-    accepted = 0
-    for drafted, chosen in zip(drafts, choices, strict=False):
-        # the mistake: was `if drafted != chosen: break accepted += 1`
-        accepted += 1
-        if drafted != chosen:
-            break
-    tokens = drafts[:accepted] + [choices[accepted]]
-    cache.truncate(held + len(tokens))
-    return tokens
-
-
-def _accept_when_q_gt_p(
-    p: torch.Tensor, q: torch.Tensor, drafted: int, generator: torch.Generator
-) -> tuple[int, bool]:
-    torch.rand((), generator=generator)  # u, drawn and never read
-    # the mistake: was `if u * q[drafted] < p[drafted]:` (u < p / q, without dividing by a zero q)
-    if q[drafted] > p[drafted]:
-        return drafted, True
-    residual = (p - q).clamp(min=0)
-    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-    return int(token), False
-
-
-def _no_residual(
-    p: torch.Tensor, q: torch.Tensor, drafted: int, generator: torch.Generator
-) -> tuple[int, bool]:
-    u = torch.rand((), generator=generator)
-    if u * q[drafted] < p[drafted]:  # u < p / q, without dividing by a zero q
-        return drafted, True
-    # the mistake: was `residual = (p - q).clamp(min=0)`
-    residual = p
-    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-    return int(token), False
+        calls.append(greedy_call(module, rose_cache, text[at - 1], drafts))
+        at += len(calls[-1][0])
+    return [passes, calls, rule_draws(module, *RULE_CASES[0], 100)]
 
 
 VERIFY = Build(
@@ -587,43 +464,6 @@ VERIFY = Build(
         Part("sampled verify, the exact law on a 5-token vocabulary", _sampled_law),
     ),
     probe=_probe,
-    known_wrong=(
-        KnownWrong(
-            "keys_left_in",
-            {"verify_greedy": _keys_left_in},
-            "the rejected drafts' keys and values stay in the cache: every later query "
-            "attends to tokens that are not in the text, at positions one further for each",
-        ),
-        KnownWrong(
-            "no_bonus",
-            {"verify_greedy": _no_bonus},
-            "when every draft is kept, the target's logits after the last draft give one "
-            "more token (the bonus): the step makes k + 1 tokens, not k",
-        ),
-        KnownWrong(
-            "positions_not_offset",
-            {"RollbackCache.prepare": _positions_not_offset},
-            "the new tokens stand at positions 0..q_len - 1 as if nothing came before: "
-            "after a past they continue where it ends",
-        ),
-        KnownWrong(
-            "keeps_first_rejected",
-            {"verify_greedy": _keeps_first_rejected},
-            "the first rejected draft is kept: the target's own token takes its place, "
-            "and nothing after it is read",
-        ),
-        KnownWrong(
-            "accept_when_q_gt_p",
-            {"accept_or_resample": _accept_when_q_gt_p},
-            "a draft is kept when the drafter likes it more than the target does: it must "
-            "be kept with probability min(1, p/q), so the tokens come out distributed as p",
-        ),
-        KnownWrong(
-            "no_residual",
-            {"accept_or_resample": _no_residual},
-            "on a rejection the token is drawn from p itself: it must come from what p "
-            "gives beyond q, max(0, p - q) normalised, or the drafts' tokens come out too often",
-        ),
-    ),
+    known_wrong=KNOWN_WRONG,
     passed="as rose: the uncached oracle's tokens, the target's distribution",
 )
