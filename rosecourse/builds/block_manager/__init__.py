@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from rosecourse.builds.block_manager.mistakes import KNOWN_WRONG
@@ -130,44 +130,39 @@ NOTED = ("the pool's invariants break:", "the answer", "free blocks", "evictable
          "(table length, num_computed_tokens) of each live sequence")  # fmt: skip
 
 
-def calls(manager, live: list, call: str, seq: EngineSequence, arg: int | None) -> Iterator:
-    """One scripted call, made of the manager's: (what, its answer) after each of them."""
+def answer(manager, live: list, call: str, seq: EngineSequence, arg: int | None) -> object:
+    """Make one scripted call with the manager's methods: what they answered."""
     if call in ("start", "open"):  # open: started, nothing computed yet
         cached = manager.cached_prefix(seq.all_ids)
-        yield "blocks the prefix cache holds", (len(cached), len(set(cached)))
         hold = arg or seq.num_tokens
         can = manager.can_start(cached, hold)
-        yield "can it start", can
         if can:
             manager.start(seq, cached, hold)
             live.append(seq)
-            yield "started", None
-            if call == "start":
-                manager.advance(seq, hold - seq.num_computed_tokens)
-                yield "computed", None
-    elif call == "advance":
+        if can and call == "start":
+            manager.advance(seq, hold - seq.num_computed_tokens)
+        return len(cached), len(set(cached)), can  # blocks found (distinct ones), can start
+    if call == "advance":
         manager.advance(seq, arg)
-        yield f"{arg} more tokens computed", None
     elif call == "decode":  # a token sampled, then fed: its block fills with generated tokens
         seq.append_token(arg)
         manager.grow(seq, seq.num_tokens)
         manager.advance(seq, 1)
-        yield f"decodes {arg}", None
     elif call == "release":
         manager.release(seq)
         live.remove(seq)
-        yield "released", None
     elif call == "found":
-        yield "blocks the prefix cache serves", len(manager.cached_prefix(seq.all_ids))
+        return len(manager.cached_prefix(seq.all_ids))
     elif call == "can_grow":
-        yield "can it grow", manager.can_grow(seq, seq.num_tokens)
-    else:
-        yield "can it start with no cached block", manager.can_start([], seq.num_tokens)
+        return manager.can_grow(seq, seq.num_tokens)
+    elif call == "can_start":  # with no cached block
+        return manager.can_start([], seq.num_tokens)
+    return None
 
 
 def lived(manager_class: type) -> list[tuple]:
-    """LIVES, each on a fresh pool: after every call of the manager, what it was, what
-    breaks the pool's invariants, its answer and the pool's counts (NOTED)."""
+    """LIVES, each on a fresh pool: after every scripted call, what it was, what breaks
+    the pool's invariants, the answer and the pool's counts (NOTED)."""
     noted = []
     for blocks, caching, script in LIVES:
         manager, live, seqs, keys = manager_class(blocks, 3, caching), [], {}, None
@@ -176,19 +171,19 @@ def lived(manager_class: type) -> list[tuple]:
                 params = SamplingParams(max_tokens=8, ignore_eos=True)
                 seqs[name] = EngineSequence(list(TEXTS[name]), params)
             try:
-                for what, answer in calls(manager, live, call, seqs[name], *arg or [None]):
-                    problem = pool_problem(manager, live, caching)
-                    now = (frozenset(manager.cached), manager.cache_version)
-                    if problem is None and keys and keys[0] != now[0] and keys[1] == now[1]:
-                        problem = (
-                            "a key entered or left `cached` and cache_version did not change: "
-                            "the scheduler would serve a waiting request an old lookup's blocks"
-                        )
-                    keys = now
-                    sizes = tuple((len(s.block_table), s.num_computed_tokens) for s in live)
-                    counts = (manager.num_free, len(manager.evictable))
-                    counters = (manager.prefix_cache_queries, manager.prefix_cache_hits)
-                    noted.append((f"{name}: {what}", problem, answer, *counts, *counters, sizes))
+                got = answer(manager, live, call, seqs[name], *arg or [None])
+                problem = pool_problem(manager, live, caching)
+                now = (frozenset(manager.cached), manager.cache_version)
+                if problem is None and keys and keys[0] != now[0] and keys[1] == now[1]:
+                    problem = (
+                        "a key entered or left `cached` and cache_version did not change: "
+                        "the scheduler would serve a waiting request an old lookup's blocks"
+                    )
+                keys = now
+                sizes = tuple((len(s.block_table), s.num_computed_tokens) for s in live)
+                counts = (manager.num_free, len(manager.evictable))
+                counters = (manager.prefix_cache_queries, manager.prefix_cache_hits)
+                noted.append((f"{name}: {call}", problem, got, *counts, *counters, sizes))
             except NotImplementedError:
                 raise
             except Exception as error:  # the learner's code raised: the lives end here
