@@ -13,7 +13,8 @@ Contract: rosecourse/solutions/build_block_manager.py. The parts:
   else may;
 * rose's engine with the learner's BlockManager in place of rose's (LLMEngine builds it):
   a workload of shared prefixes with room to spare, the same in a pool so small that
-  requests are preempted and cached blocks evicted, and random schedules drawn by
+  requests are preempted and cached blocks evicted (also under a token budget below the
+  sequence cap, every prompt prefilled two tokens a step), and random schedules drawn by
   hypothesis (block sizes that are not powers of two, pool sizes, token budgets that
   chunk the prefill, arrivals, aborts, now and then no prefix caching). After every
   engine step the pool's invariants hold; every request's tokens are its solo uncached
@@ -369,9 +370,27 @@ def _shared_prefixes(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(40), module)
 
 
+def chunked_in_a_short_pool() -> Schedule:
+    """A token budget below the sequence cap (every prompt prefilled two tokens a step, so
+    `can_grow` is asked for room for each chunk, not for the whole sequence) in a pool too
+    short for all four requests: one is preempted, cached blocks are evicted, and two
+    requests are served a prefix another computed."""
+    head = chunk("ROMEO:\nBut soft, what light through yonder window", 8)
+    return Schedule(
+        (
+            Request(head + chunk(" breaks?", 3), 4),
+            Request(head + chunk(" is the east", 3), 4),
+            Request(chunk("JULIET:\nO Romeo, Romeo! wherefore art thou", 10), 4, arrives=2),
+            Request(head + chunk(" and Juliet is the sun", 2), 3, arrives=6),
+        ),
+        EngineConfig(kv_block_size=4, num_kv_blocks=6, max_num_seqs=4, max_num_batched_tokens=2),
+    )
+
+
 def _short_pool(module: types.ModuleType) -> None:
     compare_schedule(prefix_workload(9), module)  # preemptions and evictions
     compare_schedule(evicted_while_waiting(), module)
+    compare_schedule(chunked_in_a_short_pool(), module)
 
 
 PIECES = ("ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "Good night, good night")
