@@ -1463,6 +1463,15 @@ def released_first_block_first(self, seq: EngineSequence) -> None:
     seq.num_computed_tokens = 0
 
 
+@build_mutant("block_manager", "BlockManager.can_grow")
+def room_for_the_whole_sequence(self, seq: EngineSequence, num_tokens: int) -> bool:
+    # the mistake: was `-(-num_tokens // self.kv_block_size)`: room for the whole sequence,
+    # not for the chunk asked for (a prompt prefilled under a small budget is preempted
+    # where it fits; only a budget below the prompt shows it)
+    needed = -(-seq.num_tokens // self.kv_block_size) - len(seq.block_table)
+    return needed <= self.num_free + len(self.evictable)
+
+
 @build_mutant("block_manager", "BlockManager.can_start")
 def blocks_rounded_down(self, cached_ids: list[int], num_tokens: int) -> bool:
     unheld = sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)

@@ -39,10 +39,13 @@ counters with rose's.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 from roseinfer.engine.block_manager import Block
+
+# The key is rose's own (roseinfer/engine/block_manager.py); the stub leaves this line out,
+# with the body below.
+from roseinfer.engine.block_manager import chain_hash as rose_chain_hash
 from roseinfer.engine.sequence import EngineSequence
 
 
@@ -50,8 +53,7 @@ def chain_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     """A full block's key: a digest of the previous block's key `parent` and of the
     block's tokens, so that two blocks get one key only when their tokens and every
     token before them agree (tokens (1, 23) and (12, 3) are different blocks)."""
-    data = parent + b"|" + ",".join(map(str, token_ids)).encode()
-    return hashlib.sha256(data).digest()
+    return rose_chain_hash(parent, token_ids)
 
 
 class BlockManager:

@@ -31,6 +31,10 @@ from __future__ import annotations
 import torch
 
 from roseinfer.cache.dense import DenseKVCache
+
+# The sampled rule is rose's own (roseinfer/speculative/verify.py), which the engine runs; the
+# stub leaves this line out, with the body below.
+from roseinfer.speculative.verify import accept_or_resample as rose_accept_or_resample
 from rosetrainer.model import GPT
 
 
@@ -115,14 +119,7 @@ def accept_or_resample(
     drafted one). p, q: the target's and the drafter's distributions (vocab,) there;
     `drafted` was drawn from q. Whatever q is, the token must be distributed as p, and
     the draft kept as often as that allows. Every random draw comes from `generator`."""
-    u = torch.rand((), generator=generator)
-    if u * q[drafted] < p[drafted]:  # u < p / q, without dividing by a zero q
-        return drafted, True
-    residual = (p - q).clamp(min=0)
-    if float(residual.sum()) <= 0:  # p equals q up to rounding: a rejection had chance ~0
-        residual = p  # (and nothing to draw from otherwise: 0 / 0)
-    token = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-    return int(token), False
+    return rose_accept_or_resample(p, q, drafted, generator)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ an engine.
 The builds are held to rose's pieces by their own checks, which tests/course/test_builds.py runs
 on each reference: the model beside rose's GPT, the training step beside rose's trainer,
 the block manager inside rose's engine beside rose's BlockManager. The verify build's
-sampled rule, a copy of the engine's, and the block manager's key are held here.
+sampled rule and the block manager's key are rose's own (their references delegate).
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ from rosecourse.exercises.ch13_cached_prefix import reference as ch13_cached_pre
 from rosecourse.exercises.ch15_export_prepare import reference as ch15_export_prepare
 from rosecourse.exercises.ch16_stage_forward import reference as ch16_stage_forward
 from rosecourse.exercises.ch17_quantize import reference as ch17_quantize
-from rosecourse.solutions import build_block_manager, build_verify
 from roseinfer.cache import quantized
 from roseinfer.cache.dense import ConcatKVCache, StaticLayerCache
 from roseinfer.cache.export import ExportCache
 from roseinfer.engine import EngineConfig, LLMEngine
-from roseinfer.engine import block_manager as engine_block_manager
 from roseinfer.pipeline.stage import PipelineStage
 from roseinfer.request.sampling_params import SamplingParams
-from roseinfer.speculative import verify
 from rosetrainer import model as gpt
 from rosetrainer.tokenizer import Tokenizer
 
@@ -224,52 +221,3 @@ def test_quantize(seed, bits, group_size, dim, equal) -> None:
     want = quantized.quantize(x, bits, group_size, dim)
     for mine, rose in zip(got, want, strict=True):
         assert same_tensor(mine, rose)
-
-
-# ---------------------------------------------------------------------------
-# The builds' pieces that copy the engine's
-# ---------------------------------------------------------------------------
-
-
-@MANY
-@given(
-    seed=st.integers(0, 10_000),
-    vocab=st.integers(2, 6),
-    kind=st.sampled_from(["random", "p equals q", "rounding", "q one-hot", "p one-hot", "zeros"]),
-)
-def test_accept_or_resample(seed, vocab, kind) -> None:
-    """The verify build's sampled rule draws what the engine's draws, from the same seed."""
-    generator = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(vocab, generator=generator), dim=-1)
-    q = torch.softmax(torch.randn(vocab, generator=generator), dim=-1)
-    if kind == "p equals q":  # a rejection has chance 0: the residual is empty
-        q = p.clone()
-    elif kind == "q one-hot":
-        q = torch.nn.functional.one_hot(torch.tensor(vocab - 1), vocab).float()
-    elif kind == "p one-hot":
-        p = torch.nn.functional.one_hot(torch.tensor(0), vocab).float()
-    elif kind == "zeros":  # tokens neither may give
-        p[-1], q[0] = 0.0, 0.0
-        p, q = p / p.sum(), q / q.sum()
-    drafted = int(torch.multinomial(q, 1, generator=generator))
-    if kind == "rounding":  # p at or below q everywhere (equal up to rounding, magnified):
-        p = q.clone()  # a rejection leaves an empty residual, and a draw must still come
-        p[drafted] *= 0.5
-    for _ in range(5):
-        state = generator.get_state()
-        ours = build_verify.accept_or_resample(p, q, drafted, generator)
-        ours_after = generator.get_state()
-        generator.set_state(state)
-        assert ours == verify.accept_or_resample(p, q, drafted, generator)
-        assert torch.equal(generator.get_state(), ours_after)  # as many draws
-
-
-@MANY
-@given(
-    parent=st.binary(max_size=32),
-    tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=8).map(tuple),
-)
-def test_block_key(parent, tokens) -> None:
-    assert build_block_manager.chain_hash(parent, tokens) == engine_block_manager.chain_hash(
-        parent, tokens
-    )
