@@ -16,7 +16,6 @@ wrong answer's probe; the mistake is named only when they are the same.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
@@ -29,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from rosecourse.exercises import same
-from rosecourse.plain import decode, encode
+from rosecourse.plain import plain
 from rosetrainer.errors import one_line
 
 T = TypeVar("T")
@@ -105,6 +104,13 @@ def module_from_source(source: str, name: str) -> types.ModuleType:
     return module
 
 
+@functools.cache
+def solution_source(build: Build) -> str:
+    """The reference solution's source, read once (the grader reads it before any learner
+    code runs, which could rewrite the file)."""
+    return inspect.getsource(build.solution_module())
+
+
 def replaced(
     build: Build, replacements: dict[str, object], name: str = "replaced"
 ) -> types.ModuleType:
@@ -114,9 +120,7 @@ def replaced(
     replacing function (a method too) is rebound to the new module's globals, so it calls
     the module's own names (what a check swaps in), as if written in the learner's file;
     the helpers it calls that the module lacks come along, rebound the same way."""
-    module = module_from_source(
-        inspect.getsource(build.solution_module()), f"rose_build_{build.name}_{name}"
-    )
+    module = module_from_source(solution_source(build), f"rose_build_{build.name}_{name}")
     for attribute, value in replacements.items():
         owner_name, _, member = attribute.rpartition(".")
         owner = getattr(module, owner_name) if owner_name else module
@@ -125,37 +129,28 @@ def replaced(
     return module
 
 
-def _rebound(value: object, namespace: dict[str, object]) -> object:
-    """`value`, a function, reading `namespace` as its globals; whatever else, as it is. A
+def _rebound(fn: object, namespace: dict[str, object]) -> object:
+    """`fn`, a function, reading `namespace` as its globals; whatever else, as it is. A
     decorated function (`@torch.no_grad()`: a wrapper holding it, functools.wraps) keeps
     its decorator, and the function inside is rebound too."""
-    if not isinstance(value, types.FunctionType):
-        return value
-    closure = value.__closure__
-    wrapped = getattr(value, "__wrapped__", None)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    closure = fn.__closure__
+    wrapped = getattr(fn, "__wrapped__", None)
     if closure and isinstance(wrapped, types.FunctionType):
         inner = _rebound(wrapped, namespace)
         closure = tuple(
-            types.CellType(inner) if _holds(cell, wrapped) else cell for cell in closure
+            types.CellType(inner) if cell.cell_contents is wrapped else cell for cell in closure
         )
-    for needed in _global_names(value.__code__):
-        if needed not in namespace and needed in value.__globals__:
+    for needed in _global_names(fn.__code__):
+        if needed not in namespace and needed in fn.__globals__:
             namespace[needed] = None  # taken: a helper that calls itself stops here
-            namespace[needed] = _rebound(value.__globals__[needed], namespace)
-    function = types.FunctionType(
-        value.__code__, namespace, value.__name__, value.__defaults__, closure
-    )
-    function.__kwdefaults__ = value.__kwdefaults__
-    if closure is not value.__closure__:
+            namespace[needed] = _rebound(fn.__globals__[needed], namespace)
+    function = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, closure)
+    function.__kwdefaults__ = fn.__kwdefaults__
+    if closure is not fn.__closure__:
         function.__wrapped__ = inner
     return function
-
-
-def _holds(cell: types.CellType, value: object) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -179,7 +174,7 @@ def probed(build: Build, module: types.ModuleType) -> list[object] | None:
     """The probe's outcomes as plain data, or None when the module cannot even be probed."""
     torch.manual_seed(0)
     try:
-        return decode(encode(build.probe(module)))
+        return plain(build.probe(module))
     except Exception:  # a module that breaks the probe matches no known mistake
         return None
 
@@ -187,12 +182,9 @@ def probed(build: Build, module: types.ModuleType) -> list[object] | None:
 def diagnosis(build: Build, outcomes_seen: list[object] | None) -> str | None:
     """The explanation of the known mistake whose probe's outcomes are `outcomes_seen`
     (the learner's module's, as plain data), if any."""
-    if outcomes_seen is None:
-        return None
-    for wrong, outcomes in known_probes(build):
-        if outcomes is not None and same(outcomes, outcomes_seen):
-            return wrong.explanation
-    return None
+    known = known_probes(build) if outcomes_seen is not None else ()
+    matches = (w.explanation for w, o in known if o is not None and same(o, outcomes_seen))
+    return next(matches, None)
 
 
 # ---------------------------------------------------------------------------
@@ -206,117 +198,82 @@ def diagnosis(build: Build, outcomes_seen: list[object] | None) -> str | None:
 # here by rose's own code, is made where the learner's code never ran. What the check's
 # process says is believed only when it is a failure.
 
-
-class Tape:
-    """The values a part's `seen` calls noted, in order, as (what, plain data)."""
-
-    def __init__(self, entries: list[tuple[str, object]] | None = None) -> None:
-        self.replaying = entries is not None
-        self.entries = list(entries or [])
-        self.used = 0
-
-
-_tape: Tape | None = None  # the part's tape while a part runs under `taped`
-
-
-@contextlib.contextmanager
-def taped(tape: Tape) -> Iterator[Tape]:
-    global _tape
-    _tape = tape
-    try:
-        yield tape
-    finally:
-        _tape = None
+_noting: list[tuple[str, object]] | None = None  # the running part's tape, being written
+_replaying: Iterator[tuple[str, object]] | None = None  # or being read back
 
 
 def seen(what: str, value: T) -> T:
     """`value`, made by the learner's code, as the part compares it: noted on the tape in
     the check's process; in the grader, the tape's value in its place."""
-    if _tape is None:
-        return value
-    if not _tape.replaying:
-        _tape.entries.append((what, encode(value)))
-        return value
-    if _tape.used == len(_tape.entries):
-        raise Mismatch(f"the check's process sent no value for {what}")
-    noted, data = _tape.entries[_tape.used]
-    _tape.used += 1
-    if noted != what:
-        raise Mismatch(f"the check's process sent {noted!r} where the check asks {what!r}")
-    return decode(data)
+    if _replaying is not None:
+        noted, value = next(_replaying, (None, None))
+        if noted is None:
+            raise Mismatch(f"the check's process sent no value for {what}")
+        if noted != what:
+            raise Mismatch(f"the check's process sent {noted!r} where the check asks {what!r}")
+    elif _noting is not None:
+        _noting.append((what, plain(value)))
+    return value
 
 
 def made(what: str, make: Callable[[], T]) -> T:
     """`seen(what, make())`, where in the grader `make` is never called: the tape holds
     its value (for a learner's value the reference is slow to make again)."""
-    if _tape is not None and _tape.replaying:
-        return seen(what, None)
-    return seen(what, make())
+    return seen(what, None if _replaying is not None else make())
+
+
+def run_part(
+    part: Part, module: types.ModuleType, noting: list | None, replaying: Iterator | None
+) -> tuple[str, str] | None:
+    """Run `part` on `module`, its tape being written (`noting`) or read back
+    (`replaying`): why it failed ("unwritten" | "mismatch" | "raised", explanation), or
+    None."""
+    global _noting, _replaying
+    torch.manual_seed(0)
+    _noting, _replaying = noting, replaying
+    try:
+        part.run(module)
+    except NotImplementedError as error:
+        return "unwritten", f"not written yet: replace the stub's body ({error})"
+    except Mismatch as error:
+        return "mismatch", str(error)
+    except Exception as error:  # whatever the learner's code raises is a finding
+        return "raised", f"raised {one_line(error)}"
+    finally:
+        _noting = _replaying = None
+    return None
 
 
 def observe(build: Build, part: Part, module: types.ModuleType) -> tuple[list, tuple | None]:
     """Run `part` on the learner's `module` (in the check's process): its tape, and why it
-    failed there (None: it did not): ("unwritten" | "mismatch" | "raised", explanation)."""
-    torch.manual_seed(0)
-    with taped(Tape()) as tape:
-        try:
-            part.run(module)
-        except NotImplementedError as error:
-            return tape.entries, (
-                "unwritten",
-                f"not written yet: replace the stub's body ({error})",
-            )
-        except Mismatch as error:
-            return tape.entries, ("mismatch", str(error))
-        except Exception as error:  # whatever the learner's code raises is a finding
-            return tape.entries, ("raised", f"raised {one_line(error)}")
-    return tape.entries, None
-
-
-def replay(build: Build, part: Part, entries: list) -> str | None:
-    """Run `part` on the reference with the tape's values in place of the learner's (in the
-    grader): what differs from rose, in words; None when nothing does."""
-    torch.manual_seed(0)
-    with taped(Tape(entries)) as tape:
-        try:
-            part.run(build.solution_module())
-        except Mismatch as error:
-            return str(error)
-    if tape.used == 0:
-        return "the check's process sent nothing to compare (no check passes without its runs)"
-    if tape.used < len(tape.entries):
-        return f"the check's process sent {len(tape.entries) - tape.used} values the check never asked for"
-    return None
+    failed there (None: it did not)."""
+    tape: list[tuple[str, object]] = []
+    return tape, run_part(part, module, tape, None)
 
 
 def verdict(
-    build: Build, part: Part, entries: list, failure: tuple | None, named: Callable[[], str]
+    build: Build, part: Part, tape: list, failure: tuple | None, named: Callable[[], str]
 ) -> PartResult:
-    """The part's result, decided here from what the check's process sent."""
-    kind, why = failure or ("mismatch", replay(build, part, entries))
-    if why is None:
+    """The part's result, decided here (in the grader) from what the check's process sent:
+    its failure, or the part run again on the reference with the tape's values."""
+    if failure is None:
+        failure = run_part(part, build.solution_module(), None, iter(tape))
+    if failure is None and not tape:
+        failure = "mismatch", "the check's process sent nothing to compare"
+    if failure is None:
         return PartResult(build.name, part.name, True, build.passed)
-    if kind == "mismatch":
-        said = named()
-        why += f": {said}" if said else ""
+    kind, why = failure
+    said = named() if kind == "mismatch" else ""
+    why += f": {said}" if said else ""
     return PartResult(build.name, part.name, False, why, unwritten=kind == "unwritten")
 
 
 def check_build(build: Build, module: types.ModuleType) -> list[PartResult]:
     """Grade every part of `module` in this process (both halves: the tests use it); print
     and return one result per part."""
-    results, named = [], None
-
-    def diagnose() -> str:
-        nonlocal named
-        if named is None:
-            named = diagnosis(build, probed(build, module)) or ""
-        return named
-
-    for part in build.parts:
-        result = verdict(build, part, *observe(build, part, module), diagnose)
-        print(result)
-        results.append(result)
+    named = functools.cache(lambda: diagnosis(build, probed(build, module)) or "")
+    results = [verdict(build, part, *observe(build, part, module), named) for part in build.parts]
+    print("\n".join(map(str, results)))
     return results
 
 
