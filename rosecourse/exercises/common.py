@@ -324,7 +324,7 @@ class Exercise:
 
     def observed_reference(self) -> dict[str, object]:
         if self.name not in _OBSERVED:
-            watched = watched_outcomes(self.probe, self.reference, self.writes, reference=True)
+            watched = watched_outcomes(self.probe, self.reference, self.writes)
             _OBSERVED[self.name] = watched
         return _OBSERVED[self.name]
 

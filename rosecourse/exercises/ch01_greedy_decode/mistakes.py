@@ -101,7 +101,7 @@ def sequence_reversed(model, prompt_ids, max_new_tokens):
 
 @alternative("01")
 def greedy_on_a_tensor(model, prompt_ids, max_new_tokens):
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
@@ -153,3 +153,13 @@ def greedy_decode_onto_the_prompt(model, prompt_ids, max_new_tokens):
         logits = model(torch.tensor([ids])).logits
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(ids) - max_new_tokens :]
+
+
+@breaks("01", "on another device (meta)")
+def ids_grown_on_the_cpu(model, prompt_ids, max_new_tokens):
+    ids = torch.tensor([prompt_ids])  # on the CPU, whatever the model's device
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()

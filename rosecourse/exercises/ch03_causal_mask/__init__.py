@@ -27,7 +27,7 @@ from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import causal_mask
 
 # (q_len, kv_len): no past, one decode query, chunks after a past.
-# The last asks for the CPU by name: its call is watched on meta too (contract.Watcher), so
+# The last asks for the CPU by name: its call runs on another device too (contract.Watcher), so
 # a mask made without `device`, or kept from an earlier call, stands on the wrong device.
 MASK_PROBES = [(1, 1), (4, 4), (1, 6), (3, 7), (2, 2), (5, 12), (2, 5, torch.device("cpu"))]
 

@@ -100,7 +100,7 @@ def kept_count_per_row(logits, p):
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     before = torch.softmax(sorted_logits, dim=-1).cumsum(-1) - torch.softmax(sorted_logits, dim=-1)
     rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(logits.size(-1)).expand_as(order)
+        -1, order, torch.arange(logits.size(-1), device=logits.device).expand_as(order)
     )
     kept = (before < p).sum(-1, keepdim=True)
     return logits.masked_fill(rank >= kept, -math.inf)
