@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,5 @@ def known_mistakes(package: str) -> list[KnownWrong]:
 
 def load() -> None:
     """Import every chapter exercise's mistakes.py (registering its answers here)."""
-    from rosecourse.course import LESSONS
-
-    for lesson in LESSONS:
-        importlib.import_module(f"rosecourse.exercises.{lesson.file_name[:-3]}.mistakes")
+    for path in sorted(Path(__file__).parent.glob("ch*/mistakes.py")):
+        importlib.import_module(f"{__package__}.{path.parent.name}.mistakes")
