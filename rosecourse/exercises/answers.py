@@ -7,12 +7,28 @@ written blind by someone who had read neither these lists nor the known mistakes
 values do not show (`breaks`, issue 54: device, dtype, numerics, side effects), and
 other answers that meet the contract (`alternative`). Importing a folder's mistakes
 registers them here; `load()` imports every chapter's. The builds keep theirs in tests/.
+
+The known mistakes (`known`) are the wrong answers a check names: when a learner's
+function gives what one of them gives on every probe, the FAILED line says which mistake
+it is, in that mistake's words. The check reads them from its folder (`known_mistakes`).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KnownWrong:
+    """A wrong answer people write, and what it does to the output."""
+
+    name: str
+    fn: Callable
+    explanation: str
+
 
 MUTANTS: dict[str, list[Callable]] = {}  # chapter -> wrong answers that must fail
 ALTERNATIVES: dict[str, list[Callable]] = {}  # chapter -> right answers that must pass
@@ -20,6 +36,7 @@ BLIND: dict[str, list[str]] = {}  # chapter or build -> the names of its blind m
 # chapter or build -> (name, the function or the replacements, the known mistake it is)
 BLIND_KNOWN: dict[str, list[tuple[str, object, str]]] = {}
 CLAUSES: dict[str, str] = {}  # a `breaks` answer's name -> words its FAILED line must hold
+KNOWN: dict[str, list[KnownWrong]] = {}  # chapter -> the mistakes its check names, in order
 
 
 def mutant(chapter: str) -> Callable[[Callable], Callable]:
@@ -66,9 +83,27 @@ def breaks(chapter: str, clause: str) -> Callable[[Callable], Callable]:
     return register
 
 
+def known(chapter: str, explanation: str, name: str | None = None) -> Callable:
+    """Register a known mistake of `chapter`: its check names it (`explanation`) when a
+    learner's function gives what it gives on every probe. Its name (the function's, less
+    a leading underscore) is what the chapters and the blind answers call it."""
+
+    def register(fn: Callable) -> Callable:
+        wrong = KnownWrong(name or fn.__name__.lstrip("_"), fn, explanation)
+        KNOWN.setdefault(chapter, []).append(wrong)
+        return fn
+
+    return register
+
+
+def known_mistakes(package: str) -> list[KnownWrong]:
+    """The known mistakes of the exercise in `package` (rosecourse.exercises.chNN_name),
+    from its mistakes.py, in the order its check tries them."""
+    importlib.import_module(f"{package}.mistakes")
+    return KNOWN[package.rpartition(".")[2][2:4]]
+
+
 def load() -> None:
     """Import every chapter exercise's mistakes.py (registering its answers here)."""
-    from rosecourse.course import LESSONS
-
-    for lesson in LESSONS:
-        importlib.import_module(f"rosecourse.exercises.{lesson.file_name[:-3]}.mistakes")
+    for path in sorted(Path(__file__).parent.glob("ch*/mistakes.py")):
+        importlib.import_module(f"{__package__}.{path.parent.name}.mistakes")

@@ -4,9 +4,10 @@ A check swaps the learner's function in for the real piece (the same
 `mock.patch.object` the chapters use to show a bug), runs the real code on the
 chapters' random strong-oracle model, and compares every step with the reference: the
 uncached greedy run of chapter 01 (for sampling, the reference sampler under the same
-seed). It prints the first step that differs and what that means. Each exercise has a
-diagnosis table of known wrong answers; when the learner's function behaves like one
-of them on a few small inputs (probes), the explanation names the mistake.
+seed). It prints the first step that differs and what that means. Each exercise's
+folder lists its known mistakes (mistakes.py, `answers.known`); when the learner's
+function behaves like one of them on a few small inputs (probes), the explanation
+names the mistake.
 
 Steps count as in the chapters: step 0 is the token the prefill chose, step 1 the
 first decode step. A run that raises is reported at the step it was on.
@@ -29,6 +30,7 @@ from rosecourse.demo import (
     first_divergence,
     wide_random_init,
 )
+from rosecourse.exercises.answers import KnownWrong
 from rosecourse.exercises.contract import PROPERTIES, breach, overflow, watched_outcomes
 from roseinfer.loops.generate import generate, generate_batch
 from roseinfer.request.sampling import SamplingParams
@@ -59,15 +61,6 @@ class CheckResult:
         label = self.step_label or step_name
         where = "" if self.step is None else f" at step {self.step} ({label(self.step)})"
         return f"{self.exercise}: FAILED{where}: {self.explanation}"
-
-
-@dataclass(frozen=True)
-class KnownWrong:
-    """A wrong answer people write, and what it does to the output."""
-
-    name: str
-    fn: Callable
-    explanation: str
 
 
 @dataclass(frozen=True)
@@ -312,7 +305,7 @@ class Exercise:
     dtypes: frozenset[str] = frozenset()
 
     def wrong_answer(self, name: str) -> Callable:
-        """A known wrong answer by its name in the diagnosis table (the chapters show some)."""
+        """A known mistake by its name (the chapters show some)."""
         for wrong in self.known_wrong:
             if wrong.name == name:
                 return wrong.fn
@@ -331,7 +324,7 @@ class Exercise:
 
     def observed_reference(self) -> dict[str, object]:
         if self.name not in _OBSERVED:
-            watched = watched_outcomes(self.probe, self.reference, self.writes, reference=True)
+            watched = watched_outcomes(self.probe, self.reference, self.writes)
             _OBSERVED[self.name] = watched
         return _OBSERVED[self.name]
 

@@ -6,36 +6,93 @@ While an exercise's probe runs the learner's function, each call is watched (`Wa
 - its arguments are compared before and after: a tensor, list or dict the caller passed
   comes back as it was, unless the contract says the function writes into it (`writes`:
   chapter 06's buffers);
-- it runs again on the same inputs moved to another device (meta: shapes, dtypes and
-  devices, no values): what it returns must stand where the reference's does, so a
-  tensor made without the inputs' device (right on the CPU, an error on a GPU) fails;
+- it runs again on the same inputs moved to another device (`Elsewhere`: CPU tensors
+  that say they stand on meta, values and all, and raise as a GPU does when an op meets
+  one of them and a CPU tensor; a model's weights are moved with it): what it returns
+  must stand where the reference's does, so a tensor made without the inputs' device
+  (right on the CPU, an error on a GPU) fails, even in code that reads values (a greedy
+  loop's argmax);
 - it runs again with its floating-point inputs in bfloat16: what it returns must have
   the reference's dtype, so a float32 intermediate that leaks into the result fails;
 - the dtype and device of what it returns are compared with the reference's, not only
   its values (a float64 or an int32 result fails).
 
 Each finding names the clause it breaks (`breach`). The reference's calls are watched
-the same way, so a property the reference itself does not have (it cannot run on meta,
-say) asks nothing of the learner.
+the same way, so a property the reference itself does not have asks nothing of the
+learner.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from rosetrainer.errors import one_line
 
 # The key under which a probe's outcomes carry what the watcher found, call by call.
 PROPERTIES = "properties of each call"
-META = torch.device("meta")
+# The other device a call runs again on: its tensors are CPU tensors underneath (they hold
+# values), but they say they stand on ELSEWHERE, as a GPU's would say cuda.
+ELSEWHERE, CPU = torch.device("meta"), torch.device("cpu")
+# An index may stay on the CPU (a GPU tensor takes CPU indices), but not what is written.
+INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
-# What a meta tensor raises when code reads its values (`.item()`, `.tolist()`, a Python
-# `if` on one): a way of computing the contract does not forbid, so it tells nothing.
-READS_VALUES = ("meta tensor", "data-dependent", "_local_scalar_dense", "on meta", "meta device")
+
+class Elsewhere(torch.Tensor):
+    """A CPU tensor that stands on ELSEWHERE for the code it meets: an op that meets it
+    and a CPU tensor of one element or more raises, as on a GPU (a 0-d tensor is a number
+    on any device); what an op makes of it stands there too, until `.cpu()`."""
+
+    @property
+    def device(self) -> torch.device:
+        return ELSEWHERE
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.numpy:
+            raise TypeError(f"can't convert {ELSEWHERE} device type tensor to numpy")
+        met = (args[0], *args[2:]) if func in INDEXING else args
+        for t in pytree.tree_leaves((met, kwargs)):
+            if isinstance(t, torch.Tensor) and not isinstance(t, cls) and t.dim() > 0:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two "
+                    f"devices, {ELSEWHERE} and cpu!"
+                )
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        back = func is torch.Tensor.cpu or (func is torch.Tensor.to and to_cpu(args, kwargs))
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.as_subclass(torch.Tensor if back else cls), result
+        )
+
+
+def to_cpu(args: tuple, kwargs: dict) -> bool:
+    """Whether `tensor.to(*args[1:], **kwargs)` moves it to the CPU."""
+    device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+    return device is not None and device.type == "cpu"
+
+
+class ToElsewhere(TorchFunctionMode):
+    """While it holds, a tensor asked for on ELSEWHERE (`device=`, `.to(device)`) is made
+    on the CPU and stands there (Elsewhere)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        there = ELSEWHERE in pytree.tree_leaves((args, kwargs or {}))
+        if there:
+            args, kwargs = pytree.tree_map_only(
+                torch.device, lambda d: CPU if d == ELSEWHERE else d, (args, kwargs or {})
+            )
+        result = func(*args, **(kwargs or {}))
+        if not there:
+            return result
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.as_subclass(Elsewhere), result)
 
 
 def signature(value: object) -> object:
@@ -66,18 +123,27 @@ def input_key(args: tuple, kwargs: dict) -> str:
 
 
 def moved(value: object, to: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """`value` with every tensor in it (and every device, for `on_meta`) converted by `to`."""
+    """`value` with every tensor in it converted by `to` (for `elsewhere`, every device and
+    a copy of every model moved there too)."""
     if isinstance(value, torch.Tensor):
         return to(value)
     if isinstance(value, torch.device):
-        return META if to is on_meta else value
+        return ELSEWHERE if to is elsewhere else value
+    if isinstance(value, torch.nn.Module) and to is elsewhere:
+        model, made = copy.deepcopy(value), {}
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():  # (a tied weight stays one tensor)
+                    if t is not None:
+                        table[name] = made.setdefault(id(t), elsewhere(t))
+        return model
     if isinstance(value, (tuple, list)):
         return type(value)(moved(item, to) for item in value)
     return value
 
 
-def on_meta(t: torch.Tensor) -> torch.Tensor:
-    return t.to(META)
+def elsewhere(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().as_subclass(Elsewhere)
 
 
 def in_bfloat16(t: torch.Tensor) -> torch.Tensor:
@@ -85,15 +151,16 @@ def in_bfloat16(t: torch.Tensor) -> torch.Tensor:
 
 
 def plain(value: object) -> bool:
-    """Tensors, numbers, strings, devices and dtypes, and lists and tuples of them."""
+    """Tensors, models, numbers, strings, devices and dtypes, and lists and tuples of them."""
     if isinstance(value, (tuple, list)):
         return all(map(plain, value))
-    return isinstance(
-        value, (torch.Tensor, int, float, bool, str, bytes, type(None), torch.device, torch.dtype)
-    )
+    return isinstance(value, (torch.Tensor, torch.nn.Module, *MARKS))
 
 
-def holds(value: object, kind: type) -> bool:
+MARKS = (int, float, bool, str, bytes, type(None), torch.device, torch.dtype)
+
+
+def holds(value: object, kind: type | tuple[type, ...]) -> bool:
     if isinstance(value, kind):
         return True
     return isinstance(value, (tuple, list)) and any(holds(item, kind) for item in value)
@@ -153,14 +220,11 @@ def unchanged(before: object, after: object) -> bool:
 class Watcher:
     """The learner's function (or the reference), watched on every call: `records` holds,
     per distinct inputs, what the call returned (its signature), which arguments it
-    changed, and what it returned on meta and in bfloat16 (a signature, or "raises ...")."""
+    changed, and what it returned on another device and in bfloat16 (a signature, or
+    "raises ...")."""
 
-    def __init__(
-        self, fn: Callable, writes: frozenset[str] = frozenset(), reference: bool = False
-    ) -> None:
-        # The reference is not run on meta: what it returns there is what it returns on the
-        # CPU, on meta (the first call of an op on meta costs about a second of CPU).
-        self.fn, self.writes, self.reference = fn, writes, reference
+    def __init__(self, fn: Callable, writes: frozenset[str] = frozenset()) -> None:
+        self.fn, self.writes = fn, writes
         try:
             self.names = list(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
@@ -182,17 +246,13 @@ class Watcher:
             if copy is not None and not unchanged(copy, values[name])
         )
         record: dict[str, object] = {"result": signature(result), "changed": tuple(changed)}
-        # Run again only a call of plain data: one handed an object (a cache, a scheduler)
-        # may change it, and a second call would find it changed; nor one that writes into
-        # its arguments.
+        # Run again only a call of plain data (a model is copied to move it): one handed an
+        # object (a cache, a scheduler) may change it, and a second call would find it
+        # changed; nor one that writes into its arguments.
         inputs = (args, list(kwargs.values()))
         if not self.writes and plain(inputs):
-            if holds(inputs, torch.Tensor) or holds(inputs, torch.device):
-                record["meta"] = (
-                    moved_signature(record["result"])
-                    if self.reference
-                    else self.again(on_meta, args, kwargs)
-                )
+            if holds(inputs, (torch.Tensor, torch.device, torch.nn.Module)):
+                record["meta"] = self.again(elsewhere, args, kwargs)
             if any(
                 isinstance(value, torch.Tensor) and value.is_floating_point() for _, value in named
             ):
@@ -202,26 +262,16 @@ class Watcher:
 
     def again(self, to: Callable, args: tuple, kwargs: dict) -> object:
         try:
-            result = self.fn(*moved(args, to), **{k: moved(v, to) for k, v in kwargs.items()})
+            with ToElsewhere():
+                result = self.fn(*moved(args, to), **{k: moved(v, to) for k, v in kwargs.items()})
         except Exception as error:  # what it raised is the finding (or tells nothing)
             return f"raises {one_line(error)}"
         return signature(result)
 
 
-def moved_signature(value: object) -> object:
-    """A signature (see `signature`) with every tensor on meta."""
-    if isinstance(value, tuple) and value and value[0] == "tensor":
-        return (*value[:3], "meta")
-    if isinstance(value, tuple):
-        return tuple(moved_signature(item) for item in value)
-    return value
-
-
-def watched_outcomes(
-    probe: Callable[[Callable], object], fn: Callable, writes, reference: bool = False
-) -> dict:
+def watched_outcomes(probe: Callable[[Callable], object], fn: Callable, writes) -> dict:
     """`probe(fn)`'s outcomes with, under PROPERTIES, what watching each call found."""
-    watcher = Watcher(fn, writes, reference)
+    watcher = Watcher(fn, writes)
     outcomes = dict(probe(watcher))
     outcomes.setdefault(PROPERTIES, watcher.records)  # (an answer from the check's process)
     return outcomes
@@ -250,7 +300,7 @@ def breach(seen: dict, wanted: dict, dtypes: frozenset[str] = frozenset()) -> st
             return f"your function returns {result} {call}"
         meta = got.get("meta")
         if "meta" in want and not isinstance(want["meta"], str):  # the reference runs there
-            if isinstance(meta, str) and not any(word in meta for word in READS_VALUES):
+            if isinstance(meta, str):
                 return (
                     f"with its inputs on another device (meta) your function {meta} {call}: "
                     "a tensor made without the inputs' device meets them there (pass "

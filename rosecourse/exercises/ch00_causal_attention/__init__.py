@@ -20,10 +20,10 @@ from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -99,67 +99,13 @@ def _attention_probe(fn: Callable) -> Probe:
     return probe
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    return (q @ k.transpose(-2, -1)) * scale
-
-
-def _future_visible(q, k, v):
-    return torch.softmax(_scores(q, k, q.size(-1) ** -0.5), dim=-1) @ v
-
-
-def _unscaled(q, k, v):
-    t = q.size(-2)
-    scores = _scores(q, k, 1.0).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -torch.inf)
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def _softmax_over_queries(q, k, v):
-    t = q.size(-2)
-    scores = _scores(q, k, q.size(-1) ** -0.5)
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -torch.inf)
-    return torch.softmax(scores, dim=-2).nan_to_num() @ v
-
-
-def _mask_upper(q, k, v):
-    t = q.size(-2)
-    scores = _scores(q, k, q.size(-1) ** -0.5)
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).triu(), -torch.inf)
-    return torch.softmax(scores, dim=-1) @ v
-
-
 EXERCISE = Exercise(
     name="causal_attention",
     reference=causal_attention,
     probe=_attention_probe,
     swapped_in=_swap_causal_attention,
     runs=uncached_greedy_run(),
-    known_wrong=[
-        KnownWrong(
-            "future_visible",
-            _future_visible,
-            "no causal mask: every position reads the tokens after it, so training would "
-            "learn to copy the answer; the last position cannot tell, but from layer 2 on "
-            "every earlier position it reads has seen the future",
-        ),
-        KnownWrong(
-            "unscaled",
-            _unscaled,
-            "the scores are not divided by sqrt(head_dim): the softmax is sharper than the "
-            "model was built for",
-        ),
-        KnownWrong(
-            "softmax_over_queries",
-            _softmax_over_queries,
-            "the softmax runs over the queries (dim -2): each query's weights over its keys "
-            "must sum to 1, so normalise along the keys (dim -1)",
-        ),
-        KnownWrong(
-            "mask_upper",
-            _mask_upper,
-            "your mask is the upper triangle: each position reads itself and the future, "
-            "never the past",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="some position's output is not the softmax-weighted sum of the values it may see",
 )
 

@@ -7,7 +7,60 @@ import math
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, breaks, mutant
+from rosecourse.exercises.answers import alternative, blind, breaks, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    return (q @ k.transpose(-2, -1)) * scale
+
+
+@known(
+    "00",
+    "no causal mask: every position reads the tokens after it, so training would "
+    "learn to copy the answer; the last position cannot tell, but from layer 2 on "
+    "every earlier position it reads has seen the future",
+)
+def _future_visible(q, k, v):
+    return torch.softmax(_scaled_scores(q, k, q.size(-1) ** -0.5), dim=-1) @ v
+
+
+@known(
+    "00",
+    "the scores are not divided by sqrt(head_dim): the softmax is sharper than the "
+    "model was built for",
+)
+def _unscaled(q, k, v):
+    t = q.size(-2)
+    scores = _scaled_scores(q, k, 1.0).masked_fill(
+        ~torch.ones(t, t, dtype=torch.bool).tril(), -torch.inf
+    )
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@known(
+    "00",
+    "the softmax runs over the queries (dim -2): each query's weights over its keys "
+    "must sum to 1, so normalise along the keys (dim -1)",
+)
+def _softmax_over_queries(q, k, v):
+    t = q.size(-2)
+    scores = _scaled_scores(q, k, q.size(-1) ** -0.5)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -torch.inf)
+    return torch.softmax(scores, dim=-2).nan_to_num() @ v
+
+
+@known(
+    "00",
+    "your mask is the upper triangle: each position reads itself and the future, never the past",
+)
+def _mask_upper(q, k, v):
+    t = q.size(-2)
+    scores = _scaled_scores(q, k, q.size(-1) ** -0.5)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).triu(), -torch.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
 
 # -- 00: causal_attention(q, k, v) --------------------------------------------------------
 

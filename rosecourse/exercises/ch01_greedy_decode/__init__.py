@@ -16,10 +16,10 @@ from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -59,65 +59,13 @@ def _greedy_runs() -> list[tuple[str, Callable, Callable]]:
     return [("the chapter's prompt", lambda: [reference_tokens(prompt, NEW_TOKENS)], go)]
 
 
-def _first_position(model, prompt_ids, max_new_tokens):
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([ids])).logits
-        ids.append(int(logits[0, 0].argmax()))
-    return ids[len(prompt_ids) :]
-
-
-def _prompt_only(model, prompt_ids, max_new_tokens):
-    logits = model(torch.tensor([prompt_ids])).logits
-    return [int(logits[0, -1].argmax())] * max_new_tokens
-
-
-def _last_token_only(model, prompt_ids, max_new_tokens):
-    new, ids = [], list(prompt_ids)
-    for _ in range(max_new_tokens):
-        new.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        ids = new[-1:]
-    return new
-
-
-def _with_prompt(model, prompt_ids, max_new_tokens):
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids
-
-
 EXERCISE = Exercise(
     name="greedy_decode",
     reference=greedy_decode,
     probe=_greedy_probe,
     swapped_in=hold,
     runs=_greedy_runs(),
-    known_wrong=[
-        KnownWrong(
-            "first_position",
-            _first_position,
-            "you take the logits of the first position (logits[0, 0]): the next token is "
-            "predicted by the last one, logits[0, -1]",
-        ),
-        KnownWrong(
-            "prompt_only",
-            _prompt_only,
-            "you run the prompt once and repeat its token: each step must feed the sequence "
-            "with every token chosen so far",
-        ),
-        KnownWrong(
-            "last_token_only",
-            _last_token_only,
-            "after the first step you feed only the newest token: without a cache the model "
-            "must re-read the whole sequence (that re-reading is what chapter 02's cache saves)",
-        ),
-        KnownWrong(
-            "with_prompt",
-            _with_prompt,
-            "you return the prompt with the new tokens: return only the new ones",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="your loop does not choose, at each step, the argmax after the whole sequence",
 )
 

@@ -7,8 +7,55 @@ from collections.abc import Callable
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, breaks, mutant
+from rosecourse.exercises.answers import alternative, blind, breaks, known, mutant
 from rosetrainer.model import GPT
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "01",
+    "you take the logits of the first position (logits[0, 0]): the next token is "
+    "predicted by the last one, logits[0, -1]",
+)
+def _first_position(model, prompt_ids, max_new_tokens):
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits
+        ids.append(int(logits[0, 0].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+@known(
+    "01",
+    "you run the prompt once and repeat its token: each step must feed the sequence "
+    "with every token chosen so far",
+)
+def _prompt_only(model, prompt_ids, max_new_tokens):
+    logits = model(torch.tensor([prompt_ids])).logits
+    return [int(logits[0, -1].argmax())] * max_new_tokens
+
+
+@known(
+    "01",
+    "after the first step you feed only the newest token: without a cache the model "
+    "must re-read the whole sequence (that re-reading is what chapter 02's cache saves)",
+)
+def _last_token_only(model, prompt_ids, max_new_tokens):
+    new, ids = [], list(prompt_ids)
+    for _ in range(max_new_tokens):
+        new.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        ids = new[-1:]
+    return new
+
+
+@known("01", "you return the prompt with the new tokens: return only the new ones")
+def _with_prompt(model, prompt_ids, max_new_tokens):
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
 
 # -- 01: greedy_decode(model, prompt_ids, max_new_tokens) ---------------------------------
 
@@ -54,7 +101,7 @@ def sequence_reversed(model, prompt_ids, max_new_tokens):
 
 @alternative("01")
 def greedy_on_a_tensor(model, prompt_ids, max_new_tokens):
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     with torch.inference_mode():
         for _ in range(max_new_tokens):
             next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
@@ -106,3 +153,13 @@ def greedy_decode_onto_the_prompt(model, prompt_ids, max_new_tokens):
         logits = model(torch.tensor([ids])).logits
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(ids) - max_new_tokens :]
+
+
+@breaks("01", "on another device (meta)")
+def ids_grown_on_the_cpu(model, prompt_ids, max_new_tokens):
+    ids = torch.tensor([prompt_ids])  # on the CPU, whatever the model's device
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            next_id = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()

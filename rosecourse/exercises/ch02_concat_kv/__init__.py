@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 
 import rosetrainer.model
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     batch_runs,
     check,
@@ -23,7 +23,6 @@ from rosecourse.exercises.common import (
     outcome,
     patched,
 )
-from rosecourse.naive import lose_past_kv
 from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import concat_kv
 
@@ -49,55 +48,13 @@ def _kv_probe(fn: Callable) -> Probe:
     }
 
 
-def _new_only(layer_past, k, v):
-    return k, v
-
-
-def _new_first(layer_past, k, v):
-    if layer_past is None:
-        return k, v
-    return torch.cat([k, layer_past[0]], dim=2), torch.cat([v, layer_past[1]], dim=2)
-
-
-def _along_heads(layer_past, k, v):
-    if layer_past is None:
-        return k, v
-    return torch.cat([layer_past[0], k], dim=1), torch.cat([layer_past[1], v], dim=1)
-
-
 EXERCISE = Exercise(
     name="concat_kv",
     reference=concat_kv,
     probe=_kv_probe,
     swapped_in=patched(rosetrainer.model, "concat_kv"),
     runs=greedy_runs(ConcatKVCache) + batch_runs(lambda rows: ConcatKVCache()),
-    known_wrong=[
-        KnownWrong(
-            "lose_past_kv",
-            lose_past_kv,
-            "the past's slots are there but hold zeros: "
-            "the new token attends to keys that say nothing about the prompt",
-        ),
-        KnownWrong(
-            "new_only",
-            _new_only,
-            "you hand back the new keys/values alone: the cache "
-            "forgets the past, and the new token attends to itself only",
-        ),
-        KnownWrong(
-            "new_first",
-            _new_first,
-            "the new keys go in front of the past: a decode "
-            "query sees every key anyway (attention is a sum, order-free), but a chunk's "
-            "mask columns are positions, and its queries now see the wrong keys",
-        ),
-        KnownWrong(
-            "along_heads",
-            _along_heads,
-            "you concatenated along the heads (dim 1); "
-            "time is dim 2 of (batch, heads, time, head_dim)",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the keys/values handed back are not the past followed by the new ones",
 )
 

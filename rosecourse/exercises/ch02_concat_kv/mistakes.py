@@ -7,7 +7,49 @@ from collections.abc import Callable
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from rosecourse.naive import lose_past_kv
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+known(
+    "02",
+    "the past's slots are there but hold zeros: "
+    "the new token attends to keys that say nothing about the prompt",
+)(lose_past_kv)
+
+
+@known(
+    "02",
+    "you hand back the new keys/values alone: the cache "
+    "forgets the past, and the new token attends to itself only",
+)
+def _new_only(layer_past, k, v):
+    return k, v
+
+
+@known(
+    "02",
+    "the new keys go in front of the past: a decode "
+    "query sees every key anyway (attention is a sum, order-free), but a chunk's "
+    "mask columns are positions, and its queries now see the wrong keys",
+)
+def _new_first(layer_past, k, v):
+    if layer_past is None:
+        return k, v
+    return torch.cat([k, layer_past[0]], dim=2), torch.cat([v, layer_past[1]], dim=2)
+
+
+@known(
+    "02",
+    "you concatenated along the heads (dim 1); time is dim 2 of (batch, heads, time, head_dim)",
+)
+def _along_heads(layer_past, k, v):
+    if layer_past is None:
+        return k, v
+    return torch.cat([layer_past[0], k], dim=1), torch.cat([layer_past[1], v], dim=1)
+
 
 # -- 02: concat_kv(layer_past, k, v) -------------------------------------------------------
 

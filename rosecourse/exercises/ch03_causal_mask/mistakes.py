@@ -5,7 +5,52 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, breaks, mutant
+from rosecourse.exercises.answers import alternative, blind, breaks, known, mutant
+from rosecourse.naive import top_left_causal_mask
+
+# The mistakes chapter 08's slices share.
+TOP_LEFT = (
+    "your mask lets the decode query see nothing but key 0: top-left alignment (what "
+    "is_causal=True does), the mask rows of the oldest positions, not the newest"
+)
+SQUARE = (
+    "your mask is the (q_len, q_len) triangle of the new tokens alone, nanoGPT's "
+    "bias[:, :, :T, :T]: a single decode query broadcasts it over every key and passes, "
+    "but a chunk of several tokens after a past has more keys than queries"
+)
+
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+known("03", TOP_LEFT, name="top_left")(top_left_causal_mask)
+
+
+@known("03", SQUARE, name="square")
+def _square_mask(q_len, kv_len, device=None):
+    return torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+
+
+@known(
+    "03",
+    "your mask hides nothing: a decode query may see every "
+    "key anyway, but a chunk's queries now see the tokens after them",
+    name="open",
+)
+def _open_mask(q_len, kv_len, device=None):
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+
+
+@known(
+    "03",
+    "your mask hides each query's own key (< where <= "
+    "is right): the newest token never reads itself",
+    name="strict",
+)
+def _strict_mask(q_len, kv_len, device=None):
+    query = torch.arange(kv_len - q_len, kv_len, device=device)
+    return torch.arange(kv_len, device=device)[None, :] < query[:, None]
+
 
 # -- 03: causal_mask(q_len, kv_len, device) -------------------------------------------------
 

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 
 import rosetrainer.model
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     greedy_runs,
@@ -23,7 +23,6 @@ from rosecourse.exercises.common import (
     patched,
     probe_calls,
 )
-from rosecourse.naive import positions_from_zero
 from roseinfer.cache.dense import ConcatKVCache
 from rosetrainer.model import position_ids
 
@@ -40,50 +39,13 @@ def _positions_probe(fn: Callable) -> Probe:
     return probe
 
 
-def _one_too_far(past_len, q_len, device=None):
-    return torch.arange(past_len + 1, past_len + q_len + 1, device=device)
-
-
-def _all_at_past_len(past_len, q_len, device=None):
-    return torch.full((q_len,), past_len, device=device)
-
-
-def _on_the_cpu(past_len, q_len, device=None):
-    return torch.arange(past_len, past_len + q_len)
-
-
 EXERCISE = Exercise(
     name="position_ids",
     reference=position_ids,
     probe=_positions_probe,
     swapped_in=patched(rosetrainer.model, "position_ids"),
     runs=greedy_runs(ConcatKVCache),
-    known_wrong=[
-        KnownWrong(
-            "from_zero",
-            positions_from_zero,
-            "every new token is numbered from 0 as if "
-            "nothing came before: the decode token gets position 0's embedding",
-        ),
-        KnownWrong(
-            "one_too_far",
-            _one_too_far,
-            "your positions are one too far right: the prompt's first token already stands at 1",
-        ),
-        KnownWrong(
-            "all_at_past_len",
-            _all_at_past_len,
-            "every token of a call gets the same "
-            "position, past_len: right for one decode token, wrong for a prefill",
-        ),
-        KnownWrong(
-            "on_the_cpu",
-            _on_the_cpu,
-            "your positions are made on the CPU whatever `device` says: a model on a GPU "
-            "passes idx.device, and its position embedding cannot read CPU indices "
-            "(torch.arange(..., device=device))",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="a new token stands at the wrong position",
 )
 

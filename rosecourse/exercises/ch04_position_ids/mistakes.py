@@ -5,7 +5,43 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, breaks, mutant
+from rosecourse.exercises.answers import alternative, blind, breaks, known, mutant
+from rosecourse.naive import positions_from_zero
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+known(
+    "04",
+    "every new token is numbered from 0 as if "
+    "nothing came before: the decode token gets position 0's embedding",
+    name="from_zero",
+)(positions_from_zero)
+
+
+@known("04", "your positions are one too far right: the prompt's first token already stands at 1")
+def _one_too_far(past_len, q_len, device=None):
+    return torch.arange(past_len + 1, past_len + q_len + 1, device=device)
+
+
+@known(
+    "04",
+    "every token of a call gets the same "
+    "position, past_len: right for one decode token, wrong for a prefill",
+)
+def _all_at_past_len(past_len, q_len, device=None):
+    return torch.full((q_len,), past_len, device=device)
+
+
+@known(
+    "04",
+    "your positions are made on the CPU whatever `device` says: a model on a GPU "
+    "passes idx.device, and its position embedding cannot read CPU indices "
+    "(torch.arange(..., device=device))",
+)
+def _on_the_cpu(past_len, q_len, device=None):
+    return torch.arange(past_len, past_len + q_len)
+
 
 # -- 04: position_ids(past_len, q_len, device) ----------------------------------------------
 

@@ -22,10 +22,10 @@ from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -87,24 +87,6 @@ def _top_p_probe(fn: Callable) -> Probe:
     }
 
 
-def _drops_crossing(logits, p):
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    drop_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(-1) > p
-    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-
-
-def _sorted_not_scattered(logits, p):
-    sorted_logits, _ = torch.sort(logits, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    return logits.masked_fill(probs.cumsum(-1) - probs >= p, float("-inf"))
-
-
-def _mass_of_logits(logits, p):
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    drop_sorted = sorted_logits.cumsum(-1) - sorted_logits >= p
-    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-
-
 def _sampling_runs() -> list[tuple[str, Callable, Callable]]:
     def go(on_token: Callable[[int, int], None]) -> list[list[int]]:
         run = generate(oracle_model(), list(encoded(PROMPT)), SAMPLING, on_token=on_token)
@@ -120,27 +102,7 @@ EXERCISE = Exercise(
     probe=_top_p_probe,
     swapped_in=patched(roseinfer.request.sampling, "top_p_filter"),
     runs=_sampling_runs(),
-    known_wrong=[
-        KnownWrong(
-            "drops_crossing",
-            _drops_crossing,
-            "you drop the token that carries the "
-            "mass over p (cumsum > p): the kept set falls short of p, and when the top "
-            "token alone holds more than p nothing is left to sample",
-        ),
-        KnownWrong(
-            "sorted_not_scattered",
-            _sorted_not_scattered,
-            "you decide in sorted order "
-            "but mask the logits in vocabulary order: the kept places land on the wrong "
-            "token ids (scatter the decision back through the sort order)",
-        ),
-        KnownWrong(
-            "mass_of_logits",
-            _mass_of_logits,
-            "you summed logits, not probabilities: take the softmax of the sorted logits first",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="it keeps a different set of tokens than the smallest set reaching p",
 )
 

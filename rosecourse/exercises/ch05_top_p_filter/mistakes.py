@@ -8,7 +8,41 @@ from collections.abc import Callable
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, breaks, mutant
+from rosecourse.exercises.answers import alternative, blind, breaks, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "05",
+    "you drop the token that carries the "
+    "mass over p (cumsum > p): the kept set falls short of p, and when the top "
+    "token alone holds more than p nothing is left to sample",
+)
+def _drops_crossing(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    drop_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(-1) > p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@known(
+    "05",
+    "you decide in sorted order "
+    "but mask the logits in vocabulary order: the kept places land on the wrong "
+    "token ids (scatter the decision back through the sort order)",
+)
+def _sorted_not_scattered(logits, p):
+    sorted_logits, _ = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    return logits.masked_fill(probs.cumsum(-1) - probs >= p, float("-inf"))
+
+
+@known("05", "you summed logits, not probabilities: take the softmax of the sorted logits first")
+def _mass_of_logits(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    drop_sorted = sorted_logits.cumsum(-1) - sorted_logits >= p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
 
 # -- 05: top_p_filter(logits, p) ----------------------------------------------------------
 
@@ -66,7 +100,7 @@ def kept_count_per_row(logits, p):
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     before = torch.softmax(sorted_logits, dim=-1).cumsum(-1) - torch.softmax(sorted_logits, dim=-1)
     rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(logits.size(-1)).expand_as(order)
+        -1, order, torch.arange(logits.size(-1), device=logits.device).expand_as(order)
     )
     kept = (before < p).sum(-1, keepdim=True)
     return logits.masked_fill(rank >= kept, -math.inf)

@@ -14,10 +14,10 @@ from unittest import mock
 
 import torch
 
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     batch_runs,
     check,
@@ -65,26 +65,6 @@ def _swap_static_update(fn: Callable) -> contextlib.AbstractContextManager:
     return mock.patch.object(StaticLayerCache, "update", update)
 
 
-def _at_slot_zero(k_buffer, v_buffer, input_pos, k_new, v_new):
-    k_buffer[:, :, : k_new.size(2)] = k_new
-    v_buffer[:, :, : v_new.size(2)] = v_new
-    return k_buffer, v_buffer
-
-
-def _into_a_copy(k_buffer, v_buffer, input_pos, k_new, v_new):
-    return k_buffer.index_copy(2, input_pos, k_new), v_buffer.index_copy(2, input_pos, v_new)
-
-
-def _first_row_only(k_buffer, v_buffer, input_pos, k_new, v_new):
-    k_buffer[0, :, input_pos] = k_new[0]
-    v_buffer[0, :, input_pos] = v_new[0]
-    return k_buffer, v_buffer
-
-
-def _never_written(k_buffer, v_buffer, input_pos, k_new, v_new):
-    return k_buffer, v_buffer
-
-
 EXERCISE = Exercise(
     name="static_update",
     reference=static_update,
@@ -93,34 +73,7 @@ EXERCISE = Exercise(
     writes=frozenset({"k_buffer", "v_buffer"}),  # (in place: the buffers are the cache)
     runs=greedy_runs(lambda: StaticKVCache(oracle_model(), max_len=64))
     + batch_runs(lambda rows: StaticKVCache(oracle_model(), batch_size=rows, max_len=64)),
-    known_wrong=[
-        KnownWrong(
-            "at_slot_zero",
-            _at_slot_zero,
-            "every call writes from slot 0 (input_pos "
-            "ignored): each decode step overwrites the prompt's first keys and leaves "
-            "its own slot unwritten, and the mask row shows the query that slot",
-        ),
-        KnownWrong(
-            "into_a_copy",
-            _into_a_copy,
-            "you wrote into a copy of the buffers (an out-of-place operation): this "
-            "call sees its keys, the next finds their slots "
-            "unwritten (zeros) and attends to them",
-        ),
-        KnownWrong(
-            "first_row_only",
-            _first_row_only,
-            "you write batch row 0 only: every other row of a batch keeps zeros (or a "
-            "stale sequence) in its slots; write every row of the batch",
-        ),
-        KnownWrong(
-            "never_written",
-            _never_written,
-            "nothing is written: every query attends "
-            "to unwritten slots (zeros), even at the prefill",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the buffers handed back are not the past with the new keys/values in their slots",
 )
 

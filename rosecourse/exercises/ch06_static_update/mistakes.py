@@ -3,7 +3,50 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "06",
+    "every call writes from slot 0 (input_pos "
+    "ignored): each decode step overwrites the prompt's first keys and leaves "
+    "its own slot unwritten, and the mask row shows the query that slot",
+)
+def _at_slot_zero(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[:, :, : k_new.size(2)] = k_new
+    v_buffer[:, :, : v_new.size(2)] = v_new
+    return k_buffer, v_buffer
+
+
+@known(
+    "06",
+    "you wrote into a copy of the buffers (an out-of-place operation): this "
+    "call sees its keys, the next finds their slots "
+    "unwritten (zeros) and attends to them",
+)
+def _into_a_copy(k_buffer, v_buffer, input_pos, k_new, v_new):
+    return k_buffer.index_copy(2, input_pos, k_new), v_buffer.index_copy(2, input_pos, v_new)
+
+
+@known(
+    "06",
+    "you write batch row 0 only: every other row of a batch keeps zeros (or a "
+    "stale sequence) in its slots; write every row of the batch",
+)
+def _first_row_only(k_buffer, v_buffer, input_pos, k_new, v_new):
+    k_buffer[0, :, input_pos] = k_new[0]
+    v_buffer[0, :, input_pos] = v_new[0]
+    return k_buffer, v_buffer
+
+
+@known(
+    "06", "nothing is written: every query attends to unwritten slots (zeros), even at the prefill"
+)
+def _never_written(k_buffer, v_buffer, input_pos, k_new, v_new):
+    return k_buffer, v_buffer
+
 
 # -- 06: static_update(k_buffer, v_buffer, input_pos, k_new, v_new) ----------------------
 

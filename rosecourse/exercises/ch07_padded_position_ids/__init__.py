@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 
 import rosetrainer.model
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     batch_runs,
     check,
@@ -52,45 +52,13 @@ def _padded_probe(fn: Callable) -> Probe:
     }
 
 
-def _counting_padding(attention_mask):
-    return torch.arange(attention_mask.size(1)).expand(attention_mask.shape)
-
-
-def _from_one(attention_mask):
-    return attention_mask.long().cumsum(-1)
-
-
-def _unclamped(attention_mask):
-    return attention_mask.long().cumsum(-1) - 1
-
-
 EXERCISE = Exercise(
     name="padded_position_ids",
     reference=padded_position_ids,
     probe=_padded_probe,
     swapped_in=patched(rosetrainer.model, "padded_position_ids"),
     runs=batch_runs(lambda rows: ConcatKVCache()),
-    known_wrong=[
-        KnownWrong(
-            "counting_padding",
-            _counting_padding,
-            "your positions count the padding: "
-            "every real token of a padded row stands as far right as its padding is "
-            "long (the row without padding cannot tell)",
-        ),
-        KnownWrong(
-            "from_one",
-            _from_one,
-            "your positions start at 1 (cumsum without the - 1): "
-            "every row's tokens stand one too far right",
-        ),
-        KnownWrong(
-            "unclamped",
-            _unclamped,
-            "padding slots get position -1, which has no "
-            "embedding row: clamp them to 0 (what they compute is never read)",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="a row's tokens do not stand where they would stand alone",
 )
 

@@ -5,7 +5,38 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "07",
+    "your positions count the padding: "
+    "every real token of a padded row stands as far right as its padding is "
+    "long (the row without padding cannot tell)",
+)
+def _counting_padding(attention_mask):
+    return torch.arange(attention_mask.size(1)).expand(attention_mask.shape)
+
+
+@known(
+    "07",
+    "your positions start at 1 (cumsum without the - 1): "
+    "every row's tokens stand one too far right",
+)
+def _from_one(attention_mask):
+    return attention_mask.long().cumsum(-1)
+
+
+@known(
+    "07",
+    "padding slots get position -1, which has no "
+    "embedding row: clamp them to 0 (what they compute is never read)",
+)
+def _unclamped(attention_mask):
+    return attention_mask.long().cumsum(-1) - 1
+
 
 # -- 07: padded_position_ids(attention_mask) ------------------------------------------------
 

@@ -14,12 +14,11 @@ from unittest import mock
 import torch
 
 import rosetrainer.model
-from rosecourse.exercises.ch03_causal_mask import SQUARE, TOP_LEFT
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.ch08_mask_slice.reference import mask_slice
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     batch_runs,
     check,
@@ -50,34 +49,13 @@ def _swap_mask_slice(fn: Callable) -> contextlib.AbstractContextManager:
     return mock.patch.object(rosetrainer.model, "causal_mask", sliced_mask)
 
 
-def _nanogpt_slice(bias, past_len, q_len):
-    return bias[:q_len, :q_len]
-
-
-def _top_rows(bias, past_len, q_len):
-    return bias[:q_len, : past_len + q_len]
-
-
-def _every_column(bias, past_len, q_len):
-    return bias[past_len : past_len + q_len]
-
-
 EXERCISE = Exercise(
     name="mask_slice",
     reference=mask_slice,
     probe=_slice_probe,
     swapped_in=_swap_mask_slice,
     runs=greedy_runs(ConcatKVCache) + batch_runs(lambda rows: ConcatKVCache()),
-    known_wrong=[
-        KnownWrong("nanogpt", _nanogpt_slice, SQUARE),
-        KnownWrong("top_rows", _top_rows, TOP_LEFT),
-        KnownWrong(
-            "every_column",
-            _every_column,
-            "the rows are right, but you kept every "
-            "column of the bias: there are only past_len + q_len keys to mask",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the slice is not rows past_len .. past_len + q_len, columns 0 .. past_len + q_len",
 )
 

@@ -3,7 +3,30 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from rosecourse.exercises.ch03_causal_mask.mistakes import SQUARE, TOP_LEFT
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known("08", SQUARE, name="nanogpt")
+def _nanogpt_slice(bias, past_len, q_len):
+    return bias[:q_len, :q_len]
+
+
+@known("08", TOP_LEFT)
+def _top_rows(bias, past_len, q_len):
+    return bias[:q_len, : past_len + q_len]
+
+
+@known(
+    "08",
+    "the rows are right, but you kept every "
+    "column of the bias: there are only past_len + q_len keys to mask",
+)
+def _every_column(bias, past_len, q_len):
+    return bias[past_len : past_len + q_len]
+
 
 # -- 08: mask_slice(bias, past_len, q_len) --------------------------------------------------
 

@@ -18,10 +18,10 @@ import roseinfer.request.sampling
 from rosecourse.demo import (
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -59,55 +59,13 @@ def _window_runs() -> list[tuple[str, Callable, Callable]]:
     ]
 
 
-def _slides(start, seq_len, block_size, keep):
-    return max(start, seq_len - block_size)
-
-
-def _a_step_early(start, seq_len, block_size, keep):
-    return seq_len - keep if seq_len - start >= block_size else start
-
-
-def _measures_the_sequence(start, seq_len, block_size, keep):
-    return seq_len - keep if seq_len > block_size else start
-
-
-def _never_cuts(start, seq_len, block_size, keep):
-    return start
-
-
 EXERCISE = Exercise(
     name="window_start",
     reference=window_start,
     probe=_window_probe,
     swapped_in=patched(roseinfer.request.rows, "window_start"),
     runs=_window_runs(),
-    known_wrong=[
-        KnownWrong(
-            "slides",
-            _slides,
-            "your window slides by one token every step (nanoGPT's "
-            "crop): a policy of its own, not this one, and with a cache it re-prefills "
-            "block_size tokens at every step",
-        ),
-        KnownWrong(
-            "a_step_early",
-            _a_step_early,
-            "you cut a step early (>= where > is right): "
-            "the window never holds all block_size tokens",
-        ),
-        KnownWrong(
-            "measures_the_sequence",
-            _measures_the_sequence,
-            "you compare the whole "
-            "sequence with block_size, not the window (seq_len - start): past the first "
-            "cut it cuts again at every step",
-        ),
-        KnownWrong(
-            "never_cuts",
-            _never_cuts,
-            "the window never moves: the model runs out of learned positions at block_size",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the window does not start where the cut-back policy puts it",
 )
 

@@ -5,7 +5,42 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "09",
+    "your window slides by one token every step (nanoGPT's "
+    "crop): a policy of its own, not this one, and with a cache it re-prefills "
+    "block_size tokens at every step",
+)
+def _slides(start, seq_len, block_size, keep):
+    return max(start, seq_len - block_size)
+
+
+@known(
+    "09", "you cut a step early (>= where > is right): the window never holds all block_size tokens"
+)
+def _a_step_early(start, seq_len, block_size, keep):
+    return seq_len - keep if seq_len - start >= block_size else start
+
+
+@known(
+    "09",
+    "you compare the whole "
+    "sequence with block_size, not the window (seq_len - start): past the first "
+    "cut it cuts again at every step",
+)
+def _measures_the_sequence(start, seq_len, block_size, keep):
+    return seq_len - keep if seq_len > block_size else start
+
+
+@known("09", "the window never moves: the model runs out of learned positions at block_size")
+def _never_cuts(start, seq_len, block_size, keep):
+    return start
+
 
 # -- 09: window_start(start, seq_len, block_size, keep) -------------------------------------
 

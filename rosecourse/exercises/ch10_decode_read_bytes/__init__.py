@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
+from rosecourse.exercises.answers import known_mistakes
+from rosecourse.exercises.ch10_decode_read_bytes.reference import decode_read_bytes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     held_function,
@@ -71,25 +71,6 @@ def measured_read_bytes(case: int) -> int:
     return weights + kv
 
 
-def decode_read_bytes(
-    config: GPTConfig, batch: int, context_len: int, bytes_per_number: int
-) -> int:
-    """The reference, from the formula (the check measures it on real objects)."""
-    c, b = config.n_embd, int(config.bias)  # no bias in any Linear or LayerNorm without it
-    norm = c + b * c
-    per_layer = (
-        norm + (c * 3 * c + b * 3 * c) + (c * c + b * c)
-        + norm + (c * 4 * c + b * 4 * c) + (4 * c * c + b * c)
-    )  # fmt: skip
-    weights = config.vocab_size * c + config.block_size * c + config.n_layer * per_layer + norm
-    kv = 2 * config.n_layer * batch * context_len * c
-    return (weights + kv) * bytes_per_number
-
-
-def _biases_always(config, batch, context_len, bytes_per_number):
-    return decode_read_bytes(replace(config, bias=True), batch, context_len, bytes_per_number)
-
-
 def _bytes_probe(fn: Callable) -> Probe:
     return {
         _case_name(i): outcome(lambda c=c: fn(c[0], c[1], c[2], c[3].itemsize))
@@ -111,29 +92,6 @@ def _bytes_runs() -> list[tuple[str, Callable, Callable]]:
     return [("weights and KV cache measured on real objects", expected, go)]
 
 
-def _weights_only(config, batch, context_len, bytes_per_number):
-    return decode_read_bytes(config, 0, context_len, bytes_per_number)
-
-
-def _keys_only(config, batch, context_len, bytes_per_number):
-    kv = 2 * config.n_layer * batch * context_len * config.n_embd * bytes_per_number
-    return decode_read_bytes(config, batch, context_len, bytes_per_number) - kv // 2
-
-
-def _untied_head(config, batch, context_len, bytes_per_number):
-    head = config.vocab_size * config.n_embd * bytes_per_number
-    return decode_read_bytes(config, batch, context_len, bytes_per_number) + head
-
-
-def _one_row(config, batch, context_len, bytes_per_number):
-    return decode_read_bytes(config, 1, context_len, bytes_per_number)
-
-
-def _weights_per_row(config, batch, context_len, bytes_per_number):
-    weights = decode_read_bytes(config, 0, context_len, bytes_per_number)
-    return decode_read_bytes(config, batch, context_len, bytes_per_number) + (batch - 1) * weights
-
-
 def _case_name(case: int) -> str:
     config, batch, length, dtype = BYTES_CASES[case]
     return (
@@ -149,41 +107,7 @@ EXERCISE = Exercise(
     probe=_bytes_probe,
     swapped_in=hold,
     runs=_bytes_runs(),
-    known_wrong=[
-        KnownWrong(
-            "weights_only",
-            _weights_only,
-            "you count the weights alone: every decode step also reads every cached key "
-            "and value of every row, and at long contexts that is most of the bytes",
-        ),
-        KnownWrong(
-            "keys_only",
-            _keys_only,
-            "you count the keys but not the values: the cache holds both, per layer",
-        ),
-        KnownWrong(
-            "untied_head",
-            _untied_head,
-            "you count lm_head apart from wte: GPT-2 ties them, one matrix read once",
-        ),
-        KnownWrong(
-            "one_row",
-            _one_row,
-            "your cache bytes are one row's: every row of the batch has its own keys/values",
-        ),
-        KnownWrong(
-            "biases_always",
-            _biases_always,
-            "you count biases the model does not have: with config.bias False no Linear "
-            "or LayerNorm holds one (count every parameter the config gives the model)",
-        ),
-        KnownWrong(
-            "weights_per_row",
-            _weights_per_row,
-            "you read the weights once per row: a batched step reads them once for all "
-            "rows, which is why batching raises the arithmetic intensity",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the count is neither every weight once nor the whole cache of every row",
     step_label=_case_name,
 )

@@ -3,8 +3,59 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from dataclasses import replace
+
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from rosecourse.exercises.ch10_decode_read_bytes.reference import decode_read_bytes
 from rosetrainer.config import GPTConfig
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "10",
+    "you count the weights alone: every decode step also reads every cached key "
+    "and value of every row, and at long contexts that is most of the bytes",
+)
+def _weights_only(config, batch, context_len, bytes_per_number):
+    return decode_read_bytes(config, 0, context_len, bytes_per_number)
+
+
+@known("10", "you count the keys but not the values: the cache holds both, per layer")
+def _keys_only(config, batch, context_len, bytes_per_number):
+    kv = 2 * config.n_layer * batch * context_len * config.n_embd * bytes_per_number
+    return decode_read_bytes(config, batch, context_len, bytes_per_number) - kv // 2
+
+
+@known("10", "you count lm_head apart from wte: GPT-2 ties them, one matrix read once")
+def _untied_head(config, batch, context_len, bytes_per_number):
+    head = config.vocab_size * config.n_embd * bytes_per_number
+    return decode_read_bytes(config, batch, context_len, bytes_per_number) + head
+
+
+@known("10", "your cache bytes are one row's: every row of the batch has its own keys/values")
+def _one_row(config, batch, context_len, bytes_per_number):
+    return decode_read_bytes(config, 1, context_len, bytes_per_number)
+
+
+@known(
+    "10",
+    "you count biases the model does not have: with config.bias False no Linear "
+    "or LayerNorm holds one (count every parameter the config gives the model)",
+)
+def _biases_always(config, batch, context_len, bytes_per_number):
+    return decode_read_bytes(replace(config, bias=True), batch, context_len, bytes_per_number)
+
+
+@known(
+    "10",
+    "you read the weights once per row: a batched step reads them once for all "
+    "rows, which is why batching raises the arithmetic intensity",
+)
+def _weights_per_row(config, batch, context_len, bytes_per_number):
+    weights = decode_read_bytes(config, 0, context_len, bytes_per_number)
+    return decode_read_bytes(config, batch, context_len, bytes_per_number) + (batch - 1) * weights
+
 
 # -- 10: decode_read_bytes(config, batch, context_len, bytes_per_number) --------------------
 

@@ -12,10 +12,10 @@ from unittest import mock
 
 import torch
 
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     outcome,
@@ -52,33 +52,6 @@ def _slot_workload() -> list[tuple[list[int], SamplingParams]]:
     return [(list(p), greedy()) for p in chapter_prompts()]
 
 
-def _position_as_slot(block_tables, seq_of_token, positions, kv_block_size):
-    return positions
-
-
-def _fixed_block_size(block_tables, seq_of_token, positions, kv_block_size):
-    return block_tables[seq_of_token, positions // 4] * 4 + positions % 4
-
-
-def _logical_slots(block_tables, seq_of_token, positions, kv_block_size):
-    return seq_of_token * block_tables.size(1) * kv_block_size + positions
-
-
-def _position_as_offset(block_tables, seq_of_token, positions, kv_block_size):
-    return block_tables[seq_of_token, positions // kv_block_size] * kv_block_size + positions
-
-
-def _first_table(block_tables, seq_of_token, positions, kv_block_size):
-    return block_tables[0, positions // kv_block_size] * kv_block_size + positions % kv_block_size
-
-
-def _swapped_division(block_tables, seq_of_token, positions, kv_block_size):
-    return (
-        block_tables[seq_of_token, positions % kv_block_size] * kv_block_size
-        + positions // kv_block_size
-    )
-
-
 EXERCISE = Exercise(
     name="slot_mapping",
     reference=slot_mapping,
@@ -87,44 +60,7 @@ EXERCISE = Exercise(
     runs=engine_runs(_slot_workload, None, "", kv_block_size=4, num_kv_blocks=40)
     + engine_runs(_slot_workload, None, "", kv_block_size=3, num_kv_blocks=48)
     + engine_runs(_slot_workload, None, "", kv_block_size=16, num_kv_blocks=12),
-    known_wrong=[
-        KnownWrong(
-            "position_as_slot",
-            _position_as_slot,
-            "the slot is the position, as in the static cache: every sequence writes slots "
-            "0, 1, 2, ... over the others' keys; go through the sequence's block table",
-        ),
-        KnownWrong(
-            "fixed_block_size",
-            _fixed_block_size,
-            "the block size is a constant (4) in your code: the pool's blocks hold "
-            "kv_block_size slots, whatever the engine was given",
-        ),
-        KnownWrong(
-            "logical_slots",
-            _logical_slots,
-            "you never look at the block table: a logical slot is not a physical one "
-            "(the pool hands blocks out in any order)",
-        ),
-        KnownWrong(
-            "position_as_offset",
-            _position_as_offset,
-            "the offset inside the block is the whole position (no % kv_block_size): every "
-            "token past the first block lands in some other block",
-        ),
-        KnownWrong(
-            "first_table",
-            _first_table,
-            "every token uses the first sequence's block table: pick the row of the "
-            "token's own sequence",
-        ),
-        KnownWrong(
-            "swapped_division",
-            _swapped_division,
-            "// and % are swapped: the block index is position // kv_block_size, the offset "
-            "position % kv_block_size",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="some token is written to or read from a slot that is not its own",
 )
 

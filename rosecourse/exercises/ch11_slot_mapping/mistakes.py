@@ -5,7 +5,66 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "11",
+    "the slot is the position, as in the static cache: every sequence writes slots "
+    "0, 1, 2, ... over the others' keys; go through the sequence's block table",
+)
+def _position_as_slot(block_tables, seq_of_token, positions, kv_block_size):
+    return positions
+
+
+@known(
+    "11",
+    "the block size is a constant (4) in your code: the pool's blocks hold "
+    "kv_block_size slots, whatever the engine was given",
+)
+def _fixed_block_size(block_tables, seq_of_token, positions, kv_block_size):
+    return block_tables[seq_of_token, positions // 4] * 4 + positions % 4
+
+
+@known(
+    "11",
+    "you never look at the block table: a logical slot is not a physical one "
+    "(the pool hands blocks out in any order)",
+)
+def _logical_slots(block_tables, seq_of_token, positions, kv_block_size):
+    return seq_of_token * block_tables.size(1) * kv_block_size + positions
+
+
+@known(
+    "11",
+    "the offset inside the block is the whole position (no % kv_block_size): every "
+    "token past the first block lands in some other block",
+)
+def _position_as_offset(block_tables, seq_of_token, positions, kv_block_size):
+    return block_tables[seq_of_token, positions // kv_block_size] * kv_block_size + positions
+
+
+@known(
+    "11",
+    "every token uses the first sequence's block table: pick the row of the token's own sequence",
+)
+def _first_table(block_tables, seq_of_token, positions, kv_block_size):
+    return block_tables[0, positions // kv_block_size] * kv_block_size + positions % kv_block_size
+
+
+@known(
+    "11",
+    "// and % are swapped: the block index is position // kv_block_size, the offset "
+    "position % kv_block_size",
+)
+def _swapped_division(block_tables, seq_of_token, positions, kv_block_size):
+    return (
+        block_tables[seq_of_token, positions % kv_block_size] * kv_block_size
+        + positions // kv_block_size
+    )
+
 
 # -- 11: slot_mapping(block_tables, seq_of_token, positions, kv_block_size) -----------------
 

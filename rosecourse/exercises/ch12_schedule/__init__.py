@@ -8,15 +8,12 @@ The contract is the docstring of rosecourse/exercises/ch12_schedule/reference.py
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from collections.abc import Callable
-from unittest import mock
 
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     held_function,
@@ -126,73 +123,6 @@ def _schedule_probe(fn: Callable) -> Probe:
     }
 
 
-@contextlib.contextmanager
-def _config_replaced(scheduler: Scheduler, **changes: object):
-    kept = scheduler.config
-    scheduler.config = dataclasses.replace(kept, **changes)
-    try:
-        yield
-    finally:
-        scheduler.config = kept
-
-
-def _ignores_budget(scheduler):
-    with _config_replaced(scheduler, max_num_batched_tokens=10**9):
-        return schedule(scheduler)
-
-
-def _ignores_max_seqs(scheduler):
-    with _config_replaced(scheduler, max_num_seqs=10**9):
-        return schedule(scheduler)
-
-
-def _forgets_preempted(scheduler):
-    # The victim's blocks go back, but it never returns to the waiting queue.
-    with mock.patch.object(scheduler, "_preempt", scheduler.block_manager.release):
-        return schedule(scheduler)
-
-
-def _preempts_current(scheduler):
-    """The policy, except that a sequence the pool cannot grow is preempted itself."""
-    batch = ScheduledBatch()
-    budget = scheduler.config.max_num_batched_tokens
-    manager = scheduler.block_manager
-    for seq in list(scheduler.running):
-        if budget == 0:
-            break
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if manager.can_grow(seq, seq.num_computed_tokens + num_new):
-            manager.grow(seq, seq.num_computed_tokens + num_new)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-        else:
-            scheduler.running.remove(seq)
-            scheduler._preempt(seq)
-            batch.preempted.append(seq)
-    if batch.preempted or budget == 0:
-        return batch
-    # The waiting part is the policy's: the reference with what is left of the limits.
-    running, scheduler.running = scheduler.running, []
-    room = scheduler.config.max_num_seqs - len(running)
-    with _config_replaced(scheduler, max_num_batched_tokens=budget, max_num_seqs=room):
-        admitted = schedule(scheduler)
-    scheduler.running = sorted(running + scheduler.running, key=scheduler.arrival_order.get)
-    batch.seqs += admitted.seqs
-    batch.num_new_tokens += admitted.num_new_tokens
-    return batch
-
-
-def _static_batching(scheduler):
-    if not scheduler.running:
-        return schedule(scheduler)
-    waiting, scheduler.waiting = scheduler.waiting, type(scheduler.waiting)()
-    try:
-        return schedule(scheduler)
-    finally:
-        scheduler.waiting = waiting
-
-
 EXERCISE = Exercise(
     name="schedule",
     reference=schedule,
@@ -214,38 +144,7 @@ EXERCISE = Exercise(
         parts={"scheduler_class": ScheduleOf},
         **TIGHT_BUDGET,
     ),
-    known_wrong=[
-        KnownWrong(
-            "ignores_budget",
-            _ignores_budget,
-            "you ignore max_num_batched_tokens: a long prompt must be prefilled in chunks "
-            "of what is left of the step's token budget",
-        ),
-        KnownWrong(
-            "ignores_max_seqs",
-            _ignores_max_seqs,
-            "you admit more running sequences than max_num_seqs: count the running ones "
-            "before admitting another",
-        ),
-        KnownWrong(
-            "forgets_preempted",
-            _forgets_preempted,
-            "a preempted sequence gives its blocks back but never returns to the waiting "
-            "queue (scheduler._preempt puts it there): its request never finishes",
-        ),
-        KnownWrong(
-            "preempts_current",
-            _preempts_current,
-            "when the pool cannot grow a sequence you preempt that sequence: preempt the "
-            "newest running one (its work is the least to redo), until the pool can",
-        ),
-        KnownWrong(
-            "static_batching",
-            _static_batching,
-            "nobody is admitted while anyone runs: that is static batching; continuous "
-            "batching admits waiting requests into every step with room",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="your plan differs from the policy (running oldest first, the newest "
     "preempted, waiting first come first served, within the token budget)",
     step_label=engine_step_name,

@@ -3,8 +3,108 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+import contextlib
+import dataclasses
+from unittest import mock
+
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from rosecourse.exercises.ch12_schedule import schedule
 from roseinfer.engine.scheduler import ScheduledBatch, Scheduler
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@contextlib.contextmanager
+def _config_replaced(scheduler: Scheduler, **changes: object):
+    kept = scheduler.config
+    scheduler.config = dataclasses.replace(kept, **changes)
+    try:
+        yield
+    finally:
+        scheduler.config = kept
+
+
+@known(
+    "12",
+    "you ignore max_num_batched_tokens: a long prompt must be prefilled in chunks "
+    "of what is left of the step's token budget",
+)
+def _ignores_budget(scheduler):
+    with _config_replaced(scheduler, max_num_batched_tokens=10**9):
+        return schedule(scheduler)
+
+
+@known(
+    "12",
+    "you admit more running sequences than max_num_seqs: count the running ones "
+    "before admitting another",
+)
+def _ignores_max_seqs(scheduler):
+    with _config_replaced(scheduler, max_num_seqs=10**9):
+        return schedule(scheduler)
+
+
+@known(
+    "12",
+    "a preempted sequence gives its blocks back but never returns to the waiting "
+    "queue (scheduler._preempt puts it there): its request never finishes",
+)
+def _forgets_preempted(scheduler):
+    # The victim's blocks go back, but it never returns to the waiting queue.
+    with mock.patch.object(scheduler, "_preempt", scheduler.block_manager.release):
+        return schedule(scheduler)
+
+
+@known(
+    "12",
+    "when the pool cannot grow a sequence you preempt that sequence: preempt the "
+    "newest running one (its work is the least to redo), until the pool can",
+)
+def _preempts_current(scheduler):
+    """The policy, except that a sequence the pool cannot grow is preempted itself."""
+    batch = ScheduledBatch()
+    budget = scheduler.config.max_num_batched_tokens
+    manager = scheduler.block_manager
+    for seq in list(scheduler.running):
+        if budget == 0:
+            break
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if manager.can_grow(seq, seq.num_computed_tokens + num_new):
+            manager.grow(seq, seq.num_computed_tokens + num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        else:
+            scheduler.running.remove(seq)
+            scheduler._preempt(seq)
+            batch.preempted.append(seq)
+    if batch.preempted or budget == 0:
+        return batch
+    # The waiting part is the policy's: the reference with what is left of the limits.
+    running, scheduler.running = scheduler.running, []
+    room = scheduler.config.max_num_seqs - len(running)
+    with _config_replaced(scheduler, max_num_batched_tokens=budget, max_num_seqs=room):
+        admitted = schedule(scheduler)
+    scheduler.running = sorted(running + scheduler.running, key=scheduler.arrival_order.get)
+    batch.seqs += admitted.seqs
+    batch.num_new_tokens += admitted.num_new_tokens
+    return batch
+
+
+@known(
+    "12",
+    "nobody is admitted while anyone runs: that is static batching; continuous "
+    "batching admits waiting requests into every step with room",
+)
+def _static_batching(scheduler):
+    if not scheduler.running:
+        return schedule(scheduler)
+    waiting, scheduler.waiting = scheduler.waiting, type(scheduler.waiting)()
+    try:
+        return schedule(scheduler)
+    finally:
+        scheduler.waiting = waiting
+
 
 # -- 12: schedule(scheduler) ----------------------------------------------------------------
 

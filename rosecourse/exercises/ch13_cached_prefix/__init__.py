@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -133,36 +133,6 @@ def _later_block_without_block_0() -> tuple[BlockManager, list[int]]:
     return manager, prompt
 
 
-def _unchained(manager, token_ids):
-    from roseinfer.engine.block_manager import chain_hash
-
-    found = []
-    for i in range(manager.lookup_blocks(len(token_ids))):
-        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
-        block_id = manager.cached.get(chain_hash(b"", tokens))
-        if block_id is None:
-            break
-        found.append(block_id)
-    return found
-
-
-def _key_alone(manager, token_ids):
-    found, parent = [], b""
-    for i in range(manager.lookup_blocks(len(token_ids))):
-        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
-        parent = chain_hash(parent, tokens)
-        block_id = manager.cached.get(parent)
-        if block_id is None:  # the mistake: the block's token_ids never compared
-            break
-        found.append(block_id)
-    return found
-
-
-def _serves_the_last_token(manager, token_ids):
-    # One more block than lookup_blocks allows when the prompt fills its blocks exactly.
-    return cached_prefix(manager, [*token_ids, 0])
-
-
 EXERCISE = Exercise(
     name="cached_prefix",
     reference=cached_prefix,
@@ -182,27 +152,7 @@ EXERCISE = Exercise(
             parts={"block_manager_class": LookupOf},
         )
     ],
-    known_wrong=[
-        KnownWrong(
-            "unchained",
-            _unchained,
-            "your key is the block's tokens alone: the pool keys a block by its tokens and "
-            "every token before it (chain the parent's hash), so only the first block is found",
-        ),
-        KnownWrong(
-            "serves_the_last_token",
-            _serves_the_last_token,
-            "you serve a prompt's last block even when it holds the last token: that token "
-            "must be computed, its logits choose the first new token",
-        ),
-        KnownWrong(
-            "key_alone",
-            _key_alone,
-            "you take a block on its key alone: a block found must also hold the prompt's "
-            "tokens (manager.blocks[block_id].token_ids == tokens), as two blocks' keys can "
-            "collide",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the blocks you find are not the longest run of the prompt's full blocks "
     "(the last token excluded) that the pool holds under their chained keys",
     step_label=engine_step_name,

@@ -5,9 +5,59 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from rosecourse.exercises.ch13_cached_prefix import cached_prefix
 from rosecourse.solutions.build_block_manager import chain_hash
 from roseinfer.engine.block_manager import BlockManager
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "13",
+    "your key is the block's tokens alone: the pool keys a block by its tokens and "
+    "every token before it (chain the parent's hash), so only the first block is found",
+)
+def _unchained(manager, token_ids):
+    from roseinfer.engine.block_manager import chain_hash
+
+    found = []
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
+        block_id = manager.cached.get(chain_hash(b"", tokens))
+        if block_id is None:
+            break
+        found.append(block_id)
+    return found
+
+
+@known(
+    "13",
+    "you serve a prompt's last block even when it holds the last token: that token "
+    "must be computed, its logits choose the first new token",
+)
+def _serves_the_last_token(manager, token_ids):
+    # One more block than lookup_blocks allows when the prompt fills its blocks exactly.
+    return cached_prefix(manager, [*token_ids, 0])
+
+
+@known(
+    "13",
+    "you take a block on its key alone: a block found must also hold the prompt's "
+    "tokens (manager.blocks[block_id].token_ids == tokens), as two blocks' keys can "
+    "collide",
+)
+def _key_alone(manager, token_ids):
+    found, parent = [], b""
+    for i in range(manager.lookup_blocks(len(token_ids))):
+        tokens = tuple(token_ids[i * manager.kv_block_size : (i + 1) * manager.kv_block_size])
+        parent = chain_hash(parent, tokens)
+        block_id = manager.cached.get(parent)
+        if block_id is None:  # the mistake: the block's token_ids never compared
+            break
+        found.append(block_id)
+    return found
+
 
 # -- 13: cached_prefix(manager, token_ids) --------------------------------------------------
 

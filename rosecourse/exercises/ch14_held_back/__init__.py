@@ -14,10 +14,10 @@ from unittest import mock
 from rosecourse.demo import (
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -70,28 +70,6 @@ def shown_text(engine: LLMEngine, outputs: list[RequestOutput]) -> tuple:
     return tuple(o.text for o in outputs)
 
 
-def _holds_nothing(text, stops):
-    return 0
-
-
-def _holds_whole_stop(text, stops):
-    return min(len(text), max(map(len, stops), default=0))
-
-
-def _first_stop_only(text, stops):
-    return held_back(text, stops[:1])
-
-
-def _includes_the_whole_stop(text, stops):
-    longest = 0
-    for stop in stops:
-        for length in range(min(len(stop), len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                longest = max(longest, length)
-                break
-    return longest
-
-
 EXERCISE = Exercise(
     name="held_back",
     reference=held_back,
@@ -104,31 +82,7 @@ EXERCISE = Exercise(
         tokens_too=False,  # a stop string ends it early: its steps are the oracle
         num_kv_blocks=40,
     ),
-    known_wrong=[
-        KnownWrong(
-            "holds_nothing",
-            _holds_nothing,
-            "you hold nothing back: the stream shows the start of a stop string, and "
-            "cannot take it back when the stop completes",
-        ),
-        KnownWrong(
-            "holds_whole_stop",
-            _holds_whole_stop,
-            "you always hold back a stop string's length: hold only a tail that could "
-            "still begin one, or the stream lags for nothing",
-        ),
-        KnownWrong(
-            "first_stop_only",
-            _first_stop_only,
-            "you look at the first stop string only: any of them may be beginning",
-        ),
-        KnownWrong(
-            "includes_the_whole_stop",
-            _includes_the_whole_stop,
-            "you count a whole stop string as 'could still begin one': a completed stop "
-            "has finished the request already; hold at most len(stop) - 1 characters",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the tail you hold back is not the longest one that could begin a stop string",
     step_label=engine_step_name,
 )

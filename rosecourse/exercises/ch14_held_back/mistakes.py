@@ -3,7 +3,49 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from roseinfer.request.detokenizer import held_back
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "14",
+    "you hold nothing back: the stream shows the start of a stop string, and "
+    "cannot take it back when the stop completes",
+)
+def _holds_nothing(text, stops):
+    return 0
+
+
+@known(
+    "14",
+    "you always hold back a stop string's length: hold only a tail that could "
+    "still begin one, or the stream lags for nothing",
+)
+def _holds_whole_stop(text, stops):
+    return min(len(text), max(map(len, stops), default=0))
+
+
+@known("14", "you look at the first stop string only: any of them may be beginning")
+def _first_stop_only(text, stops):
+    return held_back(text, stops[:1])
+
+
+@known(
+    "14",
+    "you count a whole stop string as 'could still begin one': a completed stop "
+    "has finished the request already; hold at most len(stop) - 1 characters",
+)
+def _includes_the_whole_stop(text, stops):
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop), len(text)), 0, -1):
+            if text.endswith(stop[:length]):
+                longest = max(longest, length)
+                break
+    return longest
+
 
 # -- 14: held_back(text, stops) ---------------------------------------------------------------
 

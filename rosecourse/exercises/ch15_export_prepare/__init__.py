@@ -13,12 +13,11 @@ from unittest import mock
 
 import torch
 
-import rosetrainer.model
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     BATCH_TEXTS,
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -171,79 +170,13 @@ def _export_runs() -> list[tuple[str, Callable, Callable]]:
     ]
 
 
-def _baked_length(cache, batch, q_len, device):
-    kv_len = int(cache.attention_mask.shape[1])  # a Python int: the graph keeps the example's
-    mask = rosetrainer.model.causal_mask(q_len, kv_len, device)
-    mask = rosetrainer.model.padding_mask(mask, cache.attention_mask.to(device))
-    return cache.position_ids, mask.expand(batch, 1, q_len, kv_len).clone()
-
-
-def _no_padding(cache, batch, q_len, device):
-    kv_len = cache.attention_mask.size(1)
-    return cache.position_ids, rosetrainer.model.causal_mask(q_len, kv_len, device)
-
-
-def _positions_from_past(cache, batch, q_len, device):
-    kv_len = cache.attention_mask.size(1)
-    mask = rosetrainer.model.padding_mask(
-        rosetrainer.model.causal_mask(q_len, kv_len, device), cache.attention_mask
-    )
-    past = kv_len - q_len
-    return torch.arange(past, kv_len, device=device)[None, :].expand(batch, q_len), mask
-
-
-def _device_ignored(cache, batch, q_len, device):
-    kv_len = cache.attention_mask.size(1)
-    mask = rosetrainer.model.causal_mask(q_len, kv_len)  # the mistake: no device
-    return cache.position_ids, rosetrainer.model.padding_mask(mask, cache.attention_mask)
-
-
-def _top_left(cache, batch, q_len, device):
-    kv_len = cache.attention_mask.size(1)
-    mask = torch.ones(kv_len, kv_len, dtype=torch.bool, device=device).tril()[:q_len]
-    return cache.position_ids, rosetrainer.model.padding_mask(mask, cache.attention_mask)
-
-
 EXERCISE = Exercise(
     name="export_prepare",
     reference=export_prepare,
     probe=_export_probe,
     swapped_in=_swap_export_prepare,
     runs=_export_runs(),
-    known_wrong=[
-        KnownWrong(
-            "device_ignored",
-            _device_ignored,
-            "your mask is made without `device`: right on the CPU, but the model passes its "
-            "input's device, and a mask on the CPU meets the graph's inputs on a GPU "
-            "(pass device to causal_mask)",
-        ),
-        KnownWrong(
-            "baked_length",
-            _baked_length,
-            "right in eager mode, but the graph exported at the example's shapes breaks "
-            "at others: something in it is fixed to the example's shapes (a length read "
-            "as a Python number, int(...), is the usual cause: the trace turns it into a "
-            "constant; keep the tensor's .size(), which stays a symbol)",
-        ),
-        KnownWrong(
-            "no_padding",
-            _no_padding,
-            "your mask ignores attention_mask: a padded row's queries read its padding slots",
-        ),
-        KnownWrong(
-            "positions_from_past",
-            _positions_from_past,
-            "you count positions from the past's length: a left-padded row's real tokens "
-            "then stand as far right as its padding is long; take the graph's position_ids",
-        ),
-        KnownWrong(
-            "top_left",
-            _top_left,
-            "your mask is aligned top-left (rows 0 .. q_len of the full triangle): with a "
-            "past, the new queries get the rows of the oldest positions",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="the positions or the mask the graph computes differ from the uncached run's",
 )
 

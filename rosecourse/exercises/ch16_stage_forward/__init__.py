@@ -18,10 +18,10 @@ from rosecourse.demo import (
     NEW_TOKENS,
     PROMPT,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     encoded,
@@ -30,7 +30,7 @@ from rosecourse.exercises.common import (
     reference_tokens,
 )
 from roseinfer.cache.dense import ConcatKVCache
-from roseinfer.pipeline.stage import PipelineStage, cache_slot
+from roseinfer.pipeline.stage import PipelineStage
 
 _real_stage_forward = PipelineStage.forward
 
@@ -129,49 +129,13 @@ def _stage_probe(fn: Callable) -> Probe:
     return probe
 
 
-def _global_layer(stage, x, cache):
-    batch, q_len = x.shape[:2]
-    pos, attn_mask = cache.prepare(batch, q_len, x.device)
-    parts = stage.transformer
-    if stage.is_first:
-        x = parts.drop(parts.wte(x) + parts.wpe(pos))
-    for local, block in enumerate(parts.h):
-        x = block(x, attn_mask, cache, stage.layers[local])
-    return stage.lm_head(parts.ln_f(x)[:, -1, :]) if stage.is_last else x
-
-
-def _every_position(stage, x, cache):
-    batch, q_len = x.shape[:2]
-    pos, attn_mask = cache.prepare(batch, q_len, x.device)
-    parts = stage.transformer
-    if stage.is_first:
-        x = parts.drop(parts.wte(x) + parts.wpe(pos))
-    for local, block in enumerate(parts.h):
-        x = block(x, attn_mask, cache, cache_slot(stage.layers, local))
-    return stage.lm_head(parts.ln_f(x)) if stage.is_last else x
-
-
 EXERCISE = Exercise(
     name="stage_forward",
     reference=stage_forward,
     probe=_stage_probe,
     swapped_in=_swap_stage_forward,
     runs=_stage_runs(),
-    known_wrong=[
-        KnownWrong(
-            "global_layer",
-            _global_layer,
-            "you hand the cache the block's global layer number: a stage's cache holds "
-            "only its own layers, numbered from 0, so a later stage writes past its end "
-            "(a concatenating cache starts a new layer there and loses the past)",
-        ),
-        KnownWrong(
-            "every_position",
-            _every_position,
-            "the last stage returns logits for every position: return the last token's "
-            "row alone, (batch, vocab)",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="a stage's output is not what the same layers compute in one process",
 )
 

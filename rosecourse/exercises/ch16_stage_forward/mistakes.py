@@ -5,9 +5,45 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
-from roseinfer.pipeline.stage import PipelineStage
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from roseinfer.pipeline.stage import PipelineStage, cache_slot
 from rosetrainer.model import KVCache
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "16",
+    "you hand the cache the block's global layer number: a stage's cache holds "
+    "only its own layers, numbered from 0, so a later stage writes past its end "
+    "(a concatenating cache starts a new layer there and loses the past)",
+)
+def _global_layer(stage, x, cache):
+    batch, q_len = x.shape[:2]
+    pos, attn_mask = cache.prepare(batch, q_len, x.device)
+    parts = stage.transformer
+    if stage.is_first:
+        x = parts.drop(parts.wte(x) + parts.wpe(pos))
+    for local, block in enumerate(parts.h):
+        x = block(x, attn_mask, cache, stage.layers[local])
+    return stage.lm_head(parts.ln_f(x)[:, -1, :]) if stage.is_last else x
+
+
+@known(
+    "16",
+    "the last stage returns logits for every position: return the last token's "
+    "row alone, (batch, vocab)",
+)
+def _every_position(stage, x, cache):
+    batch, q_len = x.shape[:2]
+    pos, attn_mask = cache.prepare(batch, q_len, x.device)
+    parts = stage.transformer
+    if stage.is_first:
+        x = parts.drop(parts.wte(x) + parts.wpe(pos))
+    for local, block in enumerate(parts.h):
+        x = block(x, attn_mask, cache, cache_slot(stage.layers, local))
+    return stage.lm_head(parts.ln_f(x)) if stage.is_last else x
+
 
 # -- 16: stage_forward(stage, x, cache) ----------------------------------------------------
 

@@ -3,10 +3,93 @@ is; tests/course/test_mutants.py runs them against this chapter's check)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
-from roseinfer.cache.quantized import Quantized, _to_float16
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+from roseinfer.cache.quantized import Quantized, _to_float16, quantize
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+def _recoded(x, bits, group_size, dim, levels: int, rounding: Callable) -> Quantized:
+    """Asymmetric groups as the reference, with another number of levels or rounding."""
+    groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))
+    zero = groups.amin(-1, keepdim=True).to(torch.float16)
+    scale = ((groups.amax(-1, keepdim=True) - zero.float()) / levels).to(torch.float16)
+    codes = rounding((groups - zero.float()) / scale.float().clamp(min=1e-8)).clamp(0, levels)
+    return Quantized(
+        codes.to(torch.uint8).flatten(-2).movedim(-1, dim),
+        scale.squeeze(-1).movedim(-1, dim),
+        zero.squeeze(-1).movedim(-1, dim),
+    )
+
+
+@known(
+    "17",
+    "you group along the last axis whatever `dim` says: keys are grouped along "
+    "time (per channel), so each channel's outlier gets a scale of its own",
+)
+def _last_dim_always(x, bits, group_size, dim):
+    return quantize(x, bits, group_size, x.dim() - 1)
+
+
+@known(
+    "17",
+    "your groups are symmetric around 0 with unsigned codes: every negative number "
+    "clamps to code 0; store the group's minimum as zero (asymmetric)",
+)
+def _symmetric(x, bits, group_size, dim):
+    q = quantize(x, bits, group_size, dim)
+    levels = 2**bits - 1
+    groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))
+    scale = (groups.abs().amax(-1, keepdim=True) / levels).to(torch.float16)
+    codes = (groups / scale.float().clamp(min=1e-8)).round().clamp(0, levels).to(torch.uint8)
+    return q._replace(
+        codes=codes.flatten(-2).movedim(-1, dim),
+        scale=scale.squeeze(-1).movedim(-1, dim),
+        zero=torch.zeros_like(q.zero),
+    )
+
+
+@known(
+    "17",
+    "you truncate (floor) where rounding is right: every number reads back below "
+    "itself, off by up to a whole scale, not half",
+)
+def _truncates(x, bits, group_size, dim):
+    return _recoded(x, bits, group_size, dim, 2**bits - 1, torch.floor)
+
+
+@known(
+    "17",
+    "your codes run 0 .. 2**bits, one level too many: the top code does not fit "
+    "in `bits` bits (int4 packs two codes a byte)",
+)
+def _one_level_too_many(x, bits, group_size, dim):
+    return _recoded(x, bits, group_size, dim, 2**bits, torch.round)
+
+
+@known(
+    "17",
+    "you round scale to the nearest float16, not up: where it rounds down, zero + "
+    "(2**bits - 1) * scale falls short of the group's largest number, which lies "
+    "outside its group's range (round scale up: _to_float16(t, float('inf')))",
+)
+def _scale_to_nearest(x, bits, group_size, dim):
+    levels = 2**bits - 1
+    groups = x.float().movedim(dim, -1).unflatten(-1, (-1, group_size))
+    zero = _to_float16(groups.amin(-1, keepdim=True), -float("inf"))
+    scale = ((groups.amax(-1, keepdim=True) - zero.float()) / levels).half()  # to nearest
+    divisor = torch.where(scale == 0, 1.0, scale.float())
+    codes = ((groups - zero.float()) / divisor).round().clamp(0, levels).to(torch.uint8)
+    return Quantized(
+        codes.flatten(-2).movedim(-1, dim),
+        scale.squeeze(-1).movedim(-1, dim),
+        zero.squeeze(-1).movedim(-1, dim),
+    )
+
 
 # -- 17: quantize(x, bits, group_size, dim) ---------------------------------------------------
 

@@ -23,11 +23,11 @@ from rosecourse.demo import (
     WINDOWED_MODEL_CONFIG,
     wide_random_init,
 )
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CHUNK,
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     outcome,
@@ -141,18 +141,6 @@ def _slot_runs() -> list[tuple[str, Callable, Callable]]:
     return runs
 
 
-def _modulo_all_slots(pos, window, sinks):
-    return pos % (window + sinks)
-
-
-def _sinks_share_the_window(pos, window, sinks):
-    return pos % window
-
-
-def _last_slot_only(pos, window, sinks):
-    return torch.where(pos < sinks, pos, torch.full_like(pos, sinks + window - 1))
-
-
 EXERCISE = Exercise(
     name="rolling_slot",
     reference=rolling_slot,
@@ -160,26 +148,7 @@ EXERCISE = Exercise(
     swapped_in=patched(roseinfer.cache.rolling, "rolling_slot"),
     dtypes=frozenset({"torch.int32"}),  # (the contract: int64 or int32)
     runs=_slot_runs(),
-    known_wrong=[
-        KnownWrong(
-            "modulo_all_slots",
-            _modulo_all_slots,
-            "every position goes round all sinks + window slots: once the sequence is "
-            "longer than them, a later token overwrites a sink that every query still reads",
-        ),
-        KnownWrong(
-            "sinks_share_the_window",
-            _sinks_share_the_window,
-            "the window's positions go round slots 0 .. W - 1, the sinks' own slots among "
-            "them: the sinks are overwritten (and the last S slots are never used)",
-        ),
-        KnownWrong(
-            "last_slot_only",
-            _last_slot_only,
-            "every position after the sinks lands in one slot: the cache remembers the "
-            "latest token only, not the window",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="a key is overwritten while a query still needs it, or lands in no slot",
 )
 

@@ -5,7 +5,37 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+@known(
+    "18",
+    "every position goes round all sinks + window slots: once the sequence is "
+    "longer than them, a later token overwrites a sink that every query still reads",
+)
+def _modulo_all_slots(pos, window, sinks):
+    return pos % (window + sinks)
+
+
+@known(
+    "18",
+    "the window's positions go round slots 0 .. W - 1, the sinks' own slots among "
+    "them: the sinks are overwritten (and the last S slots are never used)",
+)
+def _sinks_share_the_window(pos, window, sinks):
+    return pos % window
+
+
+@known(
+    "18",
+    "every position after the sinks lands in one slot: the cache remembers the "
+    "latest token only, not the window",
+)
+def _last_slot_only(pos, window, sinks):
+    return torch.where(pos < sinks, pos, torch.full_like(pos, sinks + window - 1))
+
 
 # -- 18: rolling_slot(pos, window, sinks) ---------------------------------------------------
 

@@ -25,10 +25,10 @@ import torch
 
 import roseinfer.request.sampling
 from rosecourse.demo import PROMPT
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Outcomes,
     Probe,
     check,
@@ -308,104 +308,13 @@ def _runs() -> list[tuple[str, Callable, Callable]]:
 # -- known wrong answers --------------------------------------------------------------------
 
 
-def _mask(vocab, choices, prefix, eot_id, fits, eot_allowed) -> torch.Tensor:
-    wanted = [c.encode() for c in choices]
-    allowed = [any(fits(c, prefix + token) for c in wanted) for token in vocab]
-    allowed[eot_id] = eot_allowed(wanted, prefix, allowed)
-    return torch.tensor(allowed)
-
-
-def _complete(wanted, prefix, allowed) -> bool:
-    return prefix in wanted
-
-
-def _begins(choice: bytes, text: bytes) -> bool:
-    return choice.startswith(text)
-
-
-def _forgets_end_of_text(vocab, choices, prefix, eot_id):
-    return _mask(vocab, choices, prefix, eot_id, _begins, lambda *_: False)
-
-
-def _end_of_text_only_when_stuck(vocab, choices, prefix, eot_id):
-    return _mask(vocab, choices, prefix, eot_id, _begins, lambda w, p, allowed: not any(allowed))
-
-
-def _whole_choices_only(vocab, choices, prefix, eot_id):
-    return _mask(vocab, choices, prefix, eot_id, lambda c, text: c == text, _complete)
-
-
-def _overshoots(vocab, choices, prefix, eot_id):
-    def fits(choice, text):
-        return choice.startswith(text) or text.startswith(choice)
-
-    return _mask(vocab, choices, prefix, eot_id, fits, _complete)
-
-
-def _rest_of_every_choice(vocab, choices, prefix, eot_id):
-    wanted = [c.encode() for c in choices]
-    rests = [c[len(prefix) :] for c in wanted]
-    allowed = [any(rest.startswith(token) for rest in rests) for token in vocab]
-    allowed[eot_id] = prefix in wanted
-    return torch.tensor(allowed)
-
-
-def _compares_text(vocab, choices, prefix, eot_id):
-    text = prefix.decode("utf-8", errors="replace")
-    allowed = [
-        any(c.startswith(text + token.decode("utf-8", errors="replace")) for c in choices)
-        for token in vocab
-    ]
-    allowed[eot_id] = text in choices
-    return torch.tensor(allowed)
-
-
 EXERCISE = Exercise(
     name="choice_mask",
     reference=library_mask,
     probe=_probe,
     swapped_in=hold,
     runs=_runs(),
-    known_wrong=[
-        KnownWrong(
-            "forgets_end_of_text",
-            _forgets_end_of_text,
-            "end-of-text is never allowed: once the output is a whole choice it may end, "
-            "and end-of-text is how it ends (where no choice goes on, nothing else is left)",
-        ),
-        KnownWrong(
-            "end_of_text_only_when_stuck",
-            _end_of_text_only_when_stuck,
-            "end-of-text comes only when no token fits: where one choice begins another "
-            "('yes' and 'yes please'), 'yes' is whole and may end there, though it could "
-            "go on",
-        ),
-        KnownWrong(
-            "whole_choices_only",
-            _whole_choices_only,
-            "you allow only tokens that finish a choice: a token may write part of one, "
-            "and the next tokens the rest (most choices take several tokens)",
-        ),
-        KnownWrong(
-            "overshoots",
-            _overshoots,
-            "you allow a token that runs past the end of a choice ('yess' after 'ye'): the "
-            "whole output must stay inside one choice",
-        ),
-        KnownWrong(
-            "rest_of_every_choice",
-            _rest_of_every_choice,
-            "you match the token against the rest of every choice, even of choices the "
-            "output so far has already left: only choices that begin with the prefix count",
-        ),
-        KnownWrong(
-            "compares_text",
-            _compares_text,
-            "you compare text, not bytes: a token may hold part of a character (é is two "
-            "bytes, and GPT-2 has a token for each), and decoding it gives a replacement "
-            "character that no choice has",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="it allows a different set of tokens than the choices leave open",
 )
 

@@ -5,7 +5,94 @@ from __future__ import annotations
 
 import torch
 
-from rosecourse.exercises.answers import alternative, blind, mutant
+from rosecourse.exercises.answers import alternative, blind, known, mutant
+
+# -- the known mistakes: the check names each one it meets (answers.known) ----------
+
+
+def _mask(vocab, choices, prefix, eot_id, fits, eot_allowed) -> torch.Tensor:
+    wanted = [c.encode() for c in choices]
+    allowed = [any(fits(c, prefix + token) for c in wanted) for token in vocab]
+    allowed[eot_id] = eot_allowed(wanted, prefix, allowed)
+    return torch.tensor(allowed)
+
+
+def _complete(wanted, prefix, allowed) -> bool:
+    return prefix in wanted
+
+
+def _begins(choice: bytes, text: bytes) -> bool:
+    return choice.startswith(text)
+
+
+@known(
+    "20",
+    "end-of-text is never allowed: once the output is a whole choice it may end, "
+    "and end-of-text is how it ends (where no choice goes on, nothing else is left)",
+)
+def _forgets_end_of_text(vocab, choices, prefix, eot_id):
+    return _mask(vocab, choices, prefix, eot_id, _begins, lambda *_: False)
+
+
+@known(
+    "20",
+    "end-of-text comes only when no token fits: where one choice begins another "
+    "('yes' and 'yes please'), 'yes' is whole and may end there, though it could "
+    "go on",
+)
+def _end_of_text_only_when_stuck(vocab, choices, prefix, eot_id):
+    return _mask(vocab, choices, prefix, eot_id, _begins, lambda w, p, allowed: not any(allowed))
+
+
+@known(
+    "20",
+    "you allow only tokens that finish a choice: a token may write part of one, "
+    "and the next tokens the rest (most choices take several tokens)",
+)
+def _whole_choices_only(vocab, choices, prefix, eot_id):
+    return _mask(vocab, choices, prefix, eot_id, lambda c, text: c == text, _complete)
+
+
+@known(
+    "20",
+    "you allow a token that runs past the end of a choice ('yess' after 'ye'): the "
+    "whole output must stay inside one choice",
+)
+def _overshoots(vocab, choices, prefix, eot_id):
+    def fits(choice, text):
+        return choice.startswith(text) or text.startswith(choice)
+
+    return _mask(vocab, choices, prefix, eot_id, fits, _complete)
+
+
+@known(
+    "20",
+    "you match the token against the rest of every choice, even of choices the "
+    "output so far has already left: only choices that begin with the prefix count",
+)
+def _rest_of_every_choice(vocab, choices, prefix, eot_id):
+    wanted = [c.encode() for c in choices]
+    rests = [c[len(prefix) :] for c in wanted]
+    allowed = [any(rest.startswith(token) for rest in rests) for token in vocab]
+    allowed[eot_id] = prefix in wanted
+    return torch.tensor(allowed)
+
+
+@known(
+    "20",
+    "you compare text, not bytes: a token may hold part of a character (é is two "
+    "bytes, and GPT-2 has a token for each), and decoding it gives a replacement "
+    "character that no choice has",
+)
+def _compares_text(vocab, choices, prefix, eot_id):
+    text = prefix.decode("utf-8", errors="replace")
+    allowed = [
+        any(c.startswith(text + token.decode("utf-8", errors="replace")) for c in choices)
+        for token in vocab
+    ]
+    allowed[eot_id] = text in choices
+    return torch.tensor(allowed)
+
 
 # -- 20: choice_mask(vocab, choices, prefix, eot_id) ----------------------------------------
 

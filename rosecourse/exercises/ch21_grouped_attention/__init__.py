@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import torch
 
 import rosetrainer.model
 from rosecourse.demo import wide_random_init
+from rosecourse.exercises.answers import known_mistakes
 from rosecourse.exercises.common import (
     CheckResult,
     Exercise,
-    KnownWrong,
     Probe,
     check,
     outcome,
@@ -197,153 +196,13 @@ def _attention_probe(fn: Callable) -> Probe:
 # ---------------------------------------------------------------------------
 
 
-def _masked(scores: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    return scores if attn_mask is None else scores.masked_fill(~attn_mask, -math.inf)
-
-
-def _copied_heads(q, k, v, attn_mask, spread_k, spread_v):
-    """Attention with each key/value head copied out for its query heads by `spread_*`."""
-    group = q.size(1) // k.size(1)
-    k, v = spread_k(k, group), spread_v(v, group)
-    scores = _masked(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), attn_mask)
-    return (torch.softmax(scores.float(), dim=-1).to(v.dtype)) @ v
-
-
-def _tiled(t: torch.Tensor, group: int) -> torch.Tensor:
-    return t.repeat(1, group, 1, 1)
-
-
-def _interleaved(t: torch.Tensor, group: int) -> torch.Tensor:
-    return t.repeat_interleave(group, dim=1)
-
-
-def _heads_in_wrong_order(q, k, v, attn_mask):
-    return _copied_heads(q, k, v, attn_mask, _tiled, _tiled)
-
-
-def _values_tiled(q, k, v, attn_mask):
-    return _copied_heads(q, k, v, attn_mask, _interleaved, _tiled)
-
-
-def _by_view(q, k, v, attn_mask, scale=None, softmax_dim=-1, softmax=None):
-    """The view form, with one part replaceable: the scale, the softmax's axis, the softmax."""
-    batch, n_head, _, head_dim = q.shape
-    n_kv_head = k.size(1)
-    queries = q.view(batch, n_kv_head, n_head // n_kv_head, head_dim)
-    scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    scores = _masked(queries @ k.transpose(-2, -1) * scale, attn_mask).float()
-    weights = (softmax or torch.softmax)(scores, softmax_dim).to(v.dtype)
-    return (weights @ v).view(batch, n_head, 1, head_dim)
-
-
-def _queries_regrouped_wrong(q, k, v, attn_mask):
-    batch, n_head, _, head_dim = q.shape
-    n_kv_head = k.size(1)
-    queries = q.view(batch, n_head // n_kv_head, n_kv_head, head_dim).transpose(1, 2)
-    scores = _masked(queries @ k.transpose(-2, -1) / math.sqrt(head_dim), attn_mask)
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return (weights @ v).reshape(batch, n_head, 1, head_dim)
-
-
-def _scaled_by_group_width(q, k, v, attn_mask):
-    group = q.size(1) // k.size(1)
-    return _by_view(q, k, v, attn_mask, scale=1 / math.sqrt(group * q.size(-1)))
-
-
-def _scaled_by_n_embd(q, k, v, attn_mask):
-    return _by_view(q, k, v, attn_mask, scale=1 / math.sqrt(q.size(1) * q.size(-1)))
-
-
-def _softmax_over_group(q, k, v, attn_mask):
-    return _by_view(q, k, v, attn_mask, softmax_dim=-2).nan_to_num()
-
-
-def _group_mean_query(q, k, v, attn_mask):
-    batch, n_head, _, head_dim = q.shape
-    group = n_head // k.size(1)
-    mean = q.view(batch, k.size(1), group, head_dim).mean(2, keepdim=True)
-    return _by_view(mean.expand(-1, -1, group, -1).reshape(q.shape), k, v, attn_mask)
-
-
-def _exp_over_sum(scores: torch.Tensor, dim: int) -> torch.Tensor:
-    e = scores.exp()
-    return e / e.sum(dim, keepdim=True)
-
-
-def _no_max_subtraction(q, k, v, attn_mask):
-    return _by_view(q, k, v, attn_mask, softmax=_exp_over_sum)
-
-
-def _mask_ignored(q, k, v, attn_mask):
-    return _by_view(q, k, v, None)
-
-
 EXERCISE = Exercise(
     name="grouped_attention",
     reference=one_query_attention,
     probe=_attention_probe,
     swapped_in=patched(rosetrainer.model, "one_query_attention"),
     runs=_runs(),
-    known_wrong=[
-        KnownWrong(
-            "heads_in_wrong_order",
-            _heads_in_wrong_order,
-            "your query heads read the wrong key/value heads: `repeat` tiles the heads "
-            "(0, 1, 0, 1, ...), so query head h reads head h % n_kv_head; head h's is "
-            "h // group (0, 0, 0, 1, 1, 1: `repeat_interleave`, or q viewed as groups)",
-        ),
-        KnownWrong(
-            "values_tiled",
-            _values_tiled,
-            "keys and values are copied out in different orders (keys with "
-            "`repeat_interleave`, values with `repeat`): a query head weighs its own "
-            "key/value head's keys but sums another head's values",
-        ),
-        KnownWrong(
-            "queries_regrouped_wrong",
-            _queries_regrouped_wrong,
-            "the query heads are grouped the wrong way round: q.view(B, group, n_kv_head, d)"
-            ".transpose(1, 2) puts heads g, g + n_kv_head, ... in group g, and the outputs "
-            "come back in another order; head h belongs to group h // group, so view q as "
-            "(B, n_kv_head, group, d)",
-        ),
-        KnownWrong(
-            "scaled_by_group_width",
-            _scaled_by_group_width,
-            "the scores are divided by sqrt(group * head_dim): scale by 1 / sqrt(head_dim), "
-            "the size of one head, whatever the group",
-        ),
-        KnownWrong(
-            "scaled_by_n_embd",
-            _scaled_by_n_embd,
-            "the scores are divided by sqrt(n_head * head_dim), the model's width: scale "
-            "by 1 / sqrt(head_dim), the size of one head",
-        ),
-        KnownWrong(
-            "softmax_over_group",
-            _softmax_over_group,
-            "the softmax runs over a group's query heads, not over the keys: each query's "
-            "weights over its keys must sum to 1 (the last axis of the scores)",
-        ),
-        KnownWrong(
-            "group_mean_query",
-            _group_mean_query,
-            "the queries of a group are averaged: every head of a group gives the same "
-            "output; each query head keeps its own query, only the keys and values are shared",
-        ),
-        KnownWrong(
-            "no_max_subtraction",
-            _no_max_subtraction,
-            "exp(scores) / sum overflows: a score past about 88 is inf in float32, and "
-            "inf / inf is NaN; subtract each row's largest score first (torch.softmax does)",
-        ),
-        KnownWrong(
-            "mask_ignored",
-            _mask_ignored,
-            "attn_mask is ignored: queries read keys they may not see (another row's "
-            "padding, the cache's slots not yet written); set their scores to -inf",
-        ),
-    ],
+    known_wrong=known_mistakes(__name__),
     fallback="some query head's output is not the softmax-weighted sum of its own key/value "
     "head's values over the keys it may see",
 )
