@@ -16,64 +16,52 @@ from rosecourse.solutions.build_cached_loop import StaticCache
 from rosetrainer.model import GPT
 
 
-def _top_left_mask(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _prepare(self, batch, q_len, device, causal_of=None, pos_of=None, padding_seen=False):
+    """The reference's StaticCache.prepare, with the mistake its arguments say: the causal
+    mask `causal_of(slots)`, the positions `pos_of()`, the padding slots left visible."""
     self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
     self.filled += q_len
     slots = torch.arange(self.max_len, device=device)
     # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
+    causal = slots[None, :] <= self.input_pos[:, None] if causal_of is None else causal_of(slots)
+    if padding_seen:  # the mistake: was `mask = causal[None, None, :, :] & self.real[...]`
+        mask = causal[None, None, :, :].expand(batch, 1, q_len, self.max_len)
+    else:
+        mask = causal[None, None, :, :] & self.real[:, None, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    if pos_of is not None:
+        return pos_of(), mask
+    return (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0), mask
+
+
+def _top_left_mask(self, batch: int, q_len: int, device: torch.device):
     # the mistake: was `causal = slots[None, :] <= self.input_pos[:, None]`
-    causal = slots[None, :] <= torch.arange(q_len, device=device)[:, None]
-    mask = causal[None, None, :, :] & self.real[:, None, None, :]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
-    return pos, mask
+    top_left = torch.arange(q_len, device=device)[:, None]
+    return _prepare(self, batch, q_len, device, causal_of=lambda slots: slots[None, :] <= top_left)
 
 
-def _positions_restart(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
-    self.filled += q_len
-    slots = torch.arange(self.max_len, device=device)
-    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
-    causal = slots[None, :] <= self.input_pos[:, None]
-    mask = causal[None, None, :, :] & self.real[:, None, None, :]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
+def _positions_restart(self, batch: int, q_len: int, device: torch.device):
     # the mistake: was `pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)`
-    pos = torch.arange(q_len, device=device)[None, :].expand(batch, q_len)
-    return pos, mask
+    restart = torch.arange(q_len, device=device)[None, :].expand(batch, q_len)
+    return _prepare(self, batch, q_len, device, pos_of=lambda: restart)
 
 
-def _padding_counted(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
-    self.filled += q_len
-    slots = torch.arange(self.max_len, device=device)
-    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
-    causal = slots[None, :] <= self.input_pos[:, None]
-    mask = causal[None, None, :, :] & self.real[:, None, None, :]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
+def _padding_counted(self, batch: int, q_len: int, device: torch.device):
     # the mistake: was `pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)`
-    pos = self.input_pos[None, :].expand(batch, q_len)
-    return pos, mask
+    return _prepare(
+        self, batch, q_len, device, pos_of=lambda: self.input_pos[None, :].expand(batch, q_len)
+    )
 
 
-def _padding_attended(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
-    self.filled += q_len
-    slots = torch.arange(self.max_len, device=device)
-    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
-    causal = slots[None, :] <= self.input_pos[:, None]
-    # the mistake: was `mask = causal[None, None, :, :] & self.real[:, None, None, :]`
-    mask = causal[None, None, :, :].expand(batch, 1, q_len, self.max_len)
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
-    return pos, mask
+def _padding_attended(self, batch: int, q_len: int, device: torch.device):
+    return _prepare(self, batch, q_len, device, padding_seen=True)
+
+
+def _chunk_sees_ahead(self, batch: int, q_len: int, device: torch.device):
+    # the mistake: was `causal = slots[None, :] <= self.input_pos[:, None]`
+    return _prepare(
+        self, batch, q_len, device, causal_of=lambda slots: slots[None, :] < self.filled
+    )
 
 
 def _row_zero_only(
@@ -84,21 +72,6 @@ def _row_zero_only(
     # the mistake: was `self.v[:, :, input_pos] = v`
     self.v[0, :, input_pos] = v[0]
     return self.k, self.v
-
-
-def _chunk_sees_ahead(
-    self, batch: int, q_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
-    self.filled += q_len
-    slots = torch.arange(self.max_len, device=device)
-    # The rows input_pos of the full causal mask: the bottom q_len of filled rows.
-    # the mistake: was `causal = slots[None, :] <= self.input_pos[:, None]`
-    causal = slots[None, :] < self.filled
-    mask = causal[None, None, :, :] & self.real[:, None, None, :]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    pos = (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0)
-    return pos, mask
 
 
 @torch.no_grad()

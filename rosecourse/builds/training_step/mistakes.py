@@ -10,9 +10,7 @@ reads are imported below from the reference solution). `# the mistake` marks the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from rosecourse.builds.grading import KnownWrong
@@ -32,51 +30,33 @@ def _decay_on_layernorm(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _unscaled_accumulation(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    step: int,
-    cfg: TrainConfig,
-) -> tuple[float, float]:
+def _train_step(model, optimizer, batches, step, cfg, scaled=True, clip_first=True):
+    """The reference's train_step, with the mistake its arguments say."""
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step, cfg)
     total = 0.0
     for _ in range(cfg.grad_accum_steps):
         x, y = next(batches)
-        # the mistake: was `loss = model(x, y).loss / cfg.grad_accum_steps`
-        loss = model(x, y).loss
+        # the mistake when not scaled: was `loss = model(x, y).loss / cfg.grad_accum_steps`
+        loss = model(x, y).loss / (cfg.grad_accum_steps if scaled else 1)
         loss.backward()
-        # the mistake: was `total += loss.item()`
-        total += loss.item() / cfg.grad_accum_steps
+        total += loss.item() / (1 if scaled else cfg.grad_accum_steps)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    if not clip_first:  # the mistake: was `clip_gradients(...)`, then `optimizer.step()`
+        optimizer.step()
     norm = clip_gradients(model.parameters(), max_norm)
-    optimizer.step()
+    if clip_first:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, norm
 
 
-def _clipped_after_the_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    step: int,
-    cfg: TrainConfig,
-) -> tuple[float, float]:
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate(step, cfg)
-    total = 0.0
-    for _ in range(cfg.grad_accum_steps):
-        x, y = next(batches)
-        loss = model(x, y).loss / cfg.grad_accum_steps
-        loss.backward()
-        total += loss.item()
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    # the mistake: was `norm = clip_gradients(model.parameters(), max_norm) optimizer.step()`
-    optimizer.step()
-    norm = clip_gradients(model.parameters(), max_norm)
-    optimizer.zero_grad(set_to_none=True)
-    return total, norm
+def _unscaled_accumulation(model, optimizer, batches, step, cfg):
+    return _train_step(model, optimizer, batches, step, cfg, scaled=False)
+
+
+def _clipped_after_the_step(model, optimizer, batches, step, cfg):
+    return _train_step(model, optimizer, batches, step, cfg, clip_first=False)
 
 
 def _schedule_one_step_off(step: int, cfg: TrainConfig) -> float:
