@@ -5,15 +5,20 @@ Four modules, each an `nn.Module`, whose parameters carry rose's names and shape
 `load_state_dict(strict=True)` and the two compute the same function. Create no other
 parameters and no buffers (a mask you keep must be registered with `persistent=False`,
 or built in `forward`). Every Linear and LayerNorm has a bias exactly when
-`config.bias` is True; every LayerNorm is `nn.LayerNorm`'s, eps 1e-5 (GPT-2's); the model runs without dropout (`config.dropout` is 0 here), in
-train mode as in eval mode.
+`config.bias` is True; every LayerNorm is `nn.LayerNorm`'s, eps 1e-5 (GPT-2's); the
+model runs without dropout (`config.dropout` is 0 here), in train mode as in eval mode.
+Like rose's, it runs wherever `model.to(...)` puts it: in bfloat16 as in float32, on a
+GPU as on the CPU (a tensor made in `forward` goes on its input's device, and what it
+computes stays in the model's dtype; nothing is kept from one call to the next but what
+moves with the model).
 `config` is a `rosetrainer.config.GPTConfig`; read only vocab_size, block_size,
 n_layer, n_head, n_embd and bias.
 
 `rose-course check model` loads rose's weights into each of your modules and compares
 them with rose's: attention, MLP and block on hidden states of several lengths, the
-whole model's logits on batches of several lengths (in eval mode and in train mode), and
-its gradients after a loss (in train mode).
+whole model's logits on batches of several lengths (in eval mode and in train mode, in
+float32 and in bfloat16, then moved to another device), and its gradients after a loss
+(in train mode).
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ from torch import nn
 
 from rosetrainer.config import TrainConfig
 
+# The schedule is rose's own (rosetrainer/schedule.py); the stub leaves this import out, with
+# the body of learning_rate.
+from rosetrainer.schedule import learning_rate_at as rose_learning_rate_at
+
 
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay (Loshchilov and Hutter, "Decoupled Weight Decay
@@ -104,14 +108,7 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     warmup_steps down to min_lr at step D (lr_decay_steps, or max_steps when that is
     None). From step D on, min_lr for good.
     """
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    if step >= decay_steps:
-        return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+    return rose_learning_rate_at(step, cfg)
 
 
 def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float) -> float:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import functools
 import math
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from torch import nn
 
-from rosecourse.builds.grading import Build, KnownWrong, Mismatch, Part, expect_close, seen
-from rosecourse.solutions.build_training_step import clip_gradients, learning_rate
+from rosecourse.builds.grading import Build, Mismatch, Part, expect_close, first_gap, made, seen
+from rosecourse.builds.training_step.mistakes import KNOWN_WRONG
 from rosetrainer.config import GPTConfig, TrainConfig
 from rosetrainer.data import get_batch
 from rosetrainer.model import GPT
@@ -65,19 +64,15 @@ ACCUMULATED = TrainConfig(**RUN, grad_accum_steps=3, grad_clip=1.2, batch_size=B
 RUNS = {"one micro-batch": ONE_MICRO_BATCH, "accumulated": ACCUMULATED}
 
 
-@functools.cache
-def tokens() -> np.ndarray:
-    """A token stream with something to learn: a few phrases repeated in a random order."""
+def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A token stream with something to learn (a few phrases repeated in a random order),
+    cut into the same batches every time."""
     generator = np.random.default_rng(0)
     phrases = [generator.integers(0, MODEL.vocab_size, size) for size in (5, 7, 9, 11)]
-    order = generator.integers(0, len(phrases), 400)
-    return np.concatenate([phrases[i] for i in order]).astype(np.uint16)
-
-
-def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
+    tokens = np.concatenate([phrases[i] for i in generator.integers(0, 4, 400)])
+    stream = torch.Generator().manual_seed(1)
     while True:
-        yield get_batch(tokens(), BATCH, MODEL.block_size, generator)
+        yield get_batch(tokens.astype(np.uint16), BATCH, MODEL.block_size, stream)
 
 
 def fresh_model() -> GPT:
@@ -86,11 +81,10 @@ def fresh_model() -> GPT:
 
 
 @functools.cache
-def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    """rose's trainer's pieces, STEPS steps of RUNS[run]: each step's loss, the final
-    parameters and each step's gradient norm before clipping."""
-    cfg = RUNS[run]
-    model, stream = fresh_model(), batches()
+def roses_run(run: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """rose's trainer's pieces, STEPS steps of RUNS[run]: each step's loss and gradient
+    norm before clipping, and the final parameters."""
+    cfg, model, stream = RUNS[run], fresh_model(), batches()
     optimizer = model.configure_optimizer(
         cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu"
     )
@@ -103,38 +97,32 @@ def roses_run(run: str) -> tuple[list[float], dict[str, torch.Tensor], list[floa
         loss, norm = train_step(model, optimizer, scaler, stream, cfg, runtime)
         losses.append(float(loss))
         norms.append(float(norm))
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+    return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def learners_run(module: types.ModuleType, cfg: TrainConfig, steps: int = STEPS) -> tuple:
+    """The learner's `steps` steps: the losses, the norms, the final parameters, and the
+    parameters left with a gradient on return (train_step clears them after its step)."""
     model, stream = fresh_model(), batches()
     optimizer = module.make_optimizer(model, cfg)
-    losses, norms = [], []
-    for step in range(steps):
-        loss, norm = module.train_step(model, optimizer, stream, step, cfg)
-        losses.append(float(loss))
-        norms.append(float(norm))
-    # Gradients left on return: train_step clears them after the optimizer's step.
+    taken = [module.train_step(model, optimizer, stream, step, cfg) for step in range(steps)]
     left = [n for n, p in model.named_parameters() if p.grad is not None and bool(p.grad.any())]
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, params, norms, left
+    return [float(loss) for loss, _ in taken], [float(norm) for _, norm in taken], params, left
 
 
-def training(run: str):
+def training(run: str) -> Callable[[types.ModuleType], None]:
     """A part: STEPS steps of the learner's training beside rose's, RUNS[run]."""
 
     def run_part(module: types.ModuleType) -> None:
-        want_losses, want_params, want_norms = roses_run(run)
-        losses, params, norms, left = learners_run(module, RUNS[run])
-        losses, norms, left = seen(
-            f"{run}: the losses, norms, gradients left", (losses, norms, left)
-        )
+        cfg = RUNS[run]
+        want_losses, want_norms, want_params = roses_run(run)
+        losses, norms, params, left = made(f"{run}: the run", lambda: learners_run(module, cfg))
         for step, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
             if not abs(got - want) <= LOSS_RTOL * max(1.0, abs(want)):
                 raise Mismatch(
                     f"step {step}'s loss is {got:.7g} where rose's trainer has {want:.7g}"
                 )
-        cfg = RUNS[run]
         clip = f"clipped at {cfg.grad_clip}" if cfg.grad_clip else "not clipped"
         for step, (got, want) in enumerate(zip(norms, want_norms, strict=True)):
             if not abs(got - want) <= NORM_RTOL * want:
@@ -145,7 +133,9 @@ def training(run: str):
                 )
         for name, want in want_params.items():
             tolerance = PARAM_RTOL * max(1.0, float(want.abs().max()))
-            expect_close(f"after {STEPS} steps, {name}", params[name], want, tolerance)
+            gap = first_gap(params[name], want, tolerance)
+            if gap is not None:
+                raise Mismatch(f"after {STEPS} steps, {name}: {gap}")
         if left:
             raise Mismatch(
                 f"after train_step returns, {left[0]} still has a gradient: the step ends "
@@ -156,19 +146,21 @@ def training(run: str):
 
 
 def _groups(module: types.ModuleType) -> None:
-    _groups_of(module, fresh_model(), "")
-    # A model with frozen parameters: only those that require a gradient are optimised.
     model = fresh_model()
-    for frozen in (model.transformer.wpe.weight, model.transformer.ln_f.bias):
-        frozen.requires_grad_(False)
+    _groups_of(module, model, "")
+    # Only the parameters that require a gradient are optimised.
+    model.transformer.wpe.weight.requires_grad_(False)
+    model.transformer.ln_f.bias.requires_grad_(False)
     _groups_of(module, model, "with wpe.weight and ln_f.bias frozen (requires_grad False), ")
 
 
 def _groups_of(module: types.ModuleType, model: GPT, case: str) -> None:
     names = {id(p): name for name, p in model.named_parameters()}
-    want = {}
-    for group in model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups:
-        want.update({names[id(p)]: group["weight_decay"] for p in group["params"]})
+    want = {
+        names[id(p)]: group["weight_decay"]
+        for group in model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu").param_groups
+        for p in group["params"]
+    }
     grouped = [
         (names.get(id(p), "a tensor that is no parameter of the model"), group.get("weight_decay"))
         for group in module.parameter_groups(model, 0.1)
@@ -179,21 +171,20 @@ def _groups_of(module: types.ModuleType, model: GPT, case: str) -> None:
         if name in got:
             raise Mismatch(f"{case}{name} is in two groups (or twice in one)")
         got[name] = decay
-    for name, decay in want.items():
+    for name in [*want, *got]:
         if name not in got:
             raise Mismatch(f"{case}{name} is in no group")
-        if got[name] != decay:
-            raise Mismatch(f"{case}{name} has weight_decay {got[name]} where rose gives it {decay}")
-    frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
-    for name in frozen:
-        if name in got:
+        if name in names.values() and name not in want:
             raise Mismatch(
                 f"{case}{name} is in a group: it does not require a gradient, and only the "
                 "parameters that require one are optimised (and decayed)"
             )
-    extra = sorted(set(got) - set(want))
-    if extra:
-        raise Mismatch(f"{case}{extra[0]} is in a group but is no parameter of the model")
+        if name not in want:
+            raise Mismatch(f"{case}{name} is in a group but is no parameter of the model")
+        if got[name] != want[name]:
+            raise Mismatch(
+                f"{case}{name} has weight_decay {got[name]} where rose gives it {want[name]}"
+            )
 
 
 SCHEDULES = (
@@ -221,7 +212,7 @@ def _schedule(module: types.ModuleType) -> None:
 ZERO_GRADIENT = (1, 2)
 
 
-def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
+def adam_run(optimizer_cls: type, steps: int = 5) -> list[list[torch.Tensor]]:
     """`steps` updates of four parameters in three groups (decay 0.3 and 0, and one with
     betas and eps of its own) by `optimizer_cls`, with fresh gradients and a new learning
     rate each step; the third parameter gets no gradient at steps 1 and 3. Returns the
@@ -235,30 +226,33 @@ def adam_run(optimizer_cls: type, steps: int = 5) -> list[torch.Tensor]:
         {"params": params[3:], "weight_decay": 0.1, "betas": (0.5, 0.7), "eps": 0.05},
     ]
     optimizer = optimizer_cls(groups, lr=0.1, betas=(0.9, 0.95))
-    seen = []
+    after = []
     for step in range(steps):
         for i, p in enumerate(params):
             skipped = i == 2 and step in (1, 3)
             p.grad = None if skipped else torch.randn(p.shape, generator=generator) * 10**-step
-            if i == ZERO_GRADIENT[0] and step == ZERO_GRADIENT[1]:
+            if (i, step) == ZERO_GRADIENT:
                 p.grad.zero_()  # a gradient all zeros is a gradient: the moments still move p
         for group in optimizer.param_groups:
             group["lr"] = 0.1 / (step + 1)
         optimizer.step()
-        seen.append([p.detach().clone() for p in params])
-    return seen
+        after.append([p.detach().clone() for p in params])
+    return after
 
 
 def _adamw(module: types.ModuleType) -> None:
     want = adam_run(torch.optim.AdamW)
-    for step, (got, right) in enumerate(zip(adam_run(module.AdamW), want, strict=True)):
-        for i, (a, b) in enumerate(zip(got, right, strict=True)):
+    got = made("the parameters after each update", lambda: adam_run(module.AdamW))
+    for step, (mine, right) in enumerate(zip(got, want, strict=True)):
+        for i, (a, b) in enumerate(zip(mine, right, strict=True)):
             what = f"after update {step + 1}, parameter {i}"
             if i == 3:
                 what += " (its group's own betas and eps override the optimizer's)"
             if (i, step) == ZERO_GRADIENT:
                 what += " (its gradient all zeros: still a gradient, the moments move it)"
-            expect_close(what, a, b, 1e-6 * max(1.0, float(b.abs().max())))
+            gap = first_gap(a, b, 1e-6 * max(1.0, float(b.abs().max())))
+            if gap is not None:
+                raise Mismatch(f"{what}: {gap}")
 
 
 def gradients(seed: int, scale: float) -> list[torch.nn.Parameter]:
@@ -266,8 +260,7 @@ def gradients(seed: int, scale: float) -> list[torch.nn.Parameter]:
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((3, 4), (5,), (2, 2))]
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator) * scale
-    params.append(torch.nn.Parameter(torch.zeros(2)))  # one without a gradient
-    return params
+    return [*params, torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
 
 
 def _clipping(module: types.ModuleType) -> None:
@@ -289,97 +282,18 @@ def _clipping(module: types.ModuleType) -> None:
 
 
 def _probe(module: types.ModuleType) -> list[object]:
-    model = fresh_model()
     decays = [
         (tuple(p.shape), group["weight_decay"])
-        for group in module.parameter_groups(model, 0.1)
+        for group in module.parameter_groups(fresh_model(), 0.1)
         for p in group["params"]
     ]
     rates = [module.learning_rate(step, ONE_MICRO_BATCH) for step in range(STEPS + 1)]
-    losses, params, norms, _ = learners_run(module, ACCUMULATED, steps=6)
-    adam = adam_run(module.AdamW, steps=2)
+    losses, norms, params, _ = learners_run(module, ACCUMULATED, steps=6)
     clipped = gradients(0, 1.0)
     module.clip_gradients((p for p in clipped), 0.5)  # a generator, as model.parameters()
-    clipped = [p.grad for p in clipped[:3]]
-    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms, clipped]
-
-
-# ---------------------------------------------------------------------------
-# Known wrong answers: the reference with one method or function written wrong
-# ---------------------------------------------------------------------------
-# Each runs as if written in the learner's file (grading.replaced rebinds it to the
-# module's globals); the names it reads are imported above from the reference solution.
-
-
-def _decay_on_layernorm(model: nn.Module, weight_decay: float) -> list[dict]:
-    # the mistake: was `decay = [p for p in params if p.dim() >= 2]` and `no_decay = [p for p in
-    # params if p.dim() < 2]`, params the parameters that require a gradient
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in named if not n.endswith("bias")]
-    no_decay = [p for n, p in named if n.endswith("bias")]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def _unscaled_accumulation(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    step: int,
-    cfg: TrainConfig,
-) -> tuple[float, float]:
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate(step, cfg)
-    total = 0.0
-    for _ in range(cfg.grad_accum_steps):
-        x, y = next(batches)
-        # the mistake: was `loss = model(x, y).loss / cfg.grad_accum_steps`
-        loss = model(x, y).loss
-        loss.backward()
-        # the mistake: was `total += loss.item()`
-        total += loss.item() / cfg.grad_accum_steps
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    norm = clip_gradients(model.parameters(), max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total, norm
-
-
-def _clipped_after_the_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-    step: int,
-    cfg: TrainConfig,
-) -> tuple[float, float]:
-    for group in optimizer.param_groups:
-        group["lr"] = learning_rate(step, cfg)
-    total = 0.0
-    for _ in range(cfg.grad_accum_steps):
-        x, y = next(batches)
-        loss = model(x, y).loss / cfg.grad_accum_steps
-        loss.backward()
-        total += loss.item()
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    # the mistake: was `norm = clip_gradients(model.parameters(), max_norm) optimizer.step()`
-    optimizer.step()
-    norm = clip_gradients(model.parameters(), max_norm)
-    optimizer.zero_grad(set_to_none=True)
-    return total, norm
-
-
-def _schedule_one_step_off(step: int, cfg: TrainConfig) -> float:
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
-    if step < cfg.warmup_steps:
-        # the mistake: was `return cfg.learning_rate * (step + 1) / cfg.warmup_steps`
-        return cfg.learning_rate * step / cfg.warmup_steps
-    if step >= decay_steps:
-        return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr + cosine * (cfg.learning_rate - cfg.min_lr)
+    adam = adam_run(module.AdamW, steps=2)
+    return [sorted(decays), rates, losses, params["transformer.ln_f.weight"], adam, norms,
+            [p.grad for p in clipped[:3]]]  # fmt: skip
 
 
 TRAINING_STEP = Build(
@@ -398,31 +312,6 @@ TRAINING_STEP = Build(
         ),
     ),
     probe=_probe,
-    known_wrong=(
-        KnownWrong(
-            "decay_on_layernorm",
-            {"parameter_groups": _decay_on_layernorm},
-            "the LayerNorm weights decay: weight decay pulls a LayerNorm's gain toward 0; "
-            "decay only the matrices (two dimensions or more)",
-        ),
-        KnownWrong(
-            "unscaled_accumulation",
-            {"train_step": _unscaled_accumulation},  # fmt: skip
-            "each micro-batch's loss is backpropagated unscaled: the gradients add up to the "
-            "sum of the micro-batches' losses, not their mean (clipping then sees them "
-            "grad_accum_steps times too large)",
-        ),
-        KnownWrong(
-            "clipped_after_the_step",
-            {"train_step": _clipped_after_the_step},
-            "the gradients are clipped after the optimizer's step has used them: clip first",
-        ),
-        KnownWrong(
-            "schedule_one_step_off",
-            {"learning_rate": _schedule_one_step_off},  # fmt: skip
-            "the warmup starts at 0: the first step (step 0) must already take "
-            "learning_rate / warmup_steps, and step warmup_steps - 1 the full rate",
-        ),
-    ),
+    known_wrong=KNOWN_WRONG,
     passed="equal to rose's trainer within the tolerance",
 )
