@@ -202,8 +202,7 @@ class Threads:
         self.decided = now
         # A core counts as taken only while other programs keep it runnable nearly all the
         # time (BUSY_SHARE): one busy most but not all of the time (a load generator beside
-        # a server) leaves gaps a second thread fills. GPT-2 124M served beside
-        # benchmarks.serving_compare's client (runnable 0.7-1.0 of the time, smoothed):
-        # two threads 194.6 tok/s, one 122.6 (docs/benchmarks.md, "A busy machine").
+        # a server) leaves gaps a second thread fills (measured: docs/benchmarks.md, "A
+        # busy machine").
         taken = math.floor(self.others + 1 - BUSY_SHARE)
         return max(1, min(self.most, self.cores - taken))
