@@ -21,8 +21,12 @@ gives (`--num-threads N`, or OMP_NUM_THREADS in the environment) is kept as give
 
 How "ready to run" is read: on Linux, the kernel's count of runnable threads
 (`procs_running` in /proc/stat) less this process's own runnable threads (its spinning
-team included), sampled between steps and smoothed; elsewhere the one-minute load
-average less this process's threads, which follows a change in about a minute.
+team included), smoothed; elsewhere the one-minute load average less this process's
+threads, which follows a change in about a minute. The samples are taken by a thread of
+their own, at moments that have nothing to do with the steps. Between steps would be the
+worst moment: it is when a server's clients wake to read the tokens it has just sent, so
+a client runnable a few percent of the time was runnable in most samples taken there, and
+held the server to one thread (docs/benchmarks.md, "A busy machine", has the figures).
 """
 
 from __future__ import annotations
@@ -31,20 +35,25 @@ import math
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from rosetrainer.errors import RoseError
 
-# Between steps: a sample of the other runnable threads at most this often (each reads
-# /proc/stat and a stat file per thread of this process) ...
-SAMPLE_EVERY_S = 0.02
-# ... and a new thread count at most this often, from the samples' moving average
-# (weight of the newest sample: SMOOTHING). A busy program shows as runnable in almost
-# every sample; a program that wakes up for a moment, in few.
+# A sample of the other runnable threads this often, by the sampling thread (each reads
+# /proc/stat and a stat file per thread of this process: a server's few dozen threads
+# take a fraction of a millisecond) ...
+SAMPLE_EVERY_S = 0.05
+# ... and a new thread count at most this often, between steps, from the samples' moving
+# average (weight of the newest sample: SMOOTHING). A busy program shows as runnable in
+# almost every sample; a program that wakes up for a moment, in few.
 DECIDE_EVERY_S = 0.2
 SMOOTHING = 0.2
+# The sampling thread ends once no step has asked for a count for this long (an `LLM`
+# between two generate calls), and the next step starts it again.
+SAMPLE_UNTIL_IDLE_S = 1.0
 # The smoothed share of samples in which other programs keep a core runnable for rose to
 # leave it to them (`_for_load`).
 BUSY_SHARE = 0.95
@@ -92,7 +101,8 @@ def other_runnable_threads() -> float | None:
         with open("/proc/stat", "rb") as f:
             for line in f:
                 if line.startswith(b"procs_running"):
-                    return max(0, int(line.split()[1]) - own_runnable_threads())
+                    running = int(line.split()[1])  # (the reading thread is one of them)
+                    return 0 if running <= 1 else max(0, running - own_runnable_threads())
     except (OSError, ValueError, IndexError):
         pass
     try:
@@ -137,13 +147,16 @@ class Threads:
         given = num_threads or (min(omp_count(env), most) if env else None)
         self.most = given or torch.get_num_threads()  # auto: torch's, one per core
         self.cores = usable_cores()
-        self.others = 0.0  # the smoothed count of other runnable threads
-        self.sampled = self.decided = -math.inf
+        # The smoothed count of other runnable threads (None: the machine does not tell).
+        self.others: float | None = None
+        self.decided = self.adapted = -math.inf
         self.count = self.most
         if self.fixed_by is None:
+            self.sample()
             self.count = self._for_load()
         self.follow_load = follow_load and self.fixed_by is None
         self.thread: int | None = None  # the compute thread whose OpenMP count is set
+        self.sampler: threading.Thread | None = None
 
     def describe(self) -> str:
         """One line: the count chosen, why, and how to change it."""
@@ -180,29 +193,53 @@ class Threads:
             torch.set_num_threads(self.count)
         if not self.follow_load:
             return
+        now = self.adapted = time.monotonic()
+        if self.sampler is None or not self.sampler.is_alive():
+            self.sampler = start_sampling(self)
+        if now - self.decided < DECIDE_EVERY_S:
+            return
+        self.decided = now
         count = self._for_load()
         if count != self.count:
             torch.set_num_threads(count)
             self.count = count
 
-    def _for_load(self) -> int:
-        """The count for the smoothed load, sampled and re-decided at most as often as
-        SAMPLE_EVERY_S and DECIDE_EVERY_S say (the current count in between)."""
-        now = time.monotonic()
-        if now - self.sampled < SAMPLE_EVERY_S:
-            return self.count
+    def sample(self) -> None:
+        """Take one sample of the other programs' runnable threads into the moving
+        average (the first sample is the average)."""
         others = other_runnable_threads()
-        if others is None:
+        if others is None or self.others is None:
+            self.others = others
+        else:
+            self.others += SMOOTHING * (others - self.others)
+
+    def _for_load(self) -> int:
+        """The count for the smoothed load (all of `most` where the machine does not
+        tell its load)."""
+        if self.others is None:
             return self.most
-        first = self.sampled == -math.inf
-        self.others = others if first else self.others + SMOOTHING * (others - self.others)
-        self.sampled = now
-        if now - self.decided < DECIDE_EVERY_S and not first:
-            return self.count
-        self.decided = now
         # A core counts as taken only while other programs keep it runnable nearly all the
-        # time (BUSY_SHARE): one busy most but not all of the time (a load generator beside
-        # a server) leaves gaps a second thread fills (measured: docs/benchmarks.md, "A
-        # busy machine").
+        # time (BUSY_SHARE): one busy most but not all of the time leaves gaps a second
+        # thread fills.
         taken = math.floor(self.others + 1 - BUSY_SHARE)
         return max(1, min(self.most, self.cores - taken))
+
+
+def start_sampling(threads: Threads) -> threading.Thread:
+    """A daemon thread that samples the load into `threads` every SAMPLE_EVERY_S until no
+    step has adapted it for SAMPLE_UNTIL_IDLE_S (it holds `threads` weakly: it ends with
+    it too)."""
+
+    def sample_while_adapted(owner_ref: weakref.ref[Threads]) -> None:
+        while (owner := owner_ref()) is not None:
+            if time.monotonic() - owner.adapted > SAMPLE_UNTIL_IDLE_S:
+                return
+            owner.sample()
+            del owner  # (asleep, the thread keeps no Threads alive)
+            time.sleep(SAMPLE_EVERY_S)
+
+    sampler = threading.Thread(
+        target=sample_while_adapted, args=(weakref.ref(threads),), name="rose-load", daemon=True
+    )
+    sampler.start()
+    return sampler

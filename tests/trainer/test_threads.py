@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -33,7 +34,9 @@ def auto_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def loads(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
-    """other_runnable_threads answers these, one a call (the last one from then on)."""
+    """other_runnable_threads answers these, one a sample (the last one from then on), and
+    every `adapt` takes one sample itself instead of starting the sampling thread, so the
+    test decides when a sample is taken."""
     answers = iter(values)
     last = [values[-1]]
 
@@ -42,6 +45,7 @@ def loads(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
         return last[0]
 
     monkeypatch.setattr(threads_module, "other_runnable_threads", sample)
+    monkeypatch.setattr(threads_module, "start_sampling", lambda threads: threads.sample())
 
 
 def test_auto_uses_every_core_while_they_are_free(auto_env, monkeypatch) -> None:
@@ -80,10 +84,8 @@ def test_a_moment_of_load_does_not_flip_the_count(auto_env, monkeypatch) -> None
 
 
 def test_a_program_busy_most_of_the_time_leaves_the_team_its_cores(auto_env, monkeypatch) -> None:
-    """A load generator beside a server is runnable most but not all of the time (5 samples
-    in 6 here): the gaps it leaves are worth a second thread (GPT-2 124M served beside
-    such a client: 190 tok/s on two threads, 123 on one); a program runnable in every
-    sample takes its core."""
+    """A program runnable most but not all of the time (5 samples in 6 here) leaves gaps
+    worth a second thread; a program runnable in every sample takes its core."""
     loads(monkeypatch, ([1, 1, 1, 1, 1, 0] * 10))
     threads = Threads()
     counts = []
@@ -95,6 +97,42 @@ def test_a_program_busy_most_of_the_time_leaves_the_team_its_cores(auto_env, mon
     for _ in range(20):
         threads.adapt()
     assert torch.get_num_threads() == 1
+
+
+def test_a_client_woken_by_each_step_does_not_take_a_core(auto_env, monkeypatch) -> None:
+    """A server's client wakes right after each step, to read the tokens the step sent,
+    and sleeps while the next step computes: runnable at every step's end, and little of
+    the time. The load is sampled by a thread of its own, apart from the steps, so the
+    team keeps both cores (sampled between steps, the client was in every sample, and
+    the server computed on one thread)."""
+    client_reading = threading.Event()
+    monkeypatch.setattr(
+        threads_module, "other_runnable_threads", lambda: int(client_reading.is_set())
+    )
+    monkeypatch.setattr(threads_module, "SAMPLE_EVERY_S", 0.002)
+    threads = Threads()
+    counts = []
+    for _ in range(40):  # steps of 10 ms
+        client_reading.set()  # (the step's tokens are out: the client wakes)
+        threads.adapt()
+        client_reading.clear()
+        counts.append(torch.get_num_threads())
+        time.sleep(0.01)
+    assert counts.count(2) >= 0.9 * len(counts), counts
+
+
+def test_the_sampling_thread_ends_when_the_steps_do(auto_env, monkeypatch) -> None:
+    """An `LLM` between two generate calls: no thread left sampling the load; the next
+    step starts one again."""
+    monkeypatch.setattr(threads_module, "SAMPLE_UNTIL_IDLE_S", 0.05)
+    threads = Threads()
+    threads.adapt()
+    sampler = threads.sampler
+    assert sampler is not None and sampler.is_alive()
+    sampler.join(timeout=5)
+    assert not sampler.is_alive()
+    threads.adapt()
+    assert threads.sampler is not sampler and threads.sampler.is_alive()
 
 
 def test_a_fixed_count_is_kept_whatever_the_load(auto_env, monkeypatch) -> None:
