@@ -46,12 +46,12 @@ from mutants import blind_build
 from torch import nn
 from torch.nn import functional as F
 
-from rosecourse.solutions import build_block_manager as reference_block_manager
-from rosecourse.solutions.build_block_manager import chain_hash
-from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
-from rosecourse.solutions.build_model import MLP, Block, CausalSelfAttention
-from rosecourse.solutions.build_training_step import clip_gradients, learning_rate
-from rosecourse.solutions.build_verify import accept_or_resample, score
+from rosecourse.builds.block_manager import reference as reference_block_manager
+from rosecourse.builds.block_manager.reference import chain_hash
+from rosecourse.builds.cached_loop.reference import StaticCache, StaticLayer
+from rosecourse.builds.model.reference import MLP, Block, CausalSelfAttention
+from rosecourse.builds.training_step.reference import clip_gradients, learning_rate
+from rosecourse.builds.verify.reference import accept_or_resample, score
 
 # == The builds: the mistake put into the reference solution ===============================
 

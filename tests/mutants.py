@@ -17,6 +17,24 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rosecourse.builds.block_manager import reference as reference_block_manager
+
+# The names the builds' mutants read (each runs with the learner module's globals: these
+# are the reference's, for the reader and the linter).
+from rosecourse.builds.block_manager.reference import chain_hash
+from rosecourse.builds.cached_loop import reference as reference_cached_loop
+from rosecourse.builds.cached_loop.reference import StaticCache, StaticLayer
+from rosecourse.builds.model import reference as reference_model
+from rosecourse.builds.model.reference import MLP, Block, CausalSelfAttention
+from rosecourse.builds.training_step import reference as reference_training_step
+from rosecourse.builds.training_step.reference import (
+    AdamW,
+    clip_gradients,
+    learning_rate,
+    parameter_groups,
+)
+from rosecourse.builds.verify.reference import RollbackCache, accept_or_resample, score
+
 # The chapters' answers (read in by `load()` below), re-exported beside the builds' for the tests.
 from rosecourse.exercises.answers import (  # noqa: F401
     ALTERNATIVES,
@@ -26,23 +44,6 @@ from rosecourse.exercises.answers import (  # noqa: F401
     MUTANTS,
     load,
 )
-from rosecourse.solutions import build_block_manager as reference_block_manager
-from rosecourse.solutions import build_cached_loop as reference_cached_loop
-from rosecourse.solutions import build_model as reference_model
-from rosecourse.solutions import build_training_step as reference_training_step
-
-# The names the builds' mutants read (each runs with the learner module's globals: these
-# are the reference's, for the reader and the linter).
-from rosecourse.solutions.build_block_manager import chain_hash
-from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
-from rosecourse.solutions.build_model import MLP, Block, CausalSelfAttention
-from rosecourse.solutions.build_training_step import (
-    AdamW,
-    clip_gradients,
-    learning_rate,
-    parameter_groups,
-)
-from rosecourse.solutions.build_verify import RollbackCache, accept_or_resample, score
 from roseinfer.cache.dense import DenseKVCache
 from roseinfer.engine.sequence import EngineSequence
 from rosetrainer.config import GPTConfig, TrainConfig
@@ -55,7 +56,7 @@ load()
 
 # == The builds: wrong answers written as code ===============================================
 #
-# Each is the build's reference solution (rosecourse/solutions/build_NAME.py) with one
+# Each is the build's reference solution (rosecourse/builds/NAME/reference.py) with one
 # class or function replaced by the code below. A replacing function runs with the
 # learner module's globals (so it builds the StaticCache the check swaps in), a replacing
 # class may subclass the reference's. tests/course/test_builds.py asserts that each fails a part
@@ -818,7 +819,7 @@ class NumUsedSumsRefCounts(reference_block_manager.BlockManager):
 
 # == The builds: wrong answers first written as edits of the reference's text ==============
 #
-# Each is the reference solution (rosecourse/solutions/build_NAME.py) with the method or
+# Each is the reference solution (rosecourse/builds/NAME/reference.py) with the method or
 # function named in its decorator written wrong: "# the mistake" marks the line. A mutant
 # that replaces two pieces is registered twice under one name.
 

@@ -25,6 +25,7 @@ from mutants import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS
 from torch.nn import functional as F
 
 from rosecourse import cli
+from rosecourse.builds.cached_loop.reference import StaticCache, StaticLayer
 from rosecourse.builds.grading import (
     Build,
     KnownWrong,
@@ -40,7 +41,6 @@ from rosecourse.builds.grading import (
 )
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
-from rosecourse.solutions.build_cached_loop import StaticCache, StaticLayer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,7 +1,7 @@
 """The block manager build's known wrong answers (data: what `rose-course check
 block_manager` names).
 
-Each is the reference solution (rosecourse/solutions/build_block_manager.py) with one
+Each is the reference solution (block_manager/reference.py) with one
 method or function written wrong, as a learner writes it into build_block_manager.py: it
 runs as if written there (grading.replaced rebinds it to the module's globals).
 `# the mistake` marks the line.

@@ -1,7 +1,7 @@
 """The cached loop build's known wrong answers (data: what `rose-course check
 cached_loop` names).
 
-Each is the reference solution (rosecourse/solutions/build_cached_loop.py) with one
+Each is the reference solution (cached_loop/reference.py) with one
 method or function written wrong, as a learner writes it into build_cached_loop.py: it
 runs as if written there (grading.replaced rebinds it to the module's globals; the names
 it reads are imported below from the reference solution). `# the mistake` marks the line.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from rosecourse.builds.cached_loop.reference import StaticCache
 from rosecourse.builds.grading import KnownWrong
-from rosecourse.solutions.build_cached_loop import StaticCache
 from rosetrainer.model import GPT
 
 

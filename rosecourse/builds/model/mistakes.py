@@ -1,6 +1,6 @@
 """The model build's known wrong answers (data: what `rose-course check model` names).
 
-Each is the reference solution (rosecourse/solutions/build_model.py) with one method
+Each is the reference solution (model/reference.py) with one method
 written wrong, as a learner writes it into build_model.py: it runs as if written there
 (grading.replaced rebinds it to the module's globals; the names it reads are imported
 below from the reference solution). `# the mistake` marks the line.
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rosecourse.builds.grading import KnownWrong
-from rosecourse.solutions.build_model import Block
+from rosecourse.builds.model.reference import Block
 from rosetrainer.config import GPTConfig
 
 

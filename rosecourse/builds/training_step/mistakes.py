@@ -1,7 +1,7 @@
 """The training step build's known wrong answers (data: what `rose-course check
 training_step` names).
 
-Each is the reference solution (rosecourse/solutions/build_training_step.py) with one
+Each is the reference solution (training_step/reference.py) with one
 function written wrong, as a learner writes it into build_training_step.py: it runs as
 if written there (grading.replaced rebinds it to the module's globals; the names it
 reads are imported below from the reference solution). `# the mistake` marks the line.
@@ -14,7 +14,7 @@ import math
 from torch import nn
 
 from rosecourse.builds.grading import KnownWrong
-from rosecourse.solutions.build_training_step import clip_gradients, learning_rate
+from rosecourse.builds.training_step.reference import clip_gradients, learning_rate
 from rosetrainer.config import TrainConfig
 
 

@@ -1,6 +1,6 @@
 """The verify build's known wrong answers (data: what `rose-course check verify` names).
 
-Each is the reference solution (rosecourse/solutions/build_verify.py) with one method or
+Each is the reference solution (verify/reference.py) with one method or
 function written wrong, as a learner writes it into build_verify.py: it runs as if written
 there (grading.replaced rebinds it to the module's globals; the names it reads are imported
 below from the reference solution). `# the mistake` marks the line.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rosecourse.builds.grading import KnownWrong
-from rosecourse.solutions.build_verify import RollbackCache, score
+from rosecourse.builds.verify.reference import RollbackCache, score
 from roseinfer.cache.dense import DenseKVCache
 from rosetrainer.model import GPT
 
