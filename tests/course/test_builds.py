@@ -2,12 +2,13 @@
 
 For every build: the reference solution passes every part; each known wrong answer fails
 with its own diagnosis (and its probe tells it apart from the reference and from every
-other known mistake); every mutant of tests/mutants.py (a plausible wrong answer beyond
-the known ones, written against the contract as code: the reference with a method or
-function replaced) fails at least one part, and is not told it is one of the known
-mistakes; an answer written another way that meets the contract passes; the stub fails every part in one "not written yet"
-line; and `rose-course` lists the builds apart and grades one by name, a line per part.
-A known mistake written blind (tests/blind_mutants.py) gets that mistake's diagnosis too.
+other known mistake); every mutant in the build's mistakes.py (a plausible wrong answer
+beyond the known ones, written against the contract as code: the reference with a method
+or function replaced) fails at least one part, and is not told it is one of the known
+mistakes; an answer written another way that meets the contract passes; the stub fails
+every part in one "not written yet" line; and `rose-course` lists the builds apart and
+grades one by name, a line per part. A known mistake written blind (`blind_build`) gets
+that mistake's diagnosis too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS
 from torch.nn import functional as F
 
 from rosecourse import cli
@@ -41,8 +41,11 @@ from rosecourse.builds.grading import (
 )
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
+from rosecourse.exercises.answers import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS, load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+load()  # every build's mistakes.py: its wrong answers and alternatives, registered
 
 BUILD = {build.name: build for build in BUILDS}
 
@@ -426,7 +429,7 @@ def verify_sampled(target, cache, last_token, drafts, draft_probs, generator):
 
 
 def told(build: Build, name: str, replacements: dict[str, object], known: str) -> KnownWrong:
-    """A known mistake written blind (tests/blind_mutants.py): its writer's answer, to be
+    """A known mistake written blind (`blind_build`): its writer's answer, to be
     given that mistake's diagnosis."""
     (wrong,) = [wrong for wrong in build.known_wrong if wrong.name == known]
     return KnownWrong(name, replacements, wrong.explanation)
