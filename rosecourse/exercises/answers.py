@@ -13,7 +13,9 @@ mistakes registers them here; `load()` imports every folder's.
 A chapter's answer is a function, its learner's whole answer. A build's is its reference
 solution (reference.py, beside it) with one class, function or method replaced by the
 code registered (`replaces`: a module-level name, or "Class.method"), as a learner writes
-it into the build's file: it runs with that module's globals (grading.replaced).
+it into the build's file: it runs with that module's globals (grading.replaced). A build's
+mistakes.py also holds `ALTERNATIVE_MODULE`, the source of its whole file written afresh
+another way, which must pass too.
 
 The wrong answers written blind (issue 45) are by someone who had read each exercise's
 and each build's contract (the stubs, the chapters) but neither these lists nor the known

@@ -616,3 +616,115 @@ class RegisterPromptOnly(_BlindAdvance):
 class RekeyDuplicate(_BlindAdvance):
     def free_to_key(self, block, key):
         return block.hash is None  # the mistake: `and key not in self.cached` left out
+
+
+# == A whole module written another way (build_alternative's, not one piece: all) ==========
+# Every class and function written afresh, as another learner would write the file;
+# tests/course/test_builds.py asserts that it passes every part.
+
+ALTERNATIVE_MODULE = """
+import collections
+import hashlib
+
+from roseinfer.engine.block_manager import Block
+
+
+def chain_hash(parent, token_ids):
+    return hashlib.blake2b(repr((parent, tuple(token_ids))).encode()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks, kv_block_size, enable_prefix_caching):
+        self.kv_block_size = kv_block_size
+        self.caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids = collections.deque(range(num_blocks))
+        self.cached = {}
+        self.evictable = collections.OrderedDict()
+        self.prefix_cache_queries = self.prefix_cache_hits = self.cache_version = 0
+
+    num_blocks = property(lambda self: len(self.blocks))
+    num_free = property(lambda self: len(self.free_ids))
+    num_used = property(lambda self: sum(b.ref_count > 0 for b in self.blocks))
+
+    def _full(self, n):
+        return (n - 1) // self.kv_block_size if self.caching else 0
+
+    def _blocks(self, n):
+        return (n + self.kv_block_size - 1) // self.kv_block_size
+
+    def cached_prefix(self, token_ids):
+        out, key = [], b""
+        for i in range(self._full(len(token_ids))):
+            piece = tuple(token_ids[i * self.kv_block_size : (i + 1) * self.kv_block_size])
+            key = chain_hash(key, piece)
+            hit = self.cached.get(key)
+            if hit is None or self.blocks[hit].token_ids != piece:
+                return out
+            out.append(hit)
+        return out
+
+    def can_start(self, cached_ids, num_tokens):
+        room = len(self.free_ids) + len(self.evictable)
+        room -= len([b for b in cached_ids if b in self.evictable])
+        return self._blocks(num_tokens) - len(cached_ids) <= room
+
+    def start(self, seq, cached_ids, num_tokens):
+        self.prefix_cache_queries += self._full(len(seq.all_ids))
+        self.prefix_cache_hits += len(cached_ids)
+        for b in cached_ids:
+            self.evictable.pop(b, None)
+            self.blocks[b].ref_count += 1
+        seq.block_table = list(cached_ids)
+        seq.block_hashes = [self.blocks[b].hash for b in cached_ids]
+        seq.num_computed_tokens = len(cached_ids) * self.kv_block_size
+        if len(seq.output_ids) == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.grow(seq, num_tokens)
+
+    def can_grow(self, seq, num_tokens):
+        missing = self._blocks(num_tokens) - len(seq.block_table)
+        return missing <= len(self.free_ids) + len(self.evictable)
+
+    def grow(self, seq, num_tokens):
+        for _ in range(self._blocks(num_tokens) - len(seq.block_table)):
+            if self.free_ids:
+                b = self.free_ids.popleft()
+            else:
+                b = next(iter(self.evictable))
+                del self.evictable[b]
+                old = self.blocks[b]
+                self.cached.pop(old.hash)
+                old.hash, old.token_ids = None, ()
+                self.cache_version += 1
+            self.blocks[b].ref_count = 1
+            seq.block_table.append(b)
+
+    def release(self, seq):
+        for b in seq.block_table[::-1]:
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            if block.hash is None:
+                self.free_ids.append(b)
+            else:
+                self.evictable[b] = None
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+
+    def advance(self, seq, num_new):
+        seq.num_computed_tokens += num_new
+        size = self.kv_block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            if not self.caching:
+                return
+            piece = tuple(seq.all_ids[i * size : (i + 1) * size])
+            key = chain_hash(seq.block_hashes[i - 1] if i else b"", piece)
+            seq.block_hashes.append(key)
+            block = self.blocks[seq.block_table[i]]
+            if key in self.cached or block.hash is not None:
+                continue
+            block.hash, block.token_ids = key, piece
+            self.cached[key] = block.block_id
+            self.cache_version += 1
+"""

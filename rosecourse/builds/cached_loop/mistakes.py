@@ -697,3 +697,73 @@ def padding_rows_not_opened(self, batch, q_len, device):
 @blind_build("cached_loop", "StaticCache.prepare", known="padding_counted")
 def pos_counts_padding(self, batch, q_len, device):
     return _blind_prepare(self, batch, q_len, device, padded=False)
+
+
+# == A whole module written another way (build_alternative's, not one piece: all) ==========
+# Every class and function written afresh, as another learner would write the file;
+# tests/course/test_builds.py asserts that it passes every part.
+
+ALTERNATIVE_MODULE = """
+import torch
+
+
+class StaticLayer:
+    def __init__(self, k, v):
+        self.buffers = (k, v)
+
+    def update(self, input_pos, k, v):
+        for buffer, new in zip(self.buffers, (k, v)):
+            buffer.index_copy_(2, input_pos, new)
+        return self.buffers
+
+
+class StaticCache:
+    def __init__(self, model, batch_size, max_len, pad_lengths=None):
+        c = model.config
+        w = model.lm_head.weight
+        shape = (batch_size, c.n_head, max_len, c.n_embd // c.n_head)
+        self.layers = [
+            StaticLayer(w.new_zeros(shape), w.new_zeros(shape)) for _ in range(c.n_layer)
+        ]
+        self.full = torch.ones(max_len, max_len, dtype=torch.bool, device=w.device).tril()
+        self.pads = pad_lengths or [0] * batch_size
+        self.filled = 0
+
+    @property
+    def seq_len(self):
+        return self.filled
+
+    def prepare(self, batch, q_len, device):
+        self.at = torch.arange(self.filled, self.filled + q_len, device=device)
+        self.filled += q_len
+        n = self.filled
+        rows = self.full[self.at, :n]  # only the filled slots
+        real = torch.stack([torch.arange(n, device=device) >= p for p in self.pads])
+        mask = rows[None, None] & real[:, None, None]
+        mask[~mask.any(-1)] = True
+        pads = torch.tensor(self.pads, device=device)[:, None]
+        return torch.relu(self.at[None] - pads), mask
+
+    def update(self, layer, k, v):
+        keys, values = self.layers[layer].update(self.at, k, v)
+        return keys[:, :, : self.filled], values[:, :, : self.filled]
+
+
+def generate_cached(model, prompts, max_new_tokens, prefill_chunk=None):
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    cache = StaticCache(model, len(prompts), width + max_new_tokens - 1, pads)
+    with torch.inference_mode():
+        done = 0
+        while done < width:
+            step = prefill_chunk or width
+            out = model(ids[:, done : done + step], cache=cache).logits
+            done += step
+        tokens = out[:, -1].argmax(-1, keepdim=True)
+        made = [tokens]
+        while len(made) < max_new_tokens:
+            tokens = model(tokens, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            made.append(tokens)
+    return torch.cat(made, dim=1).tolist()
+"""

@@ -511,3 +511,77 @@ def pos_no_device(self, idx):
     for block in self.transformer.h:
         x = block(x)
     return self.lm_head(self.transformer.ln_f(x))
+
+
+# == A whole module written another way (build_alternative's, not one piece: all) ==========
+# Every class and function written afresh, as another learner would write the file;
+# tests/course/test_builds.py asserts that it passes every part.
+
+ALTERNATIVE_MODULE = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        mask = torch.ones(config.block_size, config.block_size).tril().bool()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (
+            t.reshape(B, T, self.n_head, -1).permute(0, 2, 1, 3)
+            for t in self.c_attn(x).chunk(3, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T])
+        return self.c_proj(y.permute(0, 2, 1, 3).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        h = x + self.attn(self.ln_1(x))
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "wpe": nn.Embedding(config.block_size, config.n_embd),
+            "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            "ln_f": nn.LayerNorm(config.n_embd, bias=config.bias),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)[None]
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x) @ self.transformer.wte.weight.T
+"""

@@ -735,3 +735,75 @@ def loss_last_micro(model, optimizer, batches, step, cfg):
 @blind_build("training_step", "train_step")
 def lr_first_group_only(model, optimizer, batches, step, cfg):
     return _blind_train_step(model, optimizer, batches, step, cfg, first_group_only=True)
+
+
+# == A whole module written another way (build_alternative's, not one piece: all) ==========
+# Every class and function written afresh, as another learner would write the file;
+# tests/course/test_builds.py asserts that it passes every part.
+
+ALTERNATIVE_MODULE = """
+import math
+
+import torch
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas, eps=1e-8, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in (q for q in group["params"] if q.grad is not None):
+                s = self.state[p]
+                s.setdefault("exp_avg", torch.zeros_like(p))
+                s.setdefault("exp_avg_sq", torch.zeros_like(p))
+                s["n"] = s.get("n", 0) + 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                s["exp_avg"].lerp_(p.grad, 1 - b1)
+                s["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (s["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** s["n"])).add_(group["eps"])
+                p.addcdiv_(s["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** s["n"]))
+
+
+def parameter_groups(model, weight_decay):
+    seen, decay, keep = set(), [], []
+    for _, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim > 1 else keep).append(p)
+    return [dict(params=keep, weight_decay=0.0), dict(params=decay, weight_decay=weight_decay)]
+
+
+def make_optimizer(model, cfg):
+    return AdamW(
+        parameter_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2)
+    )
+
+
+def learning_rate(step, cfg):
+    end = cfg.max_steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+    if step < cfg.warmup_steps:
+        return (step + 1) * cfg.learning_rate / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / (end - cfg.warmup_steps))
+    return cfg.min_lr + (cfg.learning_rate - cfg.min_lr) * (1 + math.cos(math.pi * t)) / 2
+
+
+def clip_gradients(parameters, max_norm):
+    return float(torch.nn.utils.clip_grad_norm_(list(parameters), max_norm))
+
+
+def train_step(model, optimizer, batches, step, cfg):
+    rate = learning_rate(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    losses = [model(*next(batches)).loss for _ in range(cfg.grad_accum_steps)]
+    mean = torch.stack(losses).mean()
+    mean.backward()
+    norm = clip_gradients(model.parameters(), cfg.grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad()
+    return mean.item(), norm
+"""

@@ -678,3 +678,80 @@ def sampled_no_rollback(target, cache, last_token, drafts, draft_probs, generato
 def sampled_q_from_p_row_shift(target, cache, last_token, drafts, draft_probs, generator):
     # the mistake: was `p[i]`
     return _blind_sampled(target, cache, last_token, drafts, draft_probs, generator, row_shift=1)
+
+
+# == A whole module written another way (build_alternative's, not one piece: all) ==========
+# Every class and function written afresh, as another learner would write the file;
+# tests/course/test_builds.py asserts that it passes every part.
+
+ALTERNATIVE_MODULE = """
+import torch
+
+
+class RollbackCache:
+    def __init__(self):
+        self.keys, self.values, self.length = {}, {}, 0
+
+    @property
+    def seq_len(self):
+        return self.length
+
+    def prepare(self, batch, q_len, device):
+        start = self.length
+        self.length += q_len
+        mask = torch.ones(q_len, self.length, dtype=torch.bool, device=device).tril(start)
+        return (start + torch.arange(q_len, device=device)).unsqueeze(0), mask
+
+    def update(self, layer, k, v):
+        if layer in self.keys:
+            k = torch.cat((self.keys[layer], k), 2)
+            v = torch.cat((self.values[layer], v), 2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def truncate(self, n):
+        self.length = n
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer][..., :n, :]
+            self.values[layer] = self.values[layer][..., :n, :]
+
+
+def score(target, cache, last_token, drafts):
+    ids = torch.tensor([last_token] + drafts).unsqueeze(0)
+    with torch.inference_mode():
+        return target(ids, cache=cache).logits.squeeze(0).float()
+
+
+def verify_greedy(target, cache, last_token, drafts):
+    start = cache.seq_len
+    best = score(target, cache, last_token, drafts).argmax(-1)
+    agree = (torch.tensor(drafts, dtype=torch.long) == best[:-1]).long().cumprod(0)
+    n = int(agree.sum())
+    out = best[: n + 1].tolist()
+    cache.truncate(start + n + 1)
+    return out
+
+
+def accept_or_resample(p, q, drafted, generator):
+    if float(torch.rand(1, generator=generator)) < min(1.0, float(p[drafted] / q[drafted])):
+        return drafted, True
+    left = torch.maximum(p - q, torch.zeros_like(p)).double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * left[-1]
+    return int(torch.searchsorted(left, u, right=True).clamp(max=len(p) - 1)), False
+
+
+def verify_sampled(target, cache, last_token, drafts, draft_probs, generator):
+    start = cache.seq_len
+    probs = score(target, cache, last_token, drafts).softmax(-1)
+    out = []
+    for i in range(len(drafts) + 1):
+        if i == len(drafts):
+            out.append(int(probs[i].multinomial(1, generator=generator)))
+            break
+        token, kept = accept_or_resample(probs[i], draft_probs[i], drafts[i], generator)
+        out.append(token)
+        if not kept:
+            break
+    cache.truncate(start + len(out))
+    return out
+"""
