@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from rosecourse.builds.grading import Build
     from rosecourse.exercises.common import CheckResult
 
-# The reference solutions, read as text (a stub is made from one without importing it): a
-# build's in solutions/, a chapter exercise's in its folder of exercises/.
-SOLUTIONS = Path(__file__).parent / "solutions"
+# The reference solutions, read as text (a stub is made from one without importing it), each
+# in its exercise's folder: a build's in builds/, a chapter exercise's in exercises/.
+BUILDS_FOLDER = Path(__file__).parent / "builds"
 EXERCISES = Path(__file__).parent / "exercises"
 
 
@@ -184,11 +184,15 @@ def file_name(name: str) -> str:
 
 def solution_source(chosen: Lesson | Build | str) -> str:
     """The text of the reference solution of `chosen` (or of the workspace file named
-    `chosen`), read without importing it: a build's from rosecourse/solutions/, a chapter
-    exercise's from its folder, rosecourse/exercises/chNN_name/reference.py."""
-    name = chosen if isinstance(chosen, str) else chosen.file_name
-    path = SOLUTIONS / name if name.startswith("build_") else EXERCISES / name[:-3] / "reference.py"
-    return path.read_text(encoding="utf-8")
+    `chosen`), read without importing it, from its folder: a build's
+    rosecourse/builds/name/reference.py, a chapter exercise's
+    rosecourse/exercises/chNN_name/reference.py."""
+    stem = (chosen if isinstance(chosen, str) else chosen.file_name).removesuffix(".py")
+    if stem.startswith("build_"):
+        folder = BUILDS_FOLDER / stem.removeprefix("build_")
+    else:
+        folder = EXERCISES / stem
+    return (folder / "reference.py").read_text(encoding="utf-8")
 
 
 def stub_source(chosen: Lesson | Build | str) -> str:

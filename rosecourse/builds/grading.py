@@ -88,7 +88,7 @@ class Build:
         return f"build_{self.name}.py"
 
     def solution_module(self) -> types.ModuleType:
-        return importlib.import_module(f"rosecourse.solutions.build_{self.name}")
+        return importlib.import_module(f"rosecourse.builds.{self.name}.reference")
 
 
 def module_from_source(source: str, name: str) -> types.ModuleType:

@@ -1,7 +1,7 @@
 """Hints the learner asks for: the stub states the contract, `rose-course hint` the how.
 
-Every exercise and build keeps its hints beside its reference solution (`HINTS` in
-its reference.py, a build's in rosecourse/solutions/), in the order they are given: the idea first, the near-code last.
+Every exercise and build keeps its hints in its reference solution (`HINTS` in its
+folder's reference.py), in the order they are given: the idea first, the near-code last.
 The stub leaves them out, and gives away no line of the solution's code; `rose-course hint
 NAME` prints the next one each time (noted in the workspace, whose files it never
 touches), says when none is left and shows the ones given again with --seen; `check` says

@@ -1,4 +1,4 @@
-"""Every exercise's check is proven against wrong answers (tests/mutants.py).
+"""Every exercise's check is proven against wrong answers (each folder's mistakes.py).
 
 For each chapter: at least five plausible wrong answers beyond its known-wrong list, each
 failing its check without being taken for a known mistake; the reference solution and
@@ -6,7 +6,7 @@ the alternatives that meet the contract passing; and each known wrong answer tol
 from the reference and from the other known ones by the probes alone, so its diagnosis
 is given only to that mistake.
 
-Among the mutants are wrong answers written blind (tests/blind_mutants.py), by someone who
+Among the mutants are wrong answers written blind (`blind`, `blind_build`), by someone who
 had not read these lists nor the known wrong answers: those the check names as a known
 mistake must get its diagnosis, and every chapter and build has at least as many of the
 others as issue 45 listed wrong answers for it.
@@ -17,12 +17,14 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from mutants import ALTERNATIVES, BLIND, BLIND_KNOWN, CLAUSES, MUTANTS
 
 from rosecourse.course import LESSONS, Lesson
+from rosecourse.exercises.answers import ALTERNATIVES, BLIND, BLIND_KNOWN, CLAUSES, MUTANTS, load
 from rosecourse.exercises.common import Exercise, same
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+load()  # every exercise's and build's mistakes.py, its answers registered
 
 BY_CHAPTER = {chosen.chapter: chosen for chosen in LESSONS}
 

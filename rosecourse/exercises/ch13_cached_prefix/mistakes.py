@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 from rosecourse.exercises.answers import alternative, blind, known, mutant
 from rosecourse.exercises.ch13_cached_prefix import cached_prefix
-from rosecourse.solutions.build_block_manager import chain_hash
-from roseinfer.engine.block_manager import BlockManager
+from roseinfer.engine.block_manager import BlockManager, chain_hash
 
 # -- the known mistakes: the check names each one it meets (answers.known) ----------
 
