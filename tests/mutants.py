@@ -286,6 +286,7 @@ def loop_that_feeds_the_last_token_too(model, prompts, max_new_tokens, prefill_c
     # Remainder first, logits of the last position alone, and one decode call a token
     # (the last one's logits unused): a cached loop all the same.
     ids, pads = _padded(prompts)
+    ids = ids.to(model.lm_head.weight.device)
     longest = ids.size(1)
     size = prefill_chunk or longest
     cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)  # noqa: F821
