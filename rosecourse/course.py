@@ -297,7 +297,7 @@ UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("cache, a pass of k + 1 after a past", "RollbackCache.__init__"),
         ("cache, rollback", "RollbackCache.__init__"),
         ("greedy, prompt lookup, k = 1..8", "verify_greedy"),
-        ("greedy, self-draft on a static cache, k = 1..8", "verify_greedy"),
+        ("greedy, self-draft on a static cache, k = 1, 3, 8", "verify_greedy"),
         ("greedy, the cache's length after every call", "verify_greedy"),
         ("greedy, the run past a rejection", "verify_greedy"),
         ("sampled rule", "accept_or_resample"),

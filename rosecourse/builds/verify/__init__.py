@@ -54,7 +54,7 @@ from rosetrainer.model import GPT
 from rosetrainer.numerics import logit_tolerance
 
 NEW = 16  # tokens generated per greedy run
-DRAWS = 4000  # draws of the sampled rule per case
+DRAWS = 2500  # draws of the sampled rule per case
 # The chi-square tests' threshold: a right answer falls below it once in 10,000 seeds.
 P_VALUE = 1e-4
 # The rule's cases (p, q): a draft that disagrees with the target, and deterministic drafts.
@@ -373,7 +373,7 @@ def _sampled_verify(module: types.ModuleType) -> None:
         drafts.append(int(probs(target, text + drafts)[-1].argmax()))
     p = probs(target, text + drafts)[len(text) - 1 :]
     q = p[:-1].float()  # each draft drawn from the target's own distribution
-    outcomes = sampled_steps(module, target, text, drafts, q, torch.Generator().manual_seed(1), 150)
+    outcomes = sampled_steps(module, target, text, drafts, q, torch.Generator().manual_seed(1), 100)
     what = f"drafts {drafts} drawn from q = p: all kept, then the bonus from p"
     expect_law(what, outcomes, law(p, q.double(), drafts))
 
@@ -383,7 +383,7 @@ SMALL_CONFIG = GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_emb
 SMALL_TEXT = [0, 1, 2, 3]  # the text: the cache holds all but its newest token
 SMALL_DRAFTS = [1, 2]  # k = 2 drafts, and what they were drawn from (neither p nor one-hot)
 SMALL_Q = torch.tensor([[0.1, 0.4, 0.2, 0.2, 0.1], [0.1, 0.1, 0.5, 0.2, 0.1]])
-SMALL_STEPS = 1500  # sampled verify steps counted
+SMALL_STEPS = 900  # sampled verify steps counted
 
 
 @functools.cache
@@ -438,11 +438,11 @@ VERIFY = Build(
             greedy(drafted_by(lambda: NgramDrafter(1, 3)), ConcatKVCache, range(1, 9), False),
         ),
         Part(
-            "greedy, self-draft on a static cache, k = 1..8",
+            "greedy, self-draft on a static cache, k = 1, 3, 8",
             greedy(
                 drafted_by(lambda: ModelDrafter(first_layers(oracle_model(), 1))),
                 lambda: StaticKVCache(oracle_model()),
-                range(1, 9),
+                (1, 3, 8),  # (each round drafts k tokens with a model: the slow drafter)
                 False,
             ),
         ),
