@@ -268,8 +268,8 @@ UNWRITTEN_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("parameter groups", "parameter_groups"),
         ("learning rate", "learning_rate"),
         ("clipping", "clip_gradients"),
-        ("20 steps, one micro-batch each", "make_optimizer"),
-        ("20 steps, 3 micro-batches each, clipped", "make_optimizer"),
+        ("12 steps, one micro-batch each", "make_optimizer"),
+        ("12 steps, 3 micro-batches each, clipped", "make_optimizer"),
         ("a step in bfloat16 (autocast), 2 micro-batches", "make_optimizer"),
     ),
     "cached_loop": (

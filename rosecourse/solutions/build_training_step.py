@@ -14,7 +14,7 @@ grad_accum_steps, grad_clip and dtype.
 
 `rose-course check training_step` compares your AdamW (a group with betas and eps of
 its own among them) and clipping with PyTorch's, your groups and schedule with rose's,
-and then trains rose's GPT (a tiny one) for 20 steps from one seed with your pieces
+and then trains rose's GPT (a tiny one) for 12 steps from one seed with your pieces
 beside rose's trainer doing the same (and again in bfloat16): every step's loss, every
 step's returned gradient norm and the final parameters must agree within the check's
 tolerance.

@@ -53,15 +53,15 @@ from rosetrainer.schedule import learning_rate_at
 from rosetrainer.step import train_step
 
 MODEL = GPTConfig(vocab_size=97, block_size=12, n_layer=2, n_head=3, n_embd=24)
-STEPS = 20
+STEPS = 12  # a warmup of 4, the cosine, 3 steps at its floor: every known mistake shows
 BATCH = 4
-# Twenty float32 Adam steps taken with sums in another order (a loss added up as a float, a
+# Float32 Adam steps taken with sums in another order (a loss added up as a float, a
 # clipping factor computed in double) part by a few float32 epsilons in each step's loss:
 # LOSS_RTOL of the loss. The weights part more: a key's bias gets no gradient but rounding
 # noise (softmax ignores what a query adds to every score), and Adam divides that noise by
-# its own size, so such an entry wanders by up to about 2e-4 (measured): PARAM_RTOL of each
-# parameter's largest entry (at least 1). The mistakes graded here move a loss by 3e-3
-# and the weights by 2e-2 or more.
+# its own size, so such an entry wanders by up to about 2e-4 (measured over 20 steps):
+# PARAM_RTOL of each parameter's largest entry (at least 1). The mistakes graded here move
+# a loss by 3e-3 and the weights by 2e-2 or more (measured over 20 steps).
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-3
 # The returned gradient norms part as the weights do (measured: under 1e-5 of the norm);
