@@ -34,7 +34,15 @@ from unittest import mock
 import torch
 
 from rosecourse.builds.cached_loop.mistakes import KNOWN_WRONG
-from rosecourse.builds.grading import Build, Mismatch, Part, expect_close, first_gap, made
+from rosecourse.builds.grading import (
+    Build,
+    Mismatch,
+    Part,
+    expect_close,
+    first_gap,
+    judging,
+    made,
+)
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
 from rosecourse.exercises.contract import ToElsewhere, elsewhere, moved
@@ -243,7 +251,10 @@ def cache_in_model(
                 watched_updates(cache, len(rows), dtype, model.lm_head.weight.device)
                 return list(cached_steps(cache, rows, chunk, model))
 
-        for step, logits in enumerate(made("every step's logits", steps)):
+        every_step = made("every step's logits", steps)
+        if not judging():  # the oracle's logits are the grader's to make, for its comparisons
+            return
+        for step, logits in enumerate(every_step):
             for row, prompt in enumerate(rows):
                 want = oracle_logits(prompt, dtype)[step]
                 where = "the prefill's logits" if step == 0 else f"decode step {step}"
