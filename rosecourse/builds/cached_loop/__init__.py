@@ -33,16 +33,9 @@ from unittest import mock
 
 import torch
 
+from rosecourse.builds import grading
 from rosecourse.builds.cached_loop.mistakes import KNOWN_WRONG
-from rosecourse.builds.grading import (
-    Build,
-    Mismatch,
-    Part,
-    expect_close,
-    first_gap,
-    judging,
-    made,
-)
+from rosecourse.builds.grading import Build, Mismatch, Part, expect_close, first_gap, made
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
 from rosecourse.exercises.contract import ToElsewhere, elsewhere, moved
@@ -252,7 +245,9 @@ def cache_in_model(
                 return list(cached_steps(cache, rows, chunk, model))
 
         every_step = made("every step's logits", steps)
-        if not judging():  # the oracle's logits are the grader's to make, for its comparisons
+        if (
+            not grading.judging()
+        ):  # the oracle's logits are the grader's to make, for its comparisons
             return
         for step, logits in enumerate(every_step):
             for row, prompt in enumerate(rows):
