@@ -38,6 +38,11 @@ class Mismatch(Exception):
     """What a part found to differ from rose, in one line."""
 
 
+class TapeEnded(Mismatch):
+    """The grader asked the tape for a value it does not hold: the check's process stopped
+    (or sent less) before the part did."""
+
+
 @dataclass(frozen=True, eq=False)  # (hashed as itself: a Build's known answers are cached by it)
 class KnownWrong:
     """A mistake learners make, as the reference with some of its pieces replaced (see
@@ -196,7 +201,8 @@ def diagnosis(build: Build, outcomes_seen: list[object] | None) -> str | None:
 # module, the same part runs again with the reference module, and `seen` hands back the
 # tape's values in place of the reference's: every comparison, with references computed
 # here by rose's own code, is made where the learner's code never ran. What the check's
-# process says is believed only when it is a failure.
+# process says is believed only when it is a failure the tape does not show (what stopped
+# it there), so a part may skip in that process what only its comparisons need.
 
 _noting: list[tuple[str, object]] | None = None  # the running part's tape, being written
 _replaying: Iterator[tuple[str, object]] | None = None  # or being read back
@@ -208,12 +214,19 @@ def seen(what: str, value: T) -> T:
     if _replaying is not None:
         noted, value = next(_replaying, (None, None))
         if noted is None:
-            raise Mismatch(f"the check's process sent no value for {what}")
+            raise TapeEnded(f"the check's process sent no value for {what}")
         if noted != what:
             raise Mismatch(f"the check's process sent {noted!r} where the check asks {what!r}")
     elif _noting is not None:
         _noting.append((what, plain(value)))
     return value
+
+
+def judging() -> bool:
+    """Whether this process's comparisons decide the part: not in the check's process,
+    whose values the grader judges again from the tape (a part may skip there the
+    references only its comparisons read: rose's runs)."""
+    return _noting is None
 
 
 def made(what: str, make: Callable[[], T]) -> T:
@@ -235,6 +248,8 @@ def run_part(
         part.run(module)
     except NotImplementedError as error:
         return "unwritten", f"not written yet: replace the stub's body ({error})"
+    except TapeEnded as error:
+        return "ended", str(error)
     except Mismatch as error:
         return "mismatch", str(error)
     except Exception as error:  # whatever the learner's code raises is a finding
@@ -255,14 +270,17 @@ def verdict(
     build: Build, part: Part, tape: list, failure: tuple | None, named: Callable[[], str]
 ) -> PartResult:
     """The part's result, decided here (in the grader) from what the check's process sent:
-    its failure, or the part run again on the reference with the tape's values."""
-    if failure is None:
-        failure = run_part(part, build.solution_module(), None, iter(tape))
+    the part run again on the reference with the tape's values; where the tape ends first,
+    the failure that stopped the check's process there (or, without one, a failure)."""
+    replayed = run_part(part, build.solution_module(), None, iter(tape))
+    if failure is None or (replayed is not None and replayed[0] != "ended"):
+        failure = replayed
     if failure is None and not tape:
         failure = "mismatch", "the check's process sent nothing to compare"
     if failure is None:
         return PartResult(build.name, part.name, True, build.passed)
     kind, why = failure
+    kind = "mismatch" if kind == "ended" else kind
     said = named() if kind == "mismatch" else ""
     why += f": {said}" if said else ""
     return PartResult(build.name, part.name, False, why, unwritten=kind == "unwritten")

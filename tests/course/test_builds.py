@@ -40,6 +40,8 @@ from rosecourse.builds.grading import (
     replaced,
     verdict,
 )
+from rosecourse.builds.training_step.reference import clip_gradients, learning_rate
+from rosecourse.builds.training_step.reference import train_step as reference_train_step
 from rosecourse.course import BUILDS, hints, stub_source
 from rosecourse.exercises import same
 from rosecourse.exercises.answers import BLIND_KNOWN, BUILD_ALTERNATIVES, BUILD_MUTANTS, load
@@ -226,6 +228,57 @@ def _prompts_padded_in_place(model, prompts, max_new_tokens, prefill_chunk=None)
     return new_tokens
 
 
+@torch.no_grad()
+def _ids_made_on_the_cpu(model, prompts, max_new_tokens, prefill_chunk=None):
+    longest = max(map(len, prompts))
+    pads = [longest - len(p) for p in prompts]
+    # the mistake: the ids made where torch.tensor makes them, on the CPU (no device=)
+    ids = torch.tensor([[0] * pad + p for pad, p in zip(pads, prompts, strict=True)])
+    cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)
+    chunk = prefill_chunk or longest
+    for start in range(0, longest, chunk):
+        logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
+    columns = []
+    for _ in range(max_new_tokens):
+        columns.append(logits.argmax(-1).tolist())
+        logits = model(torch.tensor(columns[-1])[:, None], cache=cache).logits[:, -1]
+    return [list(row) for row in zip(*columns, strict=True)]
+
+
+def _slots_made_on_the_cpu(self, batch: int, q_len: int, device: torch.device):
+    self.input_pos = torch.arange(self.filled, self.filled + q_len, device=device)
+    self.filled += q_len
+    slots = torch.arange(self.max_len)  # the mistake: was `torch.arange(..., device=device)`
+    causal = slots[None, :] <= self.input_pos[:, None]
+    mask = causal[None, None, :, :] & self.real[:, None, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return (self.input_pos[None, :] - self.pads[:, None]).clamp(min=0), mask
+
+
+def _autocast_for_cuda(model, optimizer, batches, step, cfg):
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(step, cfg)
+    total = 0.0
+    for _ in range(cfg.grad_accum_steps):
+        x, y = next(batches)
+        # the mistake: autocast for "cuda" whatever the parameters' device (on the CPU it
+        # switches itself off, with a warning: the forward runs in float32)
+        with torch.autocast("cuda", torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            loss = model(x, y).loss / cfg.grad_accum_steps
+        loss.backward()
+        total += loss.item()
+    norm = clip_gradients(model.parameters(), cfg.grad_clip or math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def _weights_in_bfloat16(model, optimizer, batches, step, cfg):
+    if cfg.dtype == "bfloat16":
+        model.to(torch.bfloat16)  # the mistake: the weights themselves (no float32 ones kept)
+    return reference_train_step(model, optimizer, batches, step, cfg)
+
+
 GENERAL = [
     ("model", {"MLP.forward": _mlp_in_float64}, "dtype torch.float64 where torch.float32 is right"),
     (
@@ -242,13 +295,21 @@ GENERAL = [
     (
         "cached_loop",
         {"StaticCache.__init__": _pads_on_the_cpu},
-        "the cache keeps tensors on the cpu",
+        "with the model moved to another device (meta, as to a GPU), StaticCache.prepare raises",
     ),
     (
         "cached_loop",
         {"generate_cached": _prompts_padded_in_place},
         "generate_cached changed the prompt lists it was given",
     ),
+    ("cached_loop", {"generate_cached": _ids_made_on_the_cpu}, "feeds it ids on the cpu"),
+    (
+        "cached_loop",
+        {"StaticCache.prepare": _slots_made_on_the_cpu},
+        "with the model moved to another device (meta, as to a GPU), _slots_made_on_the_cpu raises",
+    ),
+    ("training_step", {"train_step": _autocast_for_cuda}, "cfg.dtype bfloat16: rose's trainer"),
+    ("training_step", {"train_step": _weights_in_bfloat16}, "cfg.dtype bfloat16: rose's trainer"),
 ]
 
 

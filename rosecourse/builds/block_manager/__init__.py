@@ -1,6 +1,6 @@
 """Build (chapters 11-13): the block manager, run inside rose's engine.
 
-Contract: rosecourse/solutions/build_block_manager.py. The parts:
+Contract: rosecourse/builds/block_manager/reference.py. The parts:
 
 * the chained key: equal for equal blocks behind equal parents, different otherwise;
 * the bookkeeping alone: scripted lives of small pools (`LIVES`: shared prefixes, a block
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from rosecourse.builds.block_manager.mistakes import KNOWN_WRONG
-from rosecourse.builds.grading import Build, Mismatch, Part, made, seen
+from rosecourse.builds.grading import Build, Mismatch, Part, TapeEnded, judging, made, seen
 from rosecourse.exercises import encoded, oracle_model, reference_tokens
 from roseinfer.engine.block_manager import BlockManager, BlockManagerProtocol, check_pool
 from roseinfer.engine.config import EngineConfig
@@ -309,11 +309,13 @@ def compare_schedule(schedule: Schedule, module: types.ModuleType) -> None:
     and the prefix cache's service against rose's manager's on the same schedule."""
     try:
         run = made(f"the engine on {schedule}", lambda: run_schedule(schedule, learners(module)))
-    except NotImplementedError:
+    except (NotImplementedError, TapeEnded):
         raise
     except Exception as error:  # what the run found, or the learner's manager broke the engine
         why = str(error) if isinstance(error, Mismatch) else f"the engine raised {one_line(error)}"
         raise Mismatch(f"{why} [{schedule}]") from None
+    if not judging():  # rose's runs are the grader's to make, for its comparisons
+        return
     (tokens, served, counters), rose = run, roses(schedule)
     for i, request in enumerate(schedule.requests):
         got, want = tokens.get(f"r{i}", ()), reference_tokens(request.prompt, request.max_tokens)

@@ -1,14 +1,17 @@
 """Build (chapters 02-06): the cached loop and a static KV cache, graded against the oracle.
 
-Contract: rosecourse/solutions/build_cached_loop.py. The learner's cache runs inside
+Contract: rosecourse/builds/cached_loop/reference.py. The learner's cache runs inside
 rose's GPT (the chapters' random strong-oracle model): the prompts go in, then the
 oracle's own tokens one at a time, and at every step each row's logits are held to the
 uncached oracle's by rose's one tolerance rule (rosetrainer/numerics.py), for one row, a
 ragged batch of three (left padding, as rose batches), a prefill in chunks of CHUNK and
 one a token a call (where a padding slot's query may see no slot at all); then the same
-in bfloat16, where the keys and values it hands back must be in the model's dtype. Its
-memory must stay flat while it decodes: the bytes of every tensor it holds, and the
-storage each layer's keys and values come back in.
+in bfloat16, where the keys and values it hands back must be in the model's dtype. The
+chunked prefill runs with the model moved to another device (`contract.Elsewhere`: CPU
+tensors that say meta and raise when they meet a CPU tensor, as a GPU's do), where every
+tensor the cache makes or hands back, and every id the loop feeds, must stand on the
+model's device. Its memory must stay flat while it decodes: the bytes of every tensor it
+holds, and the storage each layer's keys and values come back in.
 
 The learner's loop runs on rose's own StaticKVCache, swapped in for the learner's class,
 and on rose's GPT watched: every call is recorded (the rows and tokens fed, the cache
@@ -21,6 +24,7 @@ per decode step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import types
@@ -29,10 +33,12 @@ from unittest import mock
 
 import torch
 
+from rosecourse.builds import grading
 from rosecourse.builds.cached_loop.mistakes import KNOWN_WRONG
 from rosecourse.builds.grading import Build, Mismatch, Part, expect_close, first_gap, made
 from rosecourse.demo import PROMPT
 from rosecourse.exercises import BATCH_TEXTS, encoded, oracle_model, reference_tokens
+from rosecourse.exercises.contract import ToElsewhere, elsewhere, moved
 from roseinfer.cache.dense import StaticKVCache
 from rosetrainer.errors import one_line
 from rosetrainer.model import GPT
@@ -48,6 +54,13 @@ EOT_STEP = 3  # the loop's runs meet end-of-text at this step of row 0
 BF16_RTOL = 2**-5
 # What the buffers must be, said wherever a dtype or a device is wrong.
 BUFFERS = "the buffers are zeros in the dtype (and on the device) of the model's weights"
+# The run on another device, and what it asks, said wherever a tensor stands elsewhere.
+MOVED = "with the model moved to another device (meta, as to a GPU)"
+ON_ITS_DEVICE = (
+    "make every tensor the cache and the loop make on the model's device "
+    "(device=model.lm_head.weight.device, or the device prepare is given), or they fail "
+    "on a GPU"
+)
 
 
 def prompts(batch: int) -> list[tuple[int, ...]]:
@@ -56,9 +69,41 @@ def prompts(batch: int) -> list[tuple[int, ...]]:
 
 
 @functools.cache
-def model_in(dtype: torch.dtype) -> GPT:
-    """The oracle model, or a copy of it in bfloat16."""
+def model_in(dtype: torch.dtype, there: bool = False) -> GPT:
+    """The oracle model, or a copy of it in bfloat16, or one moved to another device
+    (`there`: contract.Elsewhere, whose tensors compute on the CPU)."""
+    if there:
+        return moved(oracle_model(), elsewhere)
     return oracle_model() if dtype == torch.float32 else copy.deepcopy(oracle_model()).to(dtype)
+
+
+@contextlib.contextmanager
+def placed(module: types.ModuleType, there: bool) -> Iterator[None]:
+    """Where a run happens: with the model on another device (`there`), a tensor asked for
+    on its device is made there (contract.ToElsewhere), and a device error met in the
+    learner's code is a Mismatch that names the clause and where it was raised."""
+    if not there:
+        yield
+        return
+    try:
+        with ToElsewhere():
+            yield
+    except RuntimeError as error:
+        if "device" not in str(error):
+            raise
+        raise Mismatch(
+            f"{MOVED}, {raised_in(error, module)} raises {one_line(error)}: {ON_ITS_DEVICE}"
+        ) from None
+
+
+def raised_in(error: BaseException, module: types.ModuleType) -> str:
+    """The learner's function the innermost frame of `error` in `module` runs, in words."""
+    where, frame = "rose's GPT, on what the cache hands it,", error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_globals is module.__dict__:
+            where = frame.tb_frame.f_code.co_qualname
+        frame = frame.tb_next
+    return where
 
 
 @functools.cache
@@ -87,15 +132,16 @@ def cached_steps(
     """rose's GPT on `cache`: each row's prompt, then the oracle's tokens one at a time;
     yields the logits of every row's newest token, step by step."""
     model = model or oracle_model()
-    ids, _ = left_padded(rows)
+    device = model.lm_head.weight.device
+    ids = left_padded(rows)[0].to(device)
     chunk = chunk or ids.size(1)
     with torch.no_grad():
         for start in range(0, ids.size(1), chunk):
             logits = model(ids[:, start : start + chunk], cache=cache).logits[:, -1]
-        yield logits
+        yield logits.cpu()
         for step in range(1, NEW):
             fed = torch.tensor([[reference_tokens(row, NEW)[step - 1]] for row in rows])
-            yield model(fed, cache=cache).logits[:, -1]
+            yield model(fed.to(device), cache=cache).logits[:, -1].cpu()
 
 
 def held_tensors(obj: object) -> dict[int, torch.Tensor]:
@@ -119,11 +165,25 @@ def held_tensors(obj: object) -> dict[int, torch.Tensor]:
     return found
 
 
-def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
-    """Hold what `cache.update` hands the model to the contract before the model reads it:
-    every row, in the model's dtype (the buffers too, not a cast on the way out), no NaN
-    (a NaN there reaches every query: a weight of 0 times NaN is NaN)."""
-    update, calls = cache.update, [0]
+def watched_updates(cache: object, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Hold what `cache.prepare` and `cache.update` hand the model to the contract before
+    the model reads it: on the model's device; every row, in the model's dtype (the
+    buffers too, not a cast on the way out), no NaN (a NaN there reaches every query: a
+    weight of 0 times NaN is NaN)."""
+    prepare, update, calls = cache.prepare, cache.update, [0]
+
+    def on_device(method: str, names: tuple[str, str], out: object) -> None:
+        for name, got in zip(names, out, strict=False):
+            if isinstance(got, torch.Tensor) and got.device != device:
+                raise Mismatch(
+                    f"{MOVED}, {method} returns the {name} on the {got.device.type}: "
+                    f"{ON_ITS_DEVICE}"
+                )
+
+    def prepared(batch: int, q_len: int, on: torch.device) -> object:
+        out = prepare(batch, q_len, on)
+        on_device("prepare", ("positions", "mask"), out)
+        return out
 
     def checked(layer: int, k: torch.Tensor, v: torch.Tensor) -> object:
         calls[0] += layer == 0
@@ -138,6 +198,7 @@ def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
                 f"the cache holding {', '.join(sorted(held))} tensors: {BUFFERS}, as the "
                 "contract says"
             ) from None
+        on_device("update", ("keys", "values"), out)
         for name, got in zip(("keys", "values"), out, strict=False):
             if not isinstance(got, torch.Tensor):
                 raise Mismatch(f"update returns a {type(got).__name__} for the {name}")
@@ -165,21 +226,30 @@ def watched_updates(cache: object, rows: int, dtype: torch.dtype) -> None:
                 )
         return out
 
-    cache.update = checked
+    cache.prepare, cache.update = prepared, checked
 
 
-def cache_in_model(batch: int, chunk: int | None, dtype: torch.dtype = torch.float32) -> Callable:
-    """A part: rose's GPT on the learner's cache, every step's logits against the oracle's."""
+def cache_in_model(
+    batch: int, chunk: int | None, dtype: torch.dtype = torch.float32, there: bool = False
+) -> Callable:
+    """A part: rose's GPT on the learner's cache, every step's logits against the oracle's
+    (`there`: the model on another device)."""
 
     def run(module: types.ModuleType) -> None:
-        rows, model = prompts(batch), model_in(dtype)
+        rows, model = prompts(batch), model_in(dtype, there)
 
         def steps() -> list[torch.Tensor]:
-            cache = new_cache(module, rows, model)
-            watched_updates(cache, len(rows), dtype)
-            return list(cached_steps(cache, rows, chunk, model))
+            with placed(module, there):
+                cache = new_cache(module, rows, model)
+                watched_updates(cache, len(rows), dtype, model.lm_head.weight.device)
+                return list(cached_steps(cache, rows, chunk, model))
 
-        for step, logits in enumerate(made("every step's logits", steps)):
+        every_step = made("every step's logits", steps)
+        if (
+            not grading.judging()
+        ):  # the oracle's logits are the grader's to make, for its comparisons
+            return
+        for step, logits in enumerate(every_step):
             for row, prompt in enumerate(rows):
                 want = oracle_logits(prompt, dtype)[step]
                 where = "the prefill's logits" if step == 0 else f"decode step {step}"
@@ -199,10 +269,11 @@ def cache_in_model(batch: int, chunk: int | None, dtype: torch.dtype = torch.flo
 
 
 def memory(module: types.ModuleType) -> tuple[set[str], list[int], dict[int, int]]:
-    """Where the learner's cache of a model moved to the meta device (as to a GPU) keeps
+    """Where the learner's cache of a model moved to another device (as to a GPU) keeps
     its tensors; then, on a ragged batch of three: the bytes the cache holds at each step,
     and in how many different tensors each layer's keys come back."""
-    cache = module.StaticCache(copy.deepcopy(oracle_model()).to("meta"), 2, 8, [0, 1])
+    with placed(module, True):
+        cache = module.StaticCache(model_in(torch.float32, True), 2, 8, [0, 1])
     devices = {t.device.type for t in held_tensors(cache).values()}
     rows = prompts(3)
     cache = new_cache(module, rows)
@@ -224,11 +295,11 @@ def memory(module: types.ModuleType) -> tuple[set[str], list[int], dict[int, int
 
 def _memory(module: types.ModuleType) -> None:
     devices, held, storages = made("the cache's devices and memory", lambda: memory(module))
-    elsewhere = sorted(set(devices) - {"meta"})
-    if elsewhere:
+    strays = sorted(set(devices) - {"meta"})
+    if strays:
         raise Mismatch(
             f"on a model moved to another device (meta, as to a GPU) the cache keeps "
-            f"tensors on the {elsewhere[0]}: make every tensor it keeps (buffers, padding, "
+            f"tensors on the {strays[0]}: make every tensor it keeps (buffers, padding, "
             "slots) on the device of the model's weights, or it fails on a GPU"
         )
     if len(set(held[1:])) > 1:
@@ -265,13 +336,14 @@ def roses_static_cache(
     on its own."""
     cache = StaticKVCache(model, batch_size, max_len)
     if pad_lengths is not None and max(pad_lengths) > 0:
-        cache.reset(torch.tensor(pad_lengths))
+        cache.reset(torch.tensor(pad_lengths, device=model.lm_head.weight.device))
     return cache
 
 
 class Watched:
     """rose's GPT as a learner's loop sees it: every call recorded (rows, tokens a row, the
-    cache passed, the positions that cache holds after it), and its vocabulary relabelled
+    cache passed, the positions that cache holds after it; the ids' device apart, in
+    `devices`), and its vocabulary relabelled
     by swapping two token ids (`swap`), in the ids it is fed and in the logits it returns.
     The relabelled model is a model like any other: its greedy run of a relabelled prompt
     is the oracle's run relabelled, so end-of-text can be made to come up mid-run.
@@ -280,12 +352,14 @@ class Watched:
     def __init__(self, model: GPT, swap: tuple[int, int]) -> None:
         self.model = model
         self.calls: list[tuple[int, int, object, int | None]] = []
-        self.relabel = relabelling(swap)
+        self.devices: set[str] = set()
+        self.relabel = relabelling(swap).to(model.lm_head.weight.device)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.model, name)
 
     def __call__(self, idx: torch.Tensor, targets=None, cache=None, **options):
+        self.devices.add(idx.device.type)
         out = self.model(self.relabel[idx], targets, cache, **options)
         # rose's cache says how much it holds
         self.calls.append(
@@ -303,13 +377,19 @@ def relabelling(swap: tuple[int, int]) -> torch.Tensor:
 
 
 def loop_run(
-    module: types.ModuleType, rows: list, chunk: int | None, swap: tuple[int, int]
+    module: types.ModuleType, rows: list, chunk: int | None, swap: tuple[int, int], there: bool
 ) -> tuple:
     """The learner's loop on the relabelled prompts, on rose's static cache and the watched
-    model: the tokens it returns, the prompt lists after the call, the rows of each
-    StaticCache it built, and its model calls as (rows, tokens a row, the cache passed:
-    the number of the one it built, None, or -1 for another, the positions held after)."""
-    model, built = Watched(oracle_model(), swap), []
+    model (`there`: moved to another device): the tokens it returns, the prompt lists after
+    the call, the rows of each StaticCache it built, its model calls as (rows, tokens a
+    row, the cache passed: the number of the one it built, None, or -1 for another, the
+    positions held after), and the devices of the ids it fed."""
+    with placed(module, there):
+        return watched_loop(module, rows, chunk, Watched(model_in(torch.float32, there), swap))
+
+
+def watched_loop(module: types.ModuleType, rows: list, chunk: int | None, model: Watched) -> tuple:
+    built = []
 
     def static_cache(*args, **kwargs) -> StaticKVCache:
         built.append(roses_static_cache(*args, **kwargs))
@@ -322,7 +402,7 @@ def loop_run(
     calls = [
         (n, q, None if c is None else number.get(id(c), -1), held) for n, q, c, held in model.calls
     ]
-    return tokens, fed, [cache.batch_size for cache in built], calls
+    return tokens, fed, [cache.batch_size for cache in built], calls, sorted(model.devices)
 
 
 def expect_cached_calls(
@@ -378,15 +458,24 @@ def expect_cached_calls(
         )
 
 
-def loop(batch: int, chunk: int | None) -> Callable:
+def loop(batch: int, chunk: int | None, there: bool = False) -> Callable:
     """A part: the learner's loop on rose's static cache, each row against its oracle run,
-    and its calls against a cached loop's."""
+    and its calls against a cached loop's (`there`: the model on another device)."""
 
     def run(module: types.ModuleType) -> None:
         rows = prompts(batch)
         # Relabelled so that row 0's greedy token at EOT_STEP is end-of-text.
         swap = (reference_tokens(rows[0], NEW)[EOT_STEP], END_OF_TEXT)
-        got, fed, built, calls = made("the run", lambda: loop_run(module, rows, chunk, swap))
+        got, fed, built, calls, devices = made(
+            "the run", lambda: loop_run(module, rows, chunk, swap, there)
+        )
+        strays = [device for device in devices if device != ("meta" if there else "cpu")]
+        if strays:
+            raise Mismatch(
+                f"{MOVED}, generate_cached feeds it ids on the {strays[0]}: make them on the "
+                "model's device (torch.tensor(rows, device=model.lm_head.weight.device)), "
+                "or the loop fails on a GPU"
+            )
         relabel = relabelling(swap)
         for row, (after, prompt) in enumerate(zip(fed, rows, strict=True)):
             if after != relabel[torch.tensor(prompt)].tolist():
@@ -439,12 +528,13 @@ def _probe(module: types.ModuleType) -> list[object]:
     return [buffers, steps, tokens]
 
 
-# The runs the cache and the loop are each graded on: (rows, prefill_chunk).
+# The runs the cache and the loop are each graded on: (rows, prefill_chunk, on another
+# device).
 CASES = {
-    "one row": (1, None),
-    "ragged batch of 3": (3, None),
-    f"prefill in chunks of {CHUNK}": (3, CHUNK),
-    "prefill a token a call": (3, 1),
+    "one row": (1, None, False),
+    "ragged batch of 3": (3, None, False),
+    f"prefill in chunks of {CHUNK}, on another device": (3, CHUNK, True),
+    "prefill a token a call": (3, 1, False),
 }
 
 CACHED_LOOP = Build(
@@ -454,12 +544,12 @@ CACHED_LOOP = Build(
     parts=(
         Part("layer update", _layer_update),
         *(
-            Part(f"cache, {case}", cache_in_model(*rows_chunk))
-            for case, rows_chunk in CASES.items()
+            Part(f"cache, {case}", cache_in_model(rows, chunk, torch.float32, there))
+            for case, (rows, chunk, there) in CASES.items()
         ),
         Part("cache, bfloat16 model", cache_in_model(3, CHUNK, torch.bfloat16)),
         Part("cache memory", _memory),
-        *(Part(f"loop, {case}", loop(*rows_chunk)) for case, rows_chunk in CASES.items()),
+        *(Part(f"loop, {case}", loop(*run)) for case, run in CASES.items()),
         Part("loop, prefill_chunk past the prompts", loop(3, 40)),
     ),
     probe=_probe,

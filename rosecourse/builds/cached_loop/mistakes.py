@@ -348,6 +348,7 @@ def loop_that_feeds_the_last_token_too(model, prompts, max_new_tokens, prefill_c
     # Remainder first, logits of the last position alone, and one decode call a token
     # (the last one's logits unused): a cached loop all the same.
     ids, pads = _padded(prompts)
+    ids = ids.to(model.lm_head.weight.device)
     longest = ids.size(1)
     size = prefill_chunk or longest
     cache = StaticCache(model, len(prompts), longest + max_new_tokens, pads)  # noqa: F821
@@ -752,7 +753,8 @@ class StaticCache:
 def generate_cached(model, prompts, max_new_tokens, prefill_chunk=None):
     width = max(map(len, prompts))
     pads = [width - len(p) for p in prompts]
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    rows = [[0] * (width - len(p)) + p for p in prompts]
+    ids = torch.tensor(rows, device=model.lm_head.weight.device)
     cache = StaticCache(model, len(prompts), width + max_new_tokens - 1, pads)
     with torch.inference_mode():
         done = 0

@@ -1,12 +1,12 @@
 """Build (chapter 00): the model. The learner writes GPT-2 whole; rose's GPT grades it.
 
-Contract: rosecourse/solutions/build_model.py (its docstrings are the stub). Each part
+Contract: rosecourse/builds/model/reference.py (its docstrings are the stub). Each part
 loads rose's weights into the learner's module (strict: the names and shapes must be
 rose's) and compares what it computes with rose's own module on the same input:
 attention, MLP and block on hidden states of lengths 1, 7 and block_size; the whole
 model's logits on batches of those lengths (with and without biases, at rose's own small
 initialisation, where LayerNorm's eps shows, and in bfloat16), then the same model moved
-to the meta device, as to a GPU (a tensor made on the CPU, or kept from the first call,
+to another device (meta), as to a GPU (a tensor made on the CPU, or kept from the first call,
 shows there); the logits in train mode (the model runs without dropout: train mode
 computes what eval mode does), and every parameter's gradient after a cross-entropy
 loss, in train mode as a trainer takes it. Logits and hidden states are held to rose's
@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from rosecourse.builds.grading import Build, Mismatch, Part, first_gap, made, seen
 from rosecourse.builds.model.mistakes import KNOWN_WRONG
 from rosecourse.demo import wide_random_init
+from rosecourse.exercises.contract import ELSEWHERE, ToElsewhere, elsewhere, moved
 from rosetrainer import model as rose
 from rosetrainer.config import GPTConfig
 from rosetrainer.errors import one_line
@@ -163,24 +164,26 @@ def _in_bfloat16(mine: nn.Module, reference: rose.GPT) -> None:
 
 
 def _on_another_device(mine: nn.Module) -> None:
-    """The learner's GPT, run on the CPU (by _logits), then moved to the meta device, as a
-    model is moved to a GPU: every tensor it makes for idx goes on idx's device, and it
-    keeps no tensor of an earlier call. On the meta device the positions handed to
-    transformer.wpe show where they were made (an embedding there reads them wherever
-    they are), and a tensor of the CPU mixed with the model's raises."""
+    """The learner's GPT, run on the CPU (by _logits), then moved to another device, as a
+    model is moved to a GPU (contract.Elsewhere: CPU tensors that say meta, and raise when
+    they meet a CPU tensor, as a GPU's do): every tensor it makes for idx goes on idx's
+    device, and it keeps no tensor of an earlier call. The positions handed to
+    transformer.wpe show where they were made, and a tensor of the CPU mixed with the
+    model's raises."""
     devices: list[str] = []
 
     def positions_here(_wpe: nn.Module, args: tuple, kwargs: dict) -> None:
         devices.extend(t.device.type for t in [*args, *kwargs.values()][:1])
 
-    mine = mine.to("meta")
+    mine = moved(mine, elsewhere)
     mine.transformer.wpe.register_forward_pre_hook(positions_here, with_kwargs=True)
     try:
-        mine(torch.zeros(2, 5, dtype=torch.long, device="meta"))
+        with ToElsewhere():
+            mine(torch.zeros(2, 5, dtype=torch.long, device=ELSEWHERE))
         raised = None
-    except Exception as error:  # the meta device cannot run all a GPU can: judged below
+    except Exception as error:  # judged below (a device error) or by the other parts
         raised = one_line(error)
-    devices, raised = seen("on the meta device: positions' devices, raised", (devices, raised))
+    devices, raised = seen("on another device: positions' devices, raised", (devices, raised))
     where = "on a model run on the CPU, then moved to another device (meta, as to a GPU),"
     if any(device != "meta" for device in devices):
         raise Mismatch(

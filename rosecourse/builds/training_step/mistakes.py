@@ -799,7 +799,9 @@ def train_step(model, optimizer, batches, step, cfg):
     rate = learning_rate(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = rate
-    losses = [model(*next(batches)).loss for _ in range(cfg.grad_accum_steps)]
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        losses = [model(*next(batches)).loss for _ in range(cfg.grad_accum_steps)]
     mean = torch.stack(losses).mean()
     mean.backward()
     norm = clip_gradients(model.parameters(), cfg.grad_clip or math.inf)

@@ -4,18 +4,20 @@ The pieces of one optimizer step (rose's are `GPT.configure_optimizer` in
 rosetrainer/model.py, `learning_rate_at` in rosetrainer/schedule.py and `train_step` in
 rosetrainer/step.py, with PyTorch's AdamW): the AdamW update itself, its two parameter
 groups, the learning-rate schedule, gradient clipping by the global norm, and the step
-over several micro-batches. Float32 on the CPU: no autocast, no gradient scaler, one
-process.
+over several micro-batches. One process, no gradient scaler; float32, or bfloat16 where
+cfg.dtype says so: as rose's trainer trains in it, autocast around each forward pass,
+the weights, their gradients and AdamW's state float32.
 
 `cfg` is a `rosetrainer.config.TrainConfig`; the fields read here are learning_rate,
 min_lr, warmup_steps, max_steps, lr_decay_steps, weight_decay, beta1, beta2,
-grad_accum_steps and grad_clip.
+grad_accum_steps, grad_clip and dtype.
 
 `rose-course check training_step` compares your AdamW (a group with betas and eps of
 its own among them) and clipping with PyTorch's, your groups and schedule with rose's,
-and then trains rose's GPT (a tiny one) for 20 steps from one seed with your pieces
-beside rose's trainer doing the same: every step's loss, every step's returned gradient
-norm and the final parameters must agree within the check's tolerance.
+and then trains rose's GPT (a tiny one) for 12 steps from one seed with your pieces
+beside rose's trainer doing the same (and again in bfloat16): every step's loss, every
+step's returned gradient norm and the final parameters must agree within the check's
+tolerance.
 """
 
 from __future__ import annotations
@@ -140,13 +142,20 @@ def train_step(
     optimizer's step, and cleared after it. Returns (the mean loss over the
     micro-batches, the gradients' norm before clipping, measured when not clipped too),
     as floats.
+
+    cfg.dtype is "float32" or "bfloat16": in bfloat16 each forward pass runs under
+    torch.autocast for the device type of the model's parameters, in torch.bfloat16 (its
+    products compute in bfloat16); the backward pass and the step run outside it, and the
+    weights, their gradients and the optimizer's state stay float32.
     """
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(step, cfg)
+    device_type = next(model.parameters()).device.type
     total = 0.0
     for _ in range(cfg.grad_accum_steps):
         x, y = next(batches)
-        loss = model(x, y).loss / cfg.grad_accum_steps
+        with torch.autocast(device_type, torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+            loss = model(x, y).loss / cfg.grad_accum_steps
         loss.backward()
         total += loss.item()
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -185,6 +194,10 @@ HINTS = (
     "train_step: to get the gradients of the mean loss, divide each micro-batch's loss by "
     "grad_accum_steps before its backward(): backward() adds to what is there. Clip with "
     "max_norm = inf when grad_clip is 0, so the norm is still measured and returned.",
+    "train_step in bfloat16: wrap the forward pass alone (model(x, y).loss) in "
+    '`torch.autocast(device_type, torch.bfloat16, enabled=cfg.dtype == "bfloat16")`, '
+    "device_type that of the parameters (next(model.parameters()).device.type); never "
+    "move the model to bfloat16: the weights AdamW updates stay float32.",
     "AdamW.step, near-code (under @torch.no_grad(), in place):\n"
     "    for group in self.param_groups: for p in group['params'] with p.grad:\n"
     "        state = self.state[p]  # t, m, v, created at the first update\n"
