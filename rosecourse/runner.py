@@ -2,7 +2,7 @@
 verdict decided in the grader, a process the learner's code never runs in.
 
     grader (rose-course check: the check's code, the reference, the verdict)
-      '- the check's process (python -m rosecourse.runner: the learner's code)
+      '- the check's process (a fork of the grader: the learner's code)
 
 A chapter's check (rosecourse.exercises.common.check) runs in the grader. Its two steps
 that need the learner's function, the probe (the function's outcomes on small inputs) and
@@ -13,6 +13,11 @@ part compares (grading.seen); the grader runs each part again on the reference w
 tape's values. The references, the comparisons and the verdict are the grader's, so no
 print, message or patch of the learner's can make it say "passed": only answers equal to
 the reference's can.
+
+The check's process is forked from the grader once every check's code, torch and rose
+are loaded, so that a check pays for one Python and one torch, not two. It starts in a
+session of its own, holding only its end of the pipe (no other descriptor of the
+grader's but the standard ones, stdin being /dev/null), and dies with the grader.
 
 The check fails, in one line that says why, when the learner's code
 - raises what stops a program (SystemExit, KeyboardInterrupt), or leaves one of torch's
@@ -46,7 +51,6 @@ import importlib
 import io
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Pipe
@@ -126,7 +130,9 @@ class Grader:
     def __init__(self, names: list[str], directory: Path, timeout: float) -> None:
         prctl(PR_SET_DUMPABLE, 0)  # no process can ptrace this one, or read its memory
         prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a check's process leaves is re-parented here
-        torch.set_num_threads(THREADS)  # the reference's numbers as the check's process gets them
+        # One torch thread: the reference's numbers as the check's process gets them, and
+        # no OpenMP thread busy beside the one that forks it (a fork holds only that one).
+        torch.set_num_threads(THREADS)
         self.directory, self.timeout = directory, timeout
         self.checks = {name: course.find(name) for name in names}
         for chosen in self.checks.values():  # a chapter's check module, a build's reference
@@ -249,22 +255,37 @@ class CheckProcess(contextlib.AbstractContextManager):
     def __init__(self, chosen: Lesson | Build, directory: Path) -> None:
         self.channel, theirs = Pipe()
         self.before = children()  # this process's own, not the check's
-        with theirs:
-            fd = theirs.fileno()
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, course.key(chosen), str(directory), str(fd)],
-                stdin=subprocess.DEVNULL,
-                pass_fds=[fd],
-                start_new_session=True,  # Ctrl-C reaches the grader only, which then ends it
-            )
+        self.code: int | None = None  # its exit code, once it ended and was reaped
+        grader = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the check's process: it never returns to the grader's code
+            code = 1
+            try:
+                self.channel.close()
+                check_process(chosen, directory, theirs, grader)
+                code = 0
+            finally:
+                # At once: no exit handler or thread of the learner's (or the grader's) code
+                # runs after the last answer.
+                os._exit(code)
+        theirs.close()
         self.shown, self.ends_a_line = 0, True
+
+    def wait(self) -> int:
+        """Its exit code once it ended (negative: the signal that killed it)."""
+        if self.code is None:
+            self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.code
 
     def __exit__(self, kind: type | None, *_: object) -> None:
         self.channel.close()
-        self.process.kill()
+        if self.code is None:  # (once reaped, its pid may be another process's)
+            os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):  # what it started in its group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait()
         left = end_leftovers(self.before)
         if not self.ends_a_line:  # what the grader prints next starts a line of its own
             print()
@@ -282,7 +303,7 @@ class CheckProcess(contextlib.AbstractContextManager):
             try:
                 kind, *content = loads(self.channel.recv_bytes(MESSAGE_LIMIT))
             except EOFError:  # no process holds the pipe's other end: it ended
-                raise Stopped(ended(self.process.wait())) from None
+                raise Stopped(ended(self.wait())) from None
             except Exception as error:  # not plain data, or longer than MESSAGE_LIMIT
                 raise Stopped(
                     f"the check's process sent what the grader cannot read ({one_line(error)[:200]}): "
@@ -339,7 +360,7 @@ def ended(code: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The check's process: python -m rosecourse.runner NAME DIR FD
+# The check's process: a fork of the grader
 # ---------------------------------------------------------------------------
 
 
@@ -355,17 +376,26 @@ class Printed(io.TextIOBase):
         return len(text)
 
 
-def child_main(name: str, directory: Path, fd: int) -> NoReturn:
-    """Answer the grader's requests for one chapter's exercise or build (`name`: as
-    `rose-course check` takes it) until the grader closes the pipe; then exit."""
+def check_process(
+    chosen: Lesson | Build, directory: Path, channel: Connection, grader: int
+) -> None:
+    """Answer the grader's requests for one chapter's exercise or build until the grader
+    closes the pipe (in the process forked from `grader`, the grader's pid)."""
+    os.setsid()  # Ctrl-C reaches the grader only, which then ends this process
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a grader that dies takes this process along
+    if os.getppid() != grader:  # it died before that was asked
+        return
+    prctl(PR_SET_DUMPABLE, 1)  # an ordinary process, as the learner's code expects
+    fd = channel.fileno()
+    os.closerange(3, fd)  # the grader's descriptors are none of the learner's business
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     os.set_inheritable(fd, False)  # no program the learner's code starts holds the pipe
-    channel = Connection(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     sys.stdout = sys.stderr = Printed(channel)
     torch.set_num_threads(THREADS)
-    serve(course.find(name), directory, channel)
-    # At once: no exit handler or thread of the learner's code runs after the last answer.
-    os._exit(0)
+    serve(chosen, directory, channel)
 
 
 def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
@@ -434,8 +464,3 @@ def stopping_line(stopping: BaseException) -> str:
         f"your code raised {stopping!r}, which stops a program, not a check: return your "
         "answer, or raise an Exception"
     )
-
-
-if __name__ == "__main__":
-    name_arg, directory_arg, fd_arg = sys.argv[1:]
-    child_main(name_arg, Path(directory_arg), int(fd_arg))
