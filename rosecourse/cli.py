@@ -30,6 +30,7 @@ exits 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -227,19 +228,20 @@ def check(names: list[str], directory: Path, timeout: float) -> dict[str, str]:
 
     unwritten = {name: course.unwritten(name, directory) for name in names}
     written = [name for name in names if unwritten[name] is None]
-    grader = None
+    grading: contextlib.AbstractContextManager = contextlib.nullcontext()
     if written:
         from rosecourse.runner import Grader
 
-        grader = Grader(written, directory, timeout)  # every check loaded before any runs
+        grading = Grader(written, directory, timeout)  # every check loaded before any runs
     verdicts = {}
-    for name in names:
-        lines = unwritten[name]
-        if lines is not None:
-            print("\n".join(lines))
-            verdicts[name] = course.UNWRITTEN
-        else:
-            verdicts[name] = "passed" if grader.grade(name) else "FAILED"
+    with grading as grader:  # (this process is given back as it was)
+        for name in names:
+            lines = unwritten[name]
+            if lines is not None:
+                print("\n".join(lines))
+                verdicts[name] = course.UNWRITTEN
+            else:
+                verdicts[name] = "passed" if grader.grade(name) else "FAILED"
     return verdicts
 
 

@@ -74,7 +74,9 @@ OUTPUT_LIMIT = 64 * 1024
 THREADS = int(os.environ.get("ROSE_COURSE_THREADS", "1"))
 # The largest message a check's process may send (a probe's tensors are small).
 MESSAGE_LIMIT = 256 * 1024 * 1024
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36  # <linux/prctl.h>
+# <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 TAMPERED = "reinstall rose, or `git checkout rosecourse rosetrainer roseinfer`, then check again"
 
 # torch's process-wide defaults: a function that changes one and leaves it so changes every
@@ -95,10 +97,24 @@ class Stopped(BaseException):
     one of its findings."""
 
 
-def prctl(option: int, value: int) -> None:
-    """Linux's prctl(2) (elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
+def prctl(option: int, value: int = 0) -> int:
+    """Linux's prctl(2) (elsewhere nothing, and 0)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    return ctypes.CDLL(None).prctl(option, ctypes.c_ulong(value), 0, 0, 0)
+
+
+def process_settings() -> tuple[int, int, int]:
+    """What the grader changes of its process: (dumpable, child subreaper, torch threads)."""
+    subreaper = ctypes.c_int()
+    prctl(PR_GET_CHILD_SUBREAPER, ctypes.addressof(subreaper))
+    return prctl(PR_GET_DUMPABLE), subreaper.value, torch.get_num_threads()
+
+
+def set_process_settings(dumpable: int, subreaper: int, threads: int) -> None:
+    prctl(PR_SET_DUMPABLE, dumpable)
+    prctl(PR_SET_CHILD_SUBREAPER, subreaper)
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------
@@ -118,8 +134,9 @@ def grading_fingerprint() -> str:
     return digest.hexdigest()
 
 
-class Grader:
-    """Grades the learner's files for some checks, one after the other.
+class Grader(contextlib.AbstractContextManager):
+    """Grades the learner's files for some checks, one after the other, while it is
+    entered (`with`): the process is the grader then, and is given back as it was after.
 
     Every check's code (a chapter's check module, a build's and its reference) is loaded
     here, and the grading code's files fingerprinted, before any learner code runs: what
@@ -128,17 +145,24 @@ class Grader:
     when the fingerprint changes: that check fails, and no later one runs."""
 
     def __init__(self, names: list[str], directory: Path, timeout: float) -> None:
-        prctl(PR_SET_DUMPABLE, 0)  # no process can ptrace this one, or read its memory
-        prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a check's process leaves is re-parented here
-        # One torch thread: the reference's numbers as the check's process gets them, and
-        # no OpenMP thread busy beside the one that forks it (a fork holds only that one).
-        torch.set_num_threads(THREADS)
         self.directory, self.timeout = directory, timeout
         self.checks = {name: course.find(name) for name in names}
         for chosen in self.checks.values():  # a chapter's check module, a build's reference
             exercise_of(chosen) if isinstance(chosen, Lesson) else grading.solution_source(chosen)
         self.fingerprint = grading_fingerprint()
         self.tampered = False
+
+    def __enter__(self) -> Grader:
+        # Undumpable: no process can ptrace this one, or read its memory. A child subreaper:
+        # what a check's process leaves is re-parented here. One torch thread: the
+        # reference's numbers as the check's process gets them, and no OpenMP thread busy
+        # beside the one that forks it (a fork holds only that one).
+        self.callers = process_settings()
+        set_process_settings(0, 1, THREADS)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        set_process_settings(*self.callers)
 
     def grade(self, name: str) -> bool:
         """Print the check's lines; whether it passed."""

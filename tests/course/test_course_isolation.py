@@ -590,6 +590,29 @@ def test_code_that_kills_its_grader_passes_nothing(tmp_path: Path) -> None:
     assert "passed" not in checked.stdout, checked
 
 
+@linux_only
+def test_a_check_gives_its_callers_process_back_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`rose-course check` called in a process that goes on (a notebook, a test) makes it
+    the grader only while it grades: dumpable again after, no child subreaper, and with
+    the torch threads it had."""
+    import torch
+
+    from rosecourse.runner import process_settings
+
+    course.write_workspace(tmp_path, solutions=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the grader runs on one)
+    try:
+        before = process_settings()
+        assert before == (1, 0, 2)
+        assert cli.main(["check", "10", "--dir", str(tmp_path)]) == 0, capsys.readouterr()
+        assert process_settings() == before
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_every_chapter_is_judged_by_its_exercise_in_the_grader() -> None:
     from rosecourse.runner import exercise_of
 
