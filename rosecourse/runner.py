@@ -31,12 +31,27 @@ The check fails, in one line that says why, when the learner's code
   course's files fingerprinted, before any learner code runs (`Grader`); a check after
   which they changed fails, and no later one runs.
 
+An answer that is rose's own code fails. In the check's process, before the learner's
+file is loaded, the piece of rose that is a chapter's answer (its exercise's reference,
+what its reference solution delegates to) has its code swapped for a stand-in that stops
+the check when it runs inside the learner's function, "your top_p_filter runs rose's own
+roseinfer.request.sampling.top_p_filter: the exercise is to write it"
+(`refuse_roses_pieces`): re-exported, called, or captured before the check swaps it, it
+fails alike, even when the learner's code catches what it raised; rose's own code never
+calls it there, the check having swapped the learner's function in wherever rose does.
+A build's class that is, or subclasses, one of rose's, or a build's function that is
+rose's, fails as soon as the file is loaded (`require_own_classes`). The reference solution as
+`rose-course start --solutions` writes it is the one answer that may be rose's.
+
 What this does not stop: the learner's code runs as the same user as the grader. It can
 kill the grader (then there is no verdict: nothing passes; the check's process dies with
 it) or write to the terminal directly. The grader is undumpable, so that such code cannot
 ptrace it or read its memory. A learner who wants "passed" without writing the answer can
-import the reference: the grader's promise is that its verdict is the verdict on the
-answers the learner's code gave, not that those answers are the learner's own.
+copy the reference solution, or rose's code (its file read, its module loaded again), and
+a build's method may call rose's own (rose's pieces run beside the learner's in a build's
+check, so they cannot be swapped out there): the grader's promise is that its verdict is
+the verdict on the answers the learner's code gave, not that those answers are the
+learner's own.
 """
 
 from __future__ import annotations
@@ -48,10 +63,12 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import io
 import os
 import signal
 import sys
+import types
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
@@ -440,8 +457,15 @@ def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
     try:
         defaults = global_defaults()
         exercise = exercise_of(chosen)
+        # The reference solution (`start --solutions`) is the one answer that may be rose's.
+        answer_only = not course.is_solution(chosen, directory)
+        if exercise is not None and answer_only:
+            refuse_roses_pieces(chosen)  # (for good: this process ends with the check)
         # (A CourseError when the file does not load.)
         learners = (course.load_learner if exercise else course.load_module)(chosen, directory)
+        learners = answering(learners) if exercise is not None else learners
+        if exercise is None and answer_only:
+            require_own_classes(chosen, learners)
         while True:
             try:
                 request = loads(channel.recv_bytes())
@@ -449,9 +473,119 @@ def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
                 return
             reply = answer(chosen, exercise, learners, request)
             require_unchanged(defaults)
+            if REFUSED:  # (even when the learner's code caught what rose's piece raised)
+                raise Stopped(REFUSED[0])
             channel.send_bytes(dumps(reply))
     except BaseException as stopping:  # the learner's code raised what stops a program
         channel.send_bytes(dumps(("stopped", stopping_line(stopping))))
+
+
+# ---------------------------------------------------------------------------
+# Rose's own piece is no answer
+# ---------------------------------------------------------------------------
+
+# How many calls of the learner's function are running (`answering`); rose's refused
+# pieces, as they were, by where they are (`refuse_roses_pieces`); and why the check
+# stops: one of them ran inside such a call.
+ANSWERING = [0]
+ORIGINALS: dict[str, types.FunctionType] = {}
+REFUSED: list[str] = []
+
+
+def is_roses(value: object) -> bool:
+    """Whether `value` (a function, a class) is rose's own code, not the course's."""
+    return getattr(value, "__module__", "").partition(".")[0] in ("rosetrainer", "roseinfer")
+
+
+def roses_pieces(chosen: Lesson) -> list[types.FunctionType]:
+    """The functions of rose's own that are chapter `chosen`'s answer: its exercise's
+    reference, when that is rose's, and what its reference solution delegates to (bound
+    to a `rose_` name: course.binds_rose_piece)."""
+    solution = vars(chosen.solution_module())
+    found = [exercise_of(chosen).reference]
+    found += [value for name, value in solution.items() if name.startswith("rose_")]
+    found = [inspect.unwrap(fn) for fn in found if is_roses(fn)]  # (its decorators call it)
+    return list({id(fn): fn for fn in found if isinstance(fn, types.FunctionType)}.values())
+
+
+def answering(fn: Callable) -> Callable:
+    """`fn`, the learner's function, counting the calls of it that are running (ANSWERING)."""
+
+    @functools.wraps(fn)
+    def answer(*args: object, **kwargs: object) -> object:
+        ANSWERING[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ANSWERING[0] -= 1
+
+    return answer
+
+
+def refuse_roses_pieces(chosen: Lesson) -> Callable[[], None]:
+    """Make rose's pieces that are chapter `chosen`'s answer (roses_pieces) stop the check
+    when they run inside the learner's function (`answering`), in this process, under
+    whatever name they are reached by (imported under another, captured before the check
+    swaps them, looked up at run time): their code is swapped for a stand-in that says
+    so, and runs them as they were for the check's own code (a probe that compares with
+    them). Rose's code never calls them inside the learner's: the check swaps the
+    learner's function in wherever rose calls it. Returns what gives them back (the tests
+    call it)."""
+    kept = []
+    for piece in roses_pieces(chosen):
+        kept.append((piece, piece.__code__, piece.__defaults__, piece.__kwdefaults__))
+        where = f"{piece.__module__}.{piece.__qualname__}"
+        original = types.FunctionType(
+            piece.__code__, piece.__globals__, piece.__name__, piece.__defaults__
+        )
+        original.__kwdefaults__ = piece.__kwdefaults__
+        ORIGINALS[where] = original
+        source = (
+            "def refused(*args, **kwargs):\n"
+            f"    return __import__('rosecourse.runner').runner.refused({where!r}, "
+            f"{chosen.name!r}, args, kwargs)\n"
+        )
+        stand_in: dict[str, Any] = {}
+        exec(compile(source, f"<rose's {where}, refused in the check>", "exec"), stand_in)
+        piece.__code__ = stand_in["refused"].__code__
+        piece.__defaults__ = piece.__kwdefaults__ = None  # (the stand-in takes any arguments)
+
+    def give_back() -> None:
+        for piece, *was in kept:
+            piece.__code__, piece.__defaults__, piece.__kwdefaults__ = was
+        ORIGINALS.clear()
+        REFUSED.clear()
+
+    return give_back
+
+
+def refused(where: str, answer: str, args: tuple, kwargs: dict) -> object:
+    """What rose's refused piece `where` does when called (`refuse_roses_pieces`): inside
+    the learner's function, stop the check, even when the learner's code catches this
+    (`serve` looks again); elsewhere, run as it was."""
+    if not ANSWERING[0]:
+        return ORIGINALS[where](*args, **kwargs)
+    REFUSED.append(f"your {answer} runs rose's own {where}: the exercise is to write it")
+    raise Stopped(REFUSED[-1])
+
+
+def require_own_classes(chosen: Build, module: types.ModuleType) -> None:
+    """Stopped when a class of the build's in the learner's `module` is rose's own, or
+    subclasses one of rose's classes (a protocol aside), or a function of the build's is
+    rose's own."""
+    solution = chosen.solution_module()
+    for name, value in vars(solution).items():
+        if getattr(value, "__module__", None) != solution.__name__:
+            continue  # what the solution imports
+        mine = getattr(module, name, None)
+        owned = mine.__mro__ if isinstance(mine, type) else [inspect.unwrap(mine)]
+        for roses in owned:
+            if is_roses(roses) and not getattr(roses, "_is_protocol", False):
+                how = "is" if roses is owned[0] else "subclasses"
+                raise Stopped(
+                    f"your {name} {how} rose's own {roses.__module__}.{roses.__qualname__}: "
+                    "the exercise is to write it"
+                )
 
 
 def global_defaults() -> dict[str, object]:

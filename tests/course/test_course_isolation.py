@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mutants import ALTERNATIVES
 
 from rosecourse import cli, course
 from rosecourse.course import BUILDS, LESSONS, hints, key, lesson, stub_source
@@ -697,3 +698,101 @@ def test_an_answer_that_rewrites_a_later_check_fails_it_and_every_later_one(
     (fifth,) = [line for line in lines if line.startswith("top_p_filter:")]
     assert "FAILED: not run" in fifth, fifth
     assert not any(": passed" in line for line in lines), lines
+
+
+def in_own_words(chosen: course.Lesson) -> object:
+    """Chapter `chosen`'s reference solution as a learner could write it: calling copies of
+    the pieces of rose it delegates to (a copy runs rose's code, not rose's function)."""
+    import types
+
+    def copied(fn: types.FunctionType) -> types.FunctionType:
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        return copy
+
+    solution = chosen.solution()
+    names = {**solution.__globals__}
+    names.update({name: copied(fn) for name, fn in names.items() if name.startswith("rose_")})
+    return types.FunctionType(solution.__code__, names, solution.__name__, solution.__defaults__)
+
+
+RIGHT_ANSWERS = [(chosen.chapter, in_own_words(chosen)) for chosen in LESSONS] + [
+    (chapter, fn) for chapter, fns in ALTERNATIVES.items() for fn in fns
+]
+
+
+# ---------------------------------------------------------------------------
+# rose's own code is no answer
+# ---------------------------------------------------------------------------
+
+# One answer in each form: the check's name, the learner's file (a build's: added to its
+# stub), and what its FAILED line says.
+ROSES_OWN = {
+    "re-exported": (
+        "03",
+        "from rosetrainer.model import causal_mask\n",
+        "causal_mask: FAILED: your causal_mask runs rose's own rosetrainer.model.causal_mask",
+    ),
+    "captured on import, then delegated to": (
+        "05",
+        "from roseinfer.request import sampling\n\n_rose = sampling.top_p_filter\n\n\n"
+        "def top_p_filter(logits, p):\n    return _rose(logits, p)\n",
+        "top_p_filter: FAILED: your top_p_filter runs rose's own "
+        "roseinfer.request.sampling.top_p_filter",
+    ),
+    "looked up when called, what it raised caught": (
+        "09",
+        "import importlib\n\n\ndef window_start(start, seq_len, block_size, keep):\n"
+        "    rows = importlib.import_module('roseinfer.request.rows')\n"
+        "    try:\n        return rows.window_start(start, seq_len, block_size, keep)\n"
+        "    except BaseException:\n        return start\n",
+        "window_start: FAILED: your window_start runs rose's own "
+        "roseinfer.request.rows.window_start",
+    ),
+    "subclassed": (
+        "block_manager",
+        "from roseinfer.engine import block_manager as _rose\n\n\n"
+        "class BlockManager(_rose.BlockManager):\n    pass\n",
+        "block_manager: FAILED: your BlockManager subclasses rose's own "
+        "roseinfer.engine.block_manager.BlockManager",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", ROSES_OWN, ids=list(ROSES_OWN))
+def test_an_answer_that_is_roses_own_code_fails_naming_it(
+    form: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    name, text, said = ROSES_OWN[form]
+    if name in course.BUILD_NAMES:
+        stub_file(tmp_path, name, text)
+    else:
+        (tmp_path / course.find(name).file_name).write_text(text)
+    assert cli.main(["check", name, "--dir", str(tmp_path)]) == 1
+    (line,) = without_hints(capsys.readouterr().out)
+    assert line == f"{said}: the exercise is to write it"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("chapter", "fn"), RIGHT_ANSWERS, ids=[f"{c}-{f.__name__}" for c, f in RIGHT_ANSWERS]
+)
+def test_every_right_answer_passes_with_roses_piece_refused(chapter: str, fn: object) -> None:
+    """A right answer other than the reference solution runs in a check's process where
+    rose's piece is refused (runner.refuse_roses_pieces), and passes: rose's code never
+    calls the refused piece inside the learner's function."""
+    from rosecourse.runner import answering, exercise_of, judge, refuse_roses_pieces
+
+    chosen = lesson(chapter)
+    exercise = exercise_of(chosen)
+
+    class Refusing(InProcess):
+        def ask(self, *request: object) -> list:
+            give_back = refuse_roses_pieces(chosen)
+            try:
+                return super().ask(*request)
+            finally:
+                give_back()
+
+    result = judge(chosen.name, exercise, Refusing(exercise, answering(fn)))
+    assert result.passed, str(result)
