@@ -47,11 +47,11 @@ What this does not stop: the learner's code runs as the same user as the grader.
 kill the grader (then there is no verdict: nothing passes; the check's process dies with
 it) or write to the terminal directly. The grader is undumpable, so that such code cannot
 ptrace it or read its memory. A learner who wants "passed" without writing the answer can
-copy the reference solution, or rose's code (its file read, its module loaded again), and
-a build's method may call rose's own (rose's pieces run beside the learner's in a build's
-check, so they cannot be swapped out there): the grader's promise is that its verdict is
-the verdict on the answers the learner's code gave, not that those answers are the
-learner's own.
+copy the reference solution, or rose's code (its file read, its module loaded again, the
+refusal undone: it is made in the learner's own process), and a build's method may call
+rose's own (rose's pieces run beside the learner's in a build's check, so they cannot be
+swapped out there): the grader's promise is that its verdict is the verdict on the
+answers the learner's code gave, not that those answers are the learner's own.
 """
 
 from __future__ import annotations
