@@ -87,8 +87,10 @@ from rosetrainer.errors import one_line
 
 # Characters of a check's prints shown on the terminal; more fails the check.
 OUTPUT_LIMIT = 64 * 1024
-# Tiny models: one intra-op thread is fastest (and kind to a shared machine).
-THREADS = int(os.environ.get("ROSE_COURSE_THREADS", "1"))
+# One intra-op thread, the grader's and the check's process's: the models are tiny (one is
+# fastest, and kind to a shared machine), and a fork whose parent ran a team of OpenMP
+# threads hangs in its own first one (GNU OpenMP's pool does not survive a fork).
+THREADS = 1
 # The largest message a check's process may send (a probe's tensors are small).
 MESSAGE_LIMIT = 256 * 1024 * 1024
 # <linux/prctl.h>
