@@ -355,6 +355,18 @@ def test_an_output_on_a_full_disk_is_one_line(
     assert capsys.readouterr().err == f"{ERROR}no space left on the device\n"
 
 
+def test_a_check_whose_output_is_on_a_full_disk_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not the answer's failure: the grader's own output cannot be written."""
+    course.write_workspace(tmp_path, solutions=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", FullDisk())
+        code = cli.main(["check", "10", "--dir", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err == f"{ERROR}no space left on the device\n"
+
+
 # ---------------------------------------------------------------------------
 # The verdict comes from where the learner's code never runs (issue 43, item 14)
 # ---------------------------------------------------------------------------
