@@ -18,9 +18,9 @@ A build (rosecourse/builds/) is one of rose's main pieces written whole; its che
 each part of it beside rose's own and prints a line per part.
 A stub states the contract, not the how: that comes from `hint`, one hint a call, noted
 in the workspace; `check` says how many of them were used ("hints used: 2 of 6").
-Each check runs in a fresh process with a time limit (rosecourse/runner.py): code that
-exits, loops, floods the output or changes torch's defaults fails in one line, and no
-chapter's code reaches another's check.
+Each check runs in a process of its own, with a time limit (rosecourse/runner.py): code
+that exits, loops, floods the output or changes torch's defaults fails in one line, and
+no chapter's code reaches another's check.
 
 Mistakes (a chapter that is not one, a workspace that cannot be written, a full disk)
 are one `rose-course: error: ...` line and exit code 2; Ctrl-C stops the checks and
@@ -30,6 +30,7 @@ exits 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -227,19 +228,20 @@ def check(names: list[str], directory: Path, timeout: float) -> dict[str, str]:
 
     unwritten = {name: course.unwritten(name, directory) for name in names}
     written = [name for name in names if unwritten[name] is None]
-    grader = None
+    grading: contextlib.AbstractContextManager = contextlib.nullcontext()
     if written:
         from rosecourse.runner import Grader
 
-        grader = Grader(written, directory, timeout)  # every check loaded before any runs
+        grading = Grader(written, directory, timeout)  # every check loaded before any runs
     verdicts = {}
-    for name in names:
-        lines = unwritten[name]
-        if lines is not None:
-            print("\n".join(lines))
-            verdicts[name] = course.UNWRITTEN
-        else:
-            verdicts[name] = "passed" if grader.grade(name) else "FAILED"
+    with grading as grader:  # (this process is given back as it was)
+        for name in names:
+            lines = unwritten[name]
+            if lines is not None:
+                print("\n".join(lines))
+                verdicts[name] = course.UNWRITTEN
+            else:
+                verdicts[name] = "passed" if grader.grade(name) else "FAILED"
     return verdicts
 
 

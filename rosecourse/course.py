@@ -579,6 +579,16 @@ def learner_file(chosen: Lesson | Build, directory: Path) -> Path:
     )
 
 
+def is_solution(chosen: Lesson | Build, directory: Path) -> bool:
+    """Whether the learner's file for `chosen` is its reference solution, as `start
+    --solutions` writes it (whatever its comments, layout and docstrings)."""
+    try:
+        source = learner_file(chosen, directory).read_bytes()
+        return code_of(source) == code_of(solution_source(chosen))
+    except (CourseError, OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+
+
 def load_module(chosen: Lesson | Build, directory: Path) -> ModuleType:
     """The learner's module from `directory`, or a CourseError saying what is wrong."""
     path = learner_file(chosen, directory)

@@ -2,7 +2,7 @@
 verdict decided in the grader, a process the learner's code never runs in.
 
     grader (rose-course check: the check's code, the reference, the verdict)
-      '- the check's process (python -m rosecourse.runner: the learner's code)
+      '- the check's process (a fork of the grader: the learner's code)
 
 A chapter's check (rosecourse.exercises.common.check) runs in the grader. Its two steps
 that need the learner's function, the probe (the function's outcomes on small inputs) and
@@ -13,6 +13,11 @@ part compares (grading.seen); the grader runs each part again on the reference w
 tape's values. The references, the comparisons and the verdict are the grader's, so no
 print, message or patch of the learner's can make it say "passed": only answers equal to
 the reference's can.
+
+The check's process is forked from the grader once every check's code, torch and rose
+are loaded, so that a check pays for one Python and one torch, not two. It starts in a
+session of its own, holding only its end of the pipe (no other descriptor of the
+grader's but the standard ones, stdin being /dev/null), and dies with the grader.
 
 The check fails, in one line that says why, when the learner's code
 - raises what stops a program (SystemExit, KeyboardInterrupt), or leaves one of torch's
@@ -26,11 +31,26 @@ The check fails, in one line that says why, when the learner's code
   course's files fingerprinted, before any learner code runs (`Grader`); a check after
   which they changed fails, and no later one runs.
 
+An answer that is rose's own code fails. In the check's process, before the learner's
+file is loaded, the piece of rose that is a chapter's answer (its exercise's reference,
+what its reference solution delegates to) has its code swapped for a stand-in that stops
+the check when it runs inside the learner's function, "your top_p_filter runs rose's own
+roseinfer.request.sampling.top_p_filter: the exercise is to write it"
+(`refuse_roses_pieces`): re-exported, called, or captured before the check swaps it, it
+fails alike, even when the learner's code catches what it raised; rose's own code never
+calls it there, the check having swapped the learner's function in wherever rose does.
+A build's class that is, or subclasses, one of rose's, or a build's function that is
+rose's, fails as soon as the file is loaded (`require_own_classes`). The reference solution as
+`rose-course start --solutions` writes it is the one answer that may be rose's.
+
 What this does not stop: the learner's code runs as the same user as the grader. It can
 kill the grader (then there is no verdict: nothing passes; the check's process dies with
 it) or write to the terminal directly. The grader is undumpable, so that such code cannot
 ptrace it or read its memory. A learner who wants "passed" without writing the answer can
-import the reference: the grader's promise is that its verdict is the verdict on the
+copy the reference solution, or rose's code (its file read, its module loaded again, the
+refusal undone: it is made in the learner's own process), and a build's method may call
+rose's own (rose's pieces run beside the learner's in a build's check, so they cannot be
+swapped out there): the grader's promise is that its verdict is the verdict on the
 answers the learner's code gave, not that those answers are the learner's own.
 """
 
@@ -43,11 +63,12 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import io
 import os
 import signal
-import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
@@ -66,11 +87,15 @@ from rosetrainer.errors import one_line
 
 # Characters of a check's prints shown on the terminal; more fails the check.
 OUTPUT_LIMIT = 64 * 1024
-# Tiny models: one intra-op thread is fastest (and kind to a shared machine).
-THREADS = int(os.environ.get("ROSE_COURSE_THREADS", "1"))
+# One intra-op thread, the grader's and the check's process's: the models are tiny (one is
+# fastest, and kind to a shared machine), and a fork whose parent ran a team of OpenMP
+# threads hangs in its own first one (GNU OpenMP's pool does not survive a fork).
+THREADS = 1
 # The largest message a check's process may send (a probe's tensors are small).
 MESSAGE_LIMIT = 256 * 1024 * 1024
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36  # <linux/prctl.h>
+# <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 TAMPERED = "reinstall rose, or `git checkout rosecourse rosetrainer roseinfer`, then check again"
 
 # torch's process-wide defaults: a function that changes one and leaves it so changes every
@@ -91,10 +116,24 @@ class Stopped(BaseException):
     one of its findings."""
 
 
-def prctl(option: int, value: int) -> None:
-    """Linux's prctl(2) (elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
+def prctl(option: int, value: int = 0) -> int:
+    """Linux's prctl(2) (elsewhere nothing, and 0)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    return ctypes.CDLL(None).prctl(option, ctypes.c_ulong(value), 0, 0, 0)
+
+
+def process_settings() -> tuple[int, int, int]:
+    """What the grader changes of its process: (dumpable, child subreaper, torch threads)."""
+    subreaper = ctypes.c_int()
+    prctl(PR_GET_CHILD_SUBREAPER, ctypes.addressof(subreaper))
+    return prctl(PR_GET_DUMPABLE), subreaper.value, torch.get_num_threads()
+
+
+def set_process_settings(dumpable: int, subreaper: int, threads: int) -> None:
+    prctl(PR_SET_DUMPABLE, dumpable)
+    prctl(PR_SET_CHILD_SUBREAPER, subreaper)
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------
@@ -114,8 +153,9 @@ def grading_fingerprint() -> str:
     return digest.hexdigest()
 
 
-class Grader:
-    """Grades the learner's files for some checks, one after the other.
+class Grader(contextlib.AbstractContextManager):
+    """Grades the learner's files for some checks, one after the other, while it is
+    entered (`with`): the process is the grader then, and is given back as it was after.
 
     Every check's code (a chapter's check module, a build's and its reference) is loaded
     here, and the grading code's files fingerprinted, before any learner code runs: what
@@ -124,15 +164,24 @@ class Grader:
     when the fingerprint changes: that check fails, and no later one runs."""
 
     def __init__(self, names: list[str], directory: Path, timeout: float) -> None:
-        prctl(PR_SET_DUMPABLE, 0)  # no process can ptrace this one, or read its memory
-        prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a check's process leaves is re-parented here
-        torch.set_num_threads(THREADS)  # the reference's numbers as the check's process gets them
         self.directory, self.timeout = directory, timeout
         self.checks = {name: course.find(name) for name in names}
         for chosen in self.checks.values():  # a chapter's check module, a build's reference
             exercise_of(chosen) if isinstance(chosen, Lesson) else grading.solution_source(chosen)
         self.fingerprint = grading_fingerprint()
         self.tampered = False
+
+    def __enter__(self) -> Grader:
+        # Undumpable: no process can ptrace this one, or read its memory. A child subreaper:
+        # what a check's process leaves is re-parented here. One torch thread: the
+        # reference's numbers as the check's process gets them, and no OpenMP thread busy
+        # beside the one that forks it (a fork holds only that one).
+        self.callers = process_settings()
+        set_process_settings(0, 1, THREADS)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        set_process_settings(*self.callers)
 
     def grade(self, name: str) -> bool:
         """Print the check's lines; whether it passed."""
@@ -169,6 +218,7 @@ def grade_in_child(
     try:
         course.learner_file(chosen, directory)  # no file, no process: its line at once
         exercise = exercise_of(chosen)
+        exercise = reference_first(exercise) if exercise is not None else None
         with CheckProcess(chosen, directory) as child, time_limit(timeout):
             if exercise is not None:
                 return [judge(chosen.name, exercise, child)]
@@ -182,6 +232,17 @@ def grade_in_child(
     except Exception as error:  # what the check tripped over in the learner's answers
         why = f"your function broke the check: {one_line(error)}"
         return [CheckResult(chosen.name, False, None, why)]
+
+
+def reference_first(exercise: Exercise) -> Exercise:
+    """`exercise` with its reference's side made now: its probe's outcomes (which the
+    exercise keeps) and each run's expected tokens. Made before the check's process is
+    forked, they are made once, and that process starts with everything they loaded (the
+    oracle model, the tokenizer, torch.export's machinery)."""
+    exercise.observed_reference()
+    made = [(label, expected(), run) for label, expected, run in exercise.runs]
+    runs = [(label, functools.partial(list, want), run) for label, want, run in made]
+    return dataclasses.replace(exercise, runs=runs)
 
 
 @contextlib.contextmanager
@@ -249,22 +310,37 @@ class CheckProcess(contextlib.AbstractContextManager):
     def __init__(self, chosen: Lesson | Build, directory: Path) -> None:
         self.channel, theirs = Pipe()
         self.before = children()  # this process's own, not the check's
-        with theirs:
-            fd = theirs.fileno()
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, course.key(chosen), str(directory), str(fd)],
-                stdin=subprocess.DEVNULL,
-                pass_fds=[fd],
-                start_new_session=True,  # Ctrl-C reaches the grader only, which then ends it
-            )
+        self.code: int | None = None  # its exit code, once it ended and was reaped
+        grader = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the check's process: it never returns to the grader's code
+            code = 1
+            try:
+                self.channel.close()
+                check_process(chosen, directory, theirs, grader)
+                code = 0
+            finally:
+                # At once: no exit handler or thread of the learner's (or the grader's) code
+                # runs after the last answer.
+                os._exit(code)
+        theirs.close()
         self.shown, self.ends_a_line = 0, True
+
+    def wait(self) -> int:
+        """Its exit code once it ended (negative: the signal that killed it)."""
+        if self.code is None:
+            self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.code
 
     def __exit__(self, kind: type | None, *_: object) -> None:
         self.channel.close()
-        self.process.kill()
+        if self.code is None:  # (once reaped, its pid may be another process's)
+            os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):  # what it started in its group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait()
         left = end_leftovers(self.before)
         if not self.ends_a_line:  # what the grader prints next starts a line of its own
             print()
@@ -282,7 +358,7 @@ class CheckProcess(contextlib.AbstractContextManager):
             try:
                 kind, *content = loads(self.channel.recv_bytes(MESSAGE_LIMIT))
             except EOFError:  # no process holds the pipe's other end: it ended
-                raise Stopped(ended(self.process.wait())) from None
+                raise Stopped(ended(self.wait())) from None
             except Exception as error:  # not plain data, or longer than MESSAGE_LIMIT
                 raise Stopped(
                     f"the check's process sent what the grader cannot read ({one_line(error)[:200]}): "
@@ -339,7 +415,7 @@ def ended(code: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# The check's process: python -m rosecourse.runner NAME DIR FD
+# The check's process: a fork of the grader
 # ---------------------------------------------------------------------------
 
 
@@ -355,17 +431,26 @@ class Printed(io.TextIOBase):
         return len(text)
 
 
-def child_main(name: str, directory: Path, fd: int) -> NoReturn:
-    """Answer the grader's requests for one chapter's exercise or build (`name`: as
-    `rose-course check` takes it) until the grader closes the pipe; then exit."""
+def check_process(
+    chosen: Lesson | Build, directory: Path, channel: Connection, grader: int
+) -> None:
+    """Answer the grader's requests for one chapter's exercise or build until the grader
+    closes the pipe (in the process forked from `grader`, the grader's pid)."""
+    os.setsid()  # Ctrl-C reaches the grader only, which then ends this process
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a grader that dies takes this process along
+    if os.getppid() != grader:  # it died before that was asked
+        return
+    prctl(PR_SET_DUMPABLE, 1)  # an ordinary process, as the learner's code expects
+    fd = channel.fileno()
+    os.closerange(3, fd)  # the grader's descriptors are none of the learner's business
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     os.set_inheritable(fd, False)  # no program the learner's code starts holds the pipe
-    channel = Connection(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     sys.stdout = sys.stderr = Printed(channel)
     torch.set_num_threads(THREADS)
-    serve(course.find(name), directory, channel)
-    # At once: no exit handler or thread of the learner's code runs after the last answer.
-    os._exit(0)
+    serve(chosen, directory, channel)
 
 
 def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
@@ -374,8 +459,15 @@ def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
     try:
         defaults = global_defaults()
         exercise = exercise_of(chosen)
+        # The reference solution (`start --solutions`) is the one answer that may be rose's.
+        answer_only = not course.is_solution(chosen, directory)
+        if exercise is not None and answer_only:
+            refuse_roses_pieces(chosen)  # (for good: this process ends with the check)
         # (A CourseError when the file does not load.)
         learners = (course.load_learner if exercise else course.load_module)(chosen, directory)
+        learners = answering(learners) if exercise is not None else learners
+        if exercise is None and answer_only:
+            require_own_classes(chosen, learners)
         while True:
             try:
                 request = loads(channel.recv_bytes())
@@ -383,9 +475,119 @@ def serve(chosen: Lesson | Build, directory: Path, channel: Connection) -> None:
                 return
             reply = answer(chosen, exercise, learners, request)
             require_unchanged(defaults)
+            if REFUSED:  # (even when the learner's code caught what rose's piece raised)
+                raise Stopped(REFUSED[0])
             channel.send_bytes(dumps(reply))
     except BaseException as stopping:  # the learner's code raised what stops a program
         channel.send_bytes(dumps(("stopped", stopping_line(stopping))))
+
+
+# ---------------------------------------------------------------------------
+# Rose's own piece is no answer
+# ---------------------------------------------------------------------------
+
+# How many calls of the learner's function are running (`answering`); rose's refused
+# pieces, as they were, by where they are (`refuse_roses_pieces`); and why the check
+# stops: one of them ran inside such a call.
+ANSWERING = [0]
+ORIGINALS: dict[str, types.FunctionType] = {}
+REFUSED: list[str] = []
+
+
+def is_roses(value: object) -> bool:
+    """Whether `value` (a function, a class) is rose's own code, not the course's."""
+    return getattr(value, "__module__", "").partition(".")[0] in ("rosetrainer", "roseinfer")
+
+
+def roses_pieces(chosen: Lesson) -> list[types.FunctionType]:
+    """The functions of rose's own that are chapter `chosen`'s answer: its exercise's
+    reference, when that is rose's, and what its reference solution delegates to (bound
+    to a `rose_` name: course.binds_rose_piece)."""
+    solution = vars(chosen.solution_module())
+    found = [exercise_of(chosen).reference]
+    found += [value for name, value in solution.items() if name.startswith("rose_")]
+    found = [inspect.unwrap(fn) for fn in found if is_roses(fn)]  # (its decorators call it)
+    return list({id(fn): fn for fn in found if isinstance(fn, types.FunctionType)}.values())
+
+
+def answering(fn: Callable) -> Callable:
+    """`fn`, the learner's function, counting the calls of it that are running (ANSWERING)."""
+
+    @functools.wraps(fn)
+    def answer(*args: object, **kwargs: object) -> object:
+        ANSWERING[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ANSWERING[0] -= 1
+
+    return answer
+
+
+def refuse_roses_pieces(chosen: Lesson) -> Callable[[], None]:
+    """Make rose's pieces that are chapter `chosen`'s answer (roses_pieces) stop the check
+    when they run inside the learner's function (`answering`), in this process, under
+    whatever name they are reached by (imported under another, captured before the check
+    swaps them, looked up at run time): their code is swapped for a stand-in that says
+    so, and runs them as they were for the check's own code (a probe that compares with
+    them). Rose's code never calls them inside the learner's: the check swaps the
+    learner's function in wherever rose calls it. Returns what gives them back (the tests
+    call it)."""
+    kept = []
+    for piece in roses_pieces(chosen):
+        kept.append((piece, piece.__code__, piece.__defaults__, piece.__kwdefaults__))
+        where = f"{piece.__module__}.{piece.__qualname__}"
+        original = types.FunctionType(
+            piece.__code__, piece.__globals__, piece.__name__, piece.__defaults__
+        )
+        original.__kwdefaults__ = piece.__kwdefaults__
+        ORIGINALS[where] = original
+        source = (
+            "def refused(*args, **kwargs):\n"
+            f"    return __import__('rosecourse.runner').runner.refused({where!r}, "
+            f"{chosen.name!r}, args, kwargs)\n"
+        )
+        stand_in: dict[str, Any] = {}
+        exec(compile(source, f"<rose's {where}, refused in the check>", "exec"), stand_in)
+        piece.__code__ = stand_in["refused"].__code__
+        piece.__defaults__ = piece.__kwdefaults__ = None  # (the stand-in takes any arguments)
+
+    def give_back() -> None:
+        for piece, *was in kept:
+            piece.__code__, piece.__defaults__, piece.__kwdefaults__ = was
+        ORIGINALS.clear()
+        REFUSED.clear()
+
+    return give_back
+
+
+def refused(where: str, answer: str, args: tuple, kwargs: dict) -> object:
+    """What rose's refused piece `where` does when called (`refuse_roses_pieces`): inside
+    the learner's function, stop the check, even when the learner's code catches this
+    (`serve` looks again); elsewhere, run as it was."""
+    if not ANSWERING[0]:
+        return ORIGINALS[where](*args, **kwargs)
+    REFUSED.append(f"your {answer} runs rose's own {where}: the exercise is to write it")
+    raise Stopped(REFUSED[-1])
+
+
+def require_own_classes(chosen: Build, module: types.ModuleType) -> None:
+    """Stopped when a class of the build's in the learner's `module` is rose's own, or
+    subclasses one of rose's classes (a protocol aside), or a function of the build's is
+    rose's own."""
+    solution = chosen.solution_module()
+    for name, value in vars(solution).items():
+        if getattr(value, "__module__", None) != solution.__name__:
+            continue  # what the solution imports
+        mine = getattr(module, name, None)
+        owned = mine.__mro__ if isinstance(mine, type) else [inspect.unwrap(mine)]
+        for roses in owned:
+            if is_roses(roses) and not getattr(roses, "_is_protocol", False):
+                how = "is" if roses is owned[0] else "subclasses"
+                raise Stopped(
+                    f"your {name} {how} rose's own {roses.__module__}.{roses.__qualname__}: "
+                    "the exercise is to write it"
+                )
 
 
 def global_defaults() -> dict[str, object]:
@@ -434,8 +636,3 @@ def stopping_line(stopping: BaseException) -> str:
         f"your code raised {stopping!r}, which stops a program, not a check: return your "
         "answer, or raise an Exception"
     )
-
-
-if __name__ == "__main__":
-    name_arg, directory_arg, fd_arg = sys.argv[1:]
-    child_main(name_arg, Path(directory_arg), int(fd_arg))
